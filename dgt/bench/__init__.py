@@ -1,0 +1,1 @@
+"""Benchmarks: each compares against its anchor in the same run and reports the ratio."""

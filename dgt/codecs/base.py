@@ -1,0 +1,132 @@
+"""The codec contract: how a payload codec turns a flat gradient bucket into parts the transport can carry.
+
+A codec never does I/O. The collective calls ``encode`` on every rank, ships each :class:`Part` over the lane its
+``lane_class`` names (0 = reliable, >= 1 = droppable best-effort classes, higher = less important), hands the
+received parts (with their per-block received masks) to ``decode``/``aggregate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+RELIABLE = 0
+"""Lane class of data that must arrive (TCP, DSCP EF)."""
+DROPPABLE = 1
+"""Lane class of data that may be lost (UDP, low DSCP)."""
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """What a codec promises, so a collective can refuse a pairing it cannot serve.
+
+    summable: payloads of different ranks can be added element-wise on the way (dense, same-index sparse), so ring
+        all-reduce can reduce-scatter them; otherwise the collective must gather then reduce.
+    lossy_tolerant: parts with lane_class >= 1 may be dropped (all of them or some of their blocks).
+    stateful_server: the codec needs server-side state (e.g. LGC decoders, Slim-DP model pulls).
+    """
+
+    summable: bool
+    lossy_tolerant: bool
+    stateful_server: bool = False
+
+
+@dataclass
+class Part:
+    """One contiguous payload of an encoded bucket.
+
+    data: 1-D tensor to ship (any dtype the wire knows: float32/16, bfloat16, uint8, int32, int64, float64).
+    lane_class: one class for the whole part, or a per-block int8 tensor (DGT: per sub-block importance class).
+    block_elems: elements per transport block of this part; the receiver reports loss per block of this size.
+        Codecs whose records must not be split choose a multiple of their record size.
+    name: a label for statistics ("important", "core", "explorer", ...).
+    """
+
+    data: torch.Tensor
+    lane_class: int | torch.Tensor = RELIABLE
+    block_elems: int = 1024
+    name: str = "payload"
+    segments: list[int] | None = None
+    """Sizes of the tensors inside ``data`` (blocks never straddle two tensors); None = one tensor."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+@dataclass
+class Received:
+    """A part as it came off the wire: the data (zeros where lost) and which blocks arrived."""
+
+    data: torch.Tensor
+    block_mask: torch.Tensor  # bool, one per block of the part
+    block_elems: int
+    segments: list[int] | None = None
+
+    def element_mask(self) -> torch.Tensor:
+        """Expand the per-block mask to one bool per element (vectorised)."""
+        from dgt.layout import BucketLayout
+
+        layout = BucketLayout(self.segments or [self.data.numel()], self.block_elems)
+        return layout.expand(self.block_mask)
+
+
+@dataclass
+class BucketState:
+    """Per-bucket codec state (error feedback, EMA scores, cached indices). Reset when the bucket's shape changes.
+
+    ``values`` is a plain dict of tensors/numbers so the whole state pickles for checkpoints.
+    """
+
+    numel: int
+    dtype: torch.dtype
+    values: dict[str, Any] = field(default_factory=dict)
+    step: int = 0
+
+
+class Codec:
+    """Base class: subclasses set ``name``/``capabilities`` and implement encode/decode (and may override aggregate)."""
+
+    name: str = "codec"
+    capabilities: Capabilities = Capabilities(summable=True, lossy_tolerant=False)
+
+    def __init__(self) -> None:
+        self._states: dict[int, BucketState] = {}
+
+    # -- state -------------------------------------------------------------------------------------------------
+    def state_for(self, bucket_id: int, bucket: torch.Tensor) -> BucketState:
+        """The state of ``bucket_id``, created fresh (or reset) when the bucket's size or dtype changed."""
+        st = self._states.get(bucket_id)
+        if st is None or st.numel != bucket.numel() or st.dtype != bucket.dtype:
+            st = BucketState(numel=bucket.numel(), dtype=bucket.dtype)
+            self._states[bucket_id] = st
+        return st
+
+    def state_dict(self) -> dict[int, BucketState]:
+        return self._states
+
+    def load_state_dict(self, states: dict[int, BucketState]) -> None:
+        self._states = dict(states)
+
+    # -- the contract -------------------------------------------------------------------------------------------
+    def encode(self, bucket: torch.Tensor, state: BucketState) -> list[Part]:
+        raise NotImplementedError
+
+    def decode(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
+        """Rebuild a dense tensor shaped like ``like`` from one rank's received parts (lost blocks count as zero)."""
+        raise NotImplementedError
+
+    def aggregate(self, decoded: list[torch.Tensor]) -> torch.Tensor:
+        """Combine decoded per-rank tensors into the sum (collectives divide for the mean)."""
+        out = decoded[0].clone()
+        for t in decoded[1:]:
+            out += t
+        return out
+
+    def feedback(self, parts: list[Part], received_masks: list[torch.Tensor], state: BucketState) -> None:
+        """Told which blocks of each sent part were lost (the drop report); lossy codecs fold them into error feedback."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"

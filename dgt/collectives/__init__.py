@@ -1,0 +1,1 @@
+"""Collectives over the DGT transport: parameter server, ring all-reduce, gossip."""

@@ -1,0 +1,1 @@
+"""Packet inspection: scapy dissectors, pcap summaries, live capture."""

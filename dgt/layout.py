@@ -1,0 +1,96 @@
+"""How a flat bucket of several tensors is cut into sub-blocks of n elements (blocks never straddle two tensors)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from functools import cached_property
+
+import torch
+
+DEFAULT_BLOCK = 1024
+
+
+class BucketLayout:
+    """Block geometry of a flat bucket: tensor k of ``sizes[k]`` elements gets ceil(size/n) blocks, the last partial.
+
+    Everything is precomputed once per layout as index tensors, so per-round work is whole-tensor ops.
+    """
+
+    def __init__(self, sizes: Sequence[int], block: int = DEFAULT_BLOCK) -> None:
+        if block <= 0:
+            raise ValueError("block size must be positive")
+        self.sizes = [int(s) for s in sizes]
+        if any(s < 0 for s in self.sizes):
+            raise ValueError("tensor sizes must be >= 0")
+        self.block = int(block)
+        self.numel = sum(self.sizes)
+        starts, lens, tensor_ids, self.tensor_first_block = [], [], [], []
+        self.tensor_offsets = []
+        off = 0
+        nb_total = 0
+        for k, s in enumerate(self.sizes):
+            nb = -(-s // self.block)
+            self.tensor_offsets.append(off)
+            self.tensor_first_block.append(nb_total)
+            if nb:
+                st = torch.arange(nb, dtype=torch.int64) * self.block + off
+                ln = torch.full((nb,), self.block, dtype=torch.int64)
+                ln[-1] = s - self.block * (nb - 1)
+                starts.append(st)
+                lens.append(ln)
+                tensor_ids.append(torch.full((nb,), k, dtype=torch.int64))
+            off += s
+            nb_total += nb
+        empty = torch.zeros(0, dtype=torch.int64)
+        self.block_start = torch.cat(starts) if starts else empty
+        self.block_len = torch.cat(lens) if lens else empty
+        self.block_tensor = torch.cat(tensor_ids) if tensor_ids else empty
+        self.nblocks = nb_total
+        self.blocks_per_tensor = torch.tensor([-(-s // self.block) for s in self.sizes], dtype=torch.int64)
+
+    @classmethod
+    def flat(cls, numel: int, block: int = DEFAULT_BLOCK) -> BucketLayout:
+        return cls([numel], block)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, BucketLayout) and self.sizes == other.sizes and self.block == other.block
+
+    def __hash__(self) -> int:
+        return hash((tuple(self.sizes), self.block))
+
+    def __repr__(self) -> str:
+        return f"BucketLayout(tensors={len(self.sizes)}, numel={self.numel}, block={self.block}, blocks={self.nblocks})"
+
+    @cached_property
+    def _segments(self) -> list[tuple[int, int, int]]:
+        """(offset, full_blocks, tail_len) per non-empty tensor: the views the block sums are taken over."""
+        out = []
+        for off, s in zip(self.tensor_offsets, self.sizes):
+            if s:
+                out.append((off, s // self.block, s % self.block))
+        return out
+
+    def block_abs_mean(self, flat: torch.Tensor) -> torch.Tensor:
+        """mean |g| of every block, float32, on ``flat``'s device: one strided view per tensor, no loop over blocks."""
+        if flat.numel() != self.numel:
+            raise ValueError(f"bucket has {flat.numel()} elements, layout expects {self.numel}")
+        n = self.block
+        parts = []
+        for off, full, tail in self._segments:
+            if full:
+                parts.append(flat[off : off + full * n].view(full, n).abs().sum(1, dtype=torch.float32))
+            if tail:
+                parts.append(flat[off + full * n : off + full * n + tail].abs().sum(dtype=torch.float32).view(1))
+        if not parts:
+            return torch.zeros(0, dtype=torch.float32, device=flat.device)
+        sums = torch.cat(parts)
+        return sums / self.block_len.to(device=flat.device, dtype=torch.float32)
+
+    def expand(self, block_mask: torch.Tensor) -> torch.Tensor:
+        """Per-block values -> per-element values (repeat_interleave by block length)."""
+        lens = self.block_len.to(block_mask.device)
+        return torch.repeat_interleave(block_mask, lens, output_size=self.numel)
+
+    def blocks_of_tensor(self, k: int) -> slice:
+        first = self.tensor_first_block[k]
+        return slice(first, first + int(self.blocks_per_tensor[k]))

@@ -1,0 +1,1 @@
+"""Network emulation with pyroute2: namespaces, shaped links, DSCP priority queues."""

@@ -1,0 +1,418 @@
+"""Sans-IO receiver: consumes frames in any order (with loss, duplication, reordering), knows when all important
+blocks are in, closes the round at a deadline from an injected clock, and produces the result and a drop report.
+
+It never reads a socket or a clock itself: channels hand it frames (or batches of datagrams) and ``now``.
+Reliable-lane payloads can be received zero-copy: :meth:`payload_target` returns where to ``recv_into``.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dgt import wire
+from dgt.errors import WireError
+from dgt.layout import BucketLayout
+from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
+from dgt.protocol.geometry import Geometry
+from dgt.protocol.stats import ReceiverCounters, RoundStats
+from dgt.wire import Flags, FrameType
+
+Key = tuple[int, int, int]  # (sender rank, bucket, round)
+
+
+@dataclass
+class RoundDone:
+    """A finalised round: the tensor (zeros where blocks were lost), the per-block received mask, the statistics,
+    and the DROP_REPORT frame to send back to the sender on the reliable lane."""
+
+    sender: int
+    bucket: int
+    round: int
+    data: torch.Tensor
+    mask: torch.Tensor
+    stats: RoundStats
+    report: bytes
+    layout: BucketLayout
+
+
+@dataclass
+class DropReportIn:
+    """A drop report from a peer, for this endpoint's sender."""
+
+    frame: wire.Frame
+
+
+class _Round:
+    def __init__(self, key: Key, layout: BucketLayout, frag: int, dtype: wire.WireDType, codec: int) -> None:
+        self.key = key
+        self.layout = layout
+        self.geom = Geometry(layout, frag)
+        self.dtype = dtype
+        self.codec = codec
+        self.data = torch.zeros(layout.numel, dtype=wire.TORCH_OF[dtype])
+        self.raw = self.data.view(torch.uint8).numpy()
+        self.isz = self.data.element_size()
+        nb = layout.nblocks
+        self.got = np.zeros((nb, self.geom.frags_per_block), dtype=bool)
+        self.nfrag = np.zeros(nb, dtype=np.int64)
+        self.important = np.zeros(nb, dtype=bool)
+        self.lane_of = np.zeros(nb, dtype=np.int8)
+        self.stats = RoundStats(sender=key[0], bucket=key[1], round=key[2], blocks=nb)
+        self.end: tuple[int, int, int, int] | None = None
+        self.imp_done_at: float | None = None
+        self.last_arrival: float | None = None
+        self.mean_gap: float | None = None
+        self.unimp_frames = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes + self.got.nbytes
+
+    def important_complete(self) -> bool:
+        if self.end is None:
+            return False
+        done = self.important & (self.nfrag >= self.geom.frags_needed)
+        return int(done.sum()) >= self.end[0]
+
+    def complete(self) -> bool:
+        return self.end is not None and int((self.nfrag >= self.geom.frags_needed).sum()) >= self.end[0] + self.end[1]
+
+
+class RoundReceiver:
+    """Receiver state machine for one endpoint; rounds from several senders and buckets can be open at once."""
+
+    def __init__(
+        self,
+        token: int,
+        rank: int = 0,
+        *,
+        limits: wire.Limits = wire.DEFAULT_LIMITS,
+        deadline: DeadlinePolicy | None = None,
+        early_bytes: int = 16 << 20,
+        max_open_bytes: int = 4 << 30,
+    ) -> None:
+        self.token = token
+        self.rank = rank
+        self.limits = limits
+        self.deadline = deadline or AdaptiveGrace()
+        self.early_bytes = early_bytes
+        self.max_open_bytes = max_open_bytes
+        self.rounds: dict[Key, _Round] = {}
+        self.closed: OrderedDict[Key, None] = OrderedDict()
+        self.counters = ReceiverCounters()
+        self._early: list[tuple[Key, int, bytes]] = []
+        self._early_size = 0
+
+    # -- helpers ----------------------------------------------------------------------------------------------------
+    def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None) -> None:
+        if key in self.closed:
+            self.counters.late += 1
+            return
+        if frame_bytes is not None and self._early_size + len(frame_bytes) <= self.early_bytes:
+            self._early.append((key, lane, frame_bytes))
+            self._early_size += len(frame_bytes)
+            self.counters.early_buffered += 1
+        else:
+            self.counters.unknown += 1
+
+    def open_rounds(self) -> list[Key]:
+        return list(self.rounds)
+
+    def _open(self, f: wire.Frame, now: float) -> list:
+        key = (f.rank, f.bucket, f.round)
+        numel, block, frag, sizes = wire.decode_round_begin(f.payload, self.limits)
+        layout = BucketLayout(sizes, block)
+        if key in self.closed:
+            self.counters.late += 1
+            return []
+        if key in self.rounds:
+            r = self.rounds[key]
+            if r.layout != layout or r.geom.frag != frag or r.dtype != f.dtype:
+                self.counters.reject("begin-mismatch")
+            return []
+        if len(self.rounds) >= self.limits.max_open_rounds:
+            self.counters.reject("too-many-rounds")
+            return []
+        need = numel * int(wire.ITEMSIZE[f.dtype]) + layout.nblocks * -(-block // frag)
+        if sum(r.nbytes for r in self.rounds.values()) + need > self.max_open_bytes:
+            self.counters.reject("memory-budget")
+            return []
+        self.rounds[key] = _Round(key, layout, frag, f.dtype, f.codec)
+        events: list = []
+        if self._early:
+            replay = [e for e in self._early if e[0] == key]
+            self._early = [e for e in self._early if e[0] != key]
+            self._early_size = sum(len(e[2]) for e in self._early)
+            for _, lane, data in replay:
+                events += self.receive_bytes(data, lane, now)
+        return events
+
+    # -- frame input ----------------------------------------------------------------------------------------------------
+    def receive_bytes(self, data: bytes | bytearray | memoryview, lane: int, now: float) -> list:
+        """Back-to-back frames (a datagram, or a chunk of a reliable stream). Invalid bytes are counted, not raised."""
+        try:
+            frames = wire.decode_frames(data, self.limits, self.token)
+        except WireError as exc:
+            self.counters.reject(str(exc).split(":")[0])
+            return []
+        events: list = []
+        for f in frames:
+            events += self.receive_frame(f, lane, now)
+        return events
+
+    def receive_frame(self, f: wire.Frame, lane: int, now: float) -> list:
+        if f.token != self.token:
+            self.counters.reject("token")
+            return []
+        if f.ftype == FrameType.DATA:
+            return self._data_frame(f, lane, now)
+        if f.ftype == FrameType.ROUND_BEGIN:
+            try:
+                return self._open(f, now)
+            except WireError as exc:
+                self.counters.reject(str(exc))
+                return []
+        if f.ftype == FrameType.ROUND_END:
+            return self._end(f, now)
+        if f.ftype == FrameType.DROP_REPORT:
+            return [DropReportIn(f)]
+        return []  # CONTROL frames belong to the endpoint
+
+    def _end(self, f: wire.Frame, now: float) -> list:
+        key = (f.rank, f.bucket, f.round)
+        r = self.rounds.get(key)
+        if r is None:
+            self._late_or_unknown(key, 0, None)
+            return []
+        try:
+            r.end = wire.decode_round_end(f.payload)
+        except WireError:
+            self.counters.reject("round-end")
+            return []
+        return self._progress(r, now)
+
+    def _progress(self, r: _Round, now: float) -> list:
+        if r.imp_done_at is None and r.important_complete():
+            r.imp_done_at = now
+        if r.complete():
+            return [self._finalise(r, now, "complete")]
+        return []
+
+    # -- reliable lane: one frame at a time, payload zero-copy ------------------------------------------------------------
+    def _check_run(self, r: _Round, block: int, offset: int, count: int, dtype: int) -> str | None:
+        g = r.geom
+        if dtype != r.dtype:
+            return "dtype"
+        if not 0 <= block < g.nblocks or offset != g.block_start[block] or count <= 0:
+            return "offset"
+        last = int(np.searchsorted(g.block_end, offset + count))
+        if last >= g.nblocks or g.block_end[last] != offset + count:
+            return "count"
+        return None
+
+    def payload_target(self, h: np.void, lane: int = 0) -> memoryview | None:
+        """Where the payload of DATA header ``h`` (a run of whole blocks) should be received, or None to discard it."""
+        key = (int(h["rank"]), int(h["bucket"]), int(h["round"]))
+        r = self.rounds.get(key)
+        if r is None or int(h["token"]) != self.token:
+            return None
+        off, cnt = int(h["offset"]), int(h["count"])
+        if self._check_run(r, int(h["block"]), off, cnt, int(h["dtype"])) is not None:
+            return None
+        return memoryview(r.raw)[off * r.isz : (off + cnt) * r.isz]
+
+    def commit(self, h: np.void, lane: int, now: float, landed: bool) -> list:
+        """After the payload of ``h`` was read: into :meth:`payload_target` (``landed``) or into scratch (discarded)."""
+        key = (int(h["rank"]), int(h["bucket"]), int(h["round"]))
+        r = self.rounds.get(key)
+        if r is None:
+            self._late_or_unknown(key, lane, None)
+            return []
+        if not landed:
+            r.stats.rejected += 1
+            return []
+        return self._mark_run(r, h, lane, now)
+
+    def _mark_run(self, r: _Round, h, lane: int, now: float) -> list:
+        b0 = int(h["block"])
+        off, cnt = int(h["offset"]), int(h["count"])
+        b1 = int(np.searchsorted(r.geom.block_end, off + cnt)) + 1
+        fresh = r.nfrag[b0:b1] < r.geom.frags_needed[b0:b1]
+        if not fresh.all():
+            r.stats.duplicated += 1
+        r.nfrag[b0:b1] = r.geom.frags_needed[b0:b1]
+        if int(h["flags"]) & Flags.IMPORTANT:
+            r.important[b0:b1] = True
+        r.lane_of[b0:b1] = lane
+        ls = r.stats.lane(lane)
+        ls.frames += 1
+        ls.bytes += wire.HEADER_SIZE + cnt * r.isz
+        return self._progress(r, now)
+
+    def _data_frame(self, f: wire.Frame, lane: int, now: float) -> list:
+        key = (f.rank, f.bucket, f.round)
+        r = self.rounds.get(key)
+        if r is None:
+            h = wire.headers(1)
+            h[0] = (wire.MAGIC, wire.VERSION, f.ftype, f.flags, f.dtype, f.codec, f.lane, f.token, f.rank, f.round,
+                    f.bucket, f.block, f.offset, f.count, len(f.payload))
+            self._late_or_unknown(key, lane, h.tobytes() + bytes(f.payload))
+            return []
+        if f.flags & Flags.FRAGMENT:
+            h = wire.headers(1)
+            h["flags"], h["block"], h["offset"], h["count"] = f.flags, f.block, f.offset, f.count
+            h["length"], h["rank"], h["bucket"], h["round"], h["dtype"] = len(f.payload), *key, f.dtype
+            src = np.frombuffer(f.payload, np.uint8)
+            return self._fragments(r, h, src, np.zeros(1, np.int64), lane, now)
+        problem = self._check_run(r, f.block, f.offset, f.count, f.dtype)
+        if problem:
+            r.stats.rejected += 1
+            return []
+        r.raw[f.offset * r.isz : (f.offset + f.count) * r.isz] = np.frombuffer(f.payload, np.uint8)
+        h = wire.headers(1)
+        h["flags"], h["block"], h["offset"], h["count"] = f.flags, f.block, f.offset, f.count
+        return self._mark_run(r, h[0], lane, now)
+
+    # -- unreliable lanes: batches of datagrams, vectorised ---------------------------------------------------------------
+    def receive_datagrams(self, batch: wire.Batch, lane: int, now: float) -> list:
+        """A batch of datagrams (one GRO read or several reads) from an unreliable lane."""
+        h = batch.headers
+        ok = batch.valid
+        bad = ~ok
+        if bad.any():
+            for code, n in zip(*np.unique(batch.reason[bad], return_counts=True)):
+                self.counters.reject(wire.REASONS[int(code)], int(n))
+        is_data = ok & (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) != 0)
+        if (ok & ~is_data).any():
+            self.counters.reject("not-a-fragment", int((ok & ~is_data).sum()))
+        idx = np.flatnonzero(is_data)
+        if len(idx) == 0:
+            return []
+        src = np.frombuffer(batch.buf, np.uint8)
+        hk = h[idx]
+        keys = np.stack([hk["rank"].astype(np.int64), hk["bucket"].astype(np.int64), hk["round"].astype(np.int64)], 1)
+        ukeys, inv = np.unique(keys, axis=0, return_inverse=True)
+        inv = inv.reshape(-1)
+        events: list = []
+        for j, kk in enumerate(ukeys.tolist()):
+            key = (kk[0], kk[1], kk[2])
+            sel = idx[inv == j]
+            r = self.rounds.get(key)
+            if r is None:
+                for i in sel.tolist():
+                    f = wire.frame_at(batch, i)
+                    self._late_or_unknown(key, lane, h[i : i + 1].tobytes() + bytes(f.payload))
+                continue
+            events += self._fragments(r, h[sel], src, batch.payload_pos[sel], lane, now)
+        return events
+
+    def _fragments(self, r: _Round, h: np.ndarray, src: np.ndarray, pos: np.ndarray, lane: int, now: float) -> list:
+        """Validate, de-duplicate and scatter fragments into the round buffer (vectorised over the fragments)."""
+        g = r.geom
+        blk = h["block"].astype(np.int64)
+        off = h["offset"].astype(np.int64)
+        cnt = h["count"].astype(np.int64)
+        inb = blk < g.nblocks
+        b = np.where(inb, blk, 0)
+        rel = off - g.block_start[b]
+        fidx = rel // g.frag
+        good = (
+            inb
+            & (h["dtype"] == r.dtype)
+            & (rel >= 0)
+            & (rel % g.frag == 0)
+            & (fidx < g.frags_needed[b])
+            & (cnt == np.minimum(g.frag, g.block_end[b] - off))
+        )
+        r.stats.rejected += int((~good).sum())
+        b, fidx, off, cnt, pos = b[good], fidx[good], off[good], cnt[good], pos[good]
+        hs = h[good]
+        if len(b) == 0:
+            return []
+        flat_id = b * g.frags_per_block + fidx
+        _, first = np.unique(flat_id, return_index=True)
+        uniq = np.zeros(len(b), dtype=bool)
+        uniq[first] = True
+        fresh = uniq & ~r.got[b, fidx]
+        r.stats.duplicated += int((~fresh).sum())
+        b, fidx, off, cnt, pos = b[fresh], fidx[fresh], off[fresh], cnt[fresh], pos[fresh]
+        if len(b):
+            isz = r.isz
+            full = cnt == g.frag
+            fb = g.frag * isz
+            if full.any():
+                dst = np.lib.stride_tricks.as_strided(r.raw, shape=(len(r.raw) - fb + 1, fb), strides=(1, 1))
+                srows = np.lib.stride_tricks.as_strided(src, shape=(len(src) - fb + 1, fb), strides=(1, 1))
+                dst[off[full] * isz] = srows[pos[full]]
+            for i in np.flatnonzero(~full).tolist():
+                r.raw[off[i] * isz : (off[i] + cnt[i]) * isz] = src[pos[i] : pos[i] + cnt[i] * isz]
+            r.got[b, fidx] = True
+            np.add.at(r.nfrag, b, 1)
+            r.lane_of[b] = lane
+            r.important[b] |= (hs["flags"][fresh] & Flags.IMPORTANT) != 0
+        ls = r.stats.lane(lane)
+        ls.frames += len(hs)
+        ls.bytes += int((hs["length"].astype(np.int64) + wire.HEADER_SIZE).sum())
+        k = len(hs)
+        if r.last_arrival is not None:
+            gap = max(now - r.last_arrival, 0.0) / k
+            r.mean_gap = gap if r.mean_gap is None else 0.8 * r.mean_gap + 0.2 * gap
+        r.last_arrival = now
+        r.unimp_frames += k
+        return self._progress(r, now)
+
+    # -- time --------------------------------------------------------------------------------------------------------------
+    def _deadline_of(self, r: _Round) -> float | None:
+        if r.imp_done_at is None:
+            return None
+        remaining = None if r.end is None else max(r.end[3] - r.unimp_frames, 0)
+        return self.deadline.deadline(DeadlineState(r.imp_done_at, r.last_arrival, r.mean_gap, remaining))
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which :meth:`on_time` will finalise a round (None: nothing is waiting on time)."""
+        ds = [d for d in (self._deadline_of(r) for r in self.rounds.values()) if d is not None]
+        return min(ds) if ds else None
+
+    def on_time(self, now: float) -> list[RoundDone]:
+        """Finalise every round whose important blocks are in and whose deadline has passed."""
+        out = []
+        for r in list(self.rounds.values()):
+            d = self._deadline_of(r)
+            if d is not None and now >= d:
+                out.append(self._finalise(r, now, "deadline"))
+        return out
+
+    def abort(self, sender: int, now: float) -> list[RoundDone]:
+        """Finalise every open round of ``sender`` as it stands (the peer is gone)."""
+        return [self._finalise(r, now, "aborted") for k, r in list(self.rounds.items()) if k[0] == sender]
+
+    def _finalise(self, r: _Round, now: float, why: str) -> RoundDone:
+        g = r.geom
+        mask = r.nfrag >= g.frags_needed
+        partial = (r.nfrag > 0) & ~mask
+        if partial.any():
+            r.data[r.layout.expand(torch.from_numpy(partial))] = 0
+        st = r.stats
+        st.important = int((mask & r.important).sum())
+        st.unimportant_received = int((mask & ~r.important).sum())
+        st.dropped = g.nblocks - int(mask.sum())
+        st.partial = int(partial.sum())
+        st.deadline_wait = 0.0 if r.imp_done_at is None else max(now - r.imp_done_at, 0.0)
+        st.closed_by = why
+        for lane, n in zip(*np.unique(r.lane_of[mask], return_counts=True)):
+            st.lane(int(lane)).blocks = int(n)
+        del self.rounds[r.key]
+        self.closed[r.key] = None
+        while len(self.closed) > 16 * self.limits.max_open_rounds:
+            self.closed.popitem(last=False)
+        sender, bucket, round_ = r.key
+        bitmap = np.packbits(mask).tobytes()
+        report = wire.encode_frame(
+            FrameType.DROP_REPORT, bitmap, token=self.token, rank=self.rank, round=round_, bucket=bucket,
+            count=g.nblocks, flags=Flags.CLOSED,
+        )
+        return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout)

@@ -1,0 +1,273 @@
+"""Sans-IO sender: (bucket, per-block lane classes) -> ordered frames per lane; drop reports -> error feedback."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dgt import wire
+from dgt.layout import BucketLayout
+from dgt.protocol.geometry import Geometry, fragment_elems
+from dgt.wire import Flags, FrameType
+
+
+@dataclass
+class RoundPlan:
+    """Everything one round puts on the wire, per lane, in send order.
+
+    reliable: (header, payload view) pairs for the reliable lane: ROUND_BEGIN, important DATA runs, ROUND_END.
+    datagrams: per unreliable lane, a uint8 array [k, seg] of equal-size datagrams (header + fragment, most
+        important block first; ready for UDP GSO) and a list of odd-size datagrams (partial tensor tails).
+    """
+
+    bucket: int
+    round: int
+    reliable: list[tuple[bytes, memoryview]]
+    datagrams: dict[int, np.ndarray] = field(default_factory=dict)
+    odd: dict[int, list[bytes]] = field(default_factory=dict)
+    important_blocks: int = 0
+    unimportant_blocks: int = 0
+
+    @property
+    def reliable_bytes(self) -> int:
+        return sum(len(h) + len(p) for h, p in self.reliable)
+
+    def unreliable_bytes(self, lane: int | None = None) -> int:
+        lanes = self.datagrams.keys() | self.odd.keys() if lane is None else [lane]
+        total = 0
+        for ln in lanes:
+            d = self.datagrams.get(ln)
+            total += 0 if d is None else d.size
+            total += sum(len(b) for b in self.odd.get(ln, []))
+        return total
+
+    def unreliable_frames(self) -> int:
+        return sum(len(d) for d in self.datagrams.values()) + sum(len(o) for o in self.odd.values())
+
+
+@dataclass
+class DropInfo:
+    bucket: int
+    round: int
+    missing_blocks: int
+    folded_elems: int
+
+
+def _raw(flat: torch.Tensor) -> np.ndarray:
+    """A zero-copy uint8 numpy view of a CPU contiguous tensor (works for bfloat16 too)."""
+    if flat.device.type != "cpu" or not flat.is_contiguous():
+        raise ValueError("the sender packs from a contiguous CPU tensor; copy device buckets to (pinned) host first")
+    return flat.view(torch.uint8).numpy()
+
+
+def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int) -> np.ndarray:
+    """Copy ``len(byte_offsets)`` equal byte ranges out of ``raw`` in one vectorised gather (overlapping strided view)."""
+    if len(byte_offsets) == 0:
+        return np.zeros((0, row_bytes), np.uint8)
+    rows = np.lib.stride_tricks.as_strided(raw, shape=(len(raw) - row_bytes + 1, row_bytes), strides=(1, 1))
+    return rows[byte_offsets]
+
+
+class RoundSender:
+    """Turns classified buckets into frames and keeps the error-feedback residual per bucket.
+
+    lanes: number of lane classes including the reliable one (2 = the paper's TCP + UDP).
+    error_feedback: keep what was sent on unreliable lanes until the drop report says what got lost, and add the
+        lost values to the next round of the same bucket (``prepare``).
+    """
+
+    def __init__(
+        self,
+        token: int,
+        rank: int,
+        *,
+        block: int = 1024,
+        datagram_payload: int = 1400,
+        reliable_frame_bytes: int = 1 << 20,
+        lanes: int = 2,
+        error_feedback: bool = True,
+        max_pending: int = 64,
+        codec: int = 0,
+    ) -> None:
+        if lanes < 2:
+            raise ValueError("need the reliable lane and at least one unreliable lane")
+        self.token = token
+        self.rank = rank
+        self.block = block
+        self.datagram_payload = datagram_payload
+        self.reliable_frame_bytes = reliable_frame_bytes
+        self.lanes = lanes
+        self.error_feedback = error_feedback
+        self.max_pending = max_pending
+        self.codec = codec
+        self._residual: dict[int, torch.Tensor] = {}
+        self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout]] = OrderedDict()
+        self._closed: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._geom: dict[tuple[BucketLayout, int], Geometry] = {}
+        self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
+
+    # -- error feedback ---------------------------------------------------------------------------------------------
+    def prepare(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
+        """A private contiguous CPU copy of ``flat`` with the bucket's residual added (and the residual cleared)."""
+        out = flat.detach().to("cpu", copy=True).contiguous().view(-1)
+        res = self._residual.get(bucket)
+        if res is not None and res.numel() == out.numel() and res.dtype == out.dtype:
+            out += res
+            res.zero_()
+        return out
+
+    def residual(self, bucket: int) -> torch.Tensor | None:
+        return self._residual.get(bucket)
+
+    def on_drop_report(self, frame: wire.Frame) -> DropInfo:
+        """Fold the blocks the receiver missed into the residual; mark the round closed (stop sending its tail)."""
+        key = (frame.bucket, frame.round)
+        self._close(key)
+        entry = self._pending.pop(key, None)
+        if entry is None:
+            return DropInfo(frame.bucket, frame.round, 0, 0)
+        sent, layout = entry
+        nb = layout.nblocks
+        if frame.count != nb or len(frame.payload) != (nb + 7) // 8:
+            raise wire.WireError(f"drop report covers {frame.count} blocks, round had {nb}")
+        got = np.unpackbits(np.frombuffer(frame.payload, np.uint8), count=nb).astype(bool)
+        missing = torch.from_numpy(~got)
+        n_missing = int(missing.sum())
+        folded = 0
+        if n_missing and self.error_feedback:
+            emask = layout.expand(missing)
+            res = self._residual.get(frame.bucket)
+            if res is None or res.numel() != sent.numel() or res.dtype != sent.dtype:
+                res = torch.zeros_like(sent)
+                self._residual[frame.bucket] = res
+            res[emask] += sent[emask]
+            folded = int(emask.sum())
+        return DropInfo(frame.bucket, frame.round, n_missing, folded)
+
+    def closed(self, bucket: int, round: int) -> bool:
+        """True once the receiver finalised the round: unsent unimportant frames of it are stale."""
+        return (bucket, round) in self._closed
+
+    def _close(self, key: tuple[int, int]) -> None:
+        self._closed[key] = None
+        while len(self._closed) > 4 * self.max_pending:
+            self._closed.popitem(last=False)
+
+    # -- framing ------------------------------------------------------------------------------------------------------
+    def geometry(self, layout: BucketLayout, itemsize: int) -> Geometry:
+        frag = fragment_elems(layout.block, itemsize, self.datagram_payload)
+        key = (layout, frag)
+        if key not in self._geom:
+            self._geom[key] = Geometry(layout, frag)
+        return self._geom[key]
+
+    def plan(
+        self,
+        bucket: int,
+        round: int,
+        flat: torch.Tensor,
+        layout: BucketLayout,
+        cls: torch.Tensor | int,
+        order: torch.Tensor | None = None,
+    ) -> RoundPlan:
+        """Frames for one round. ``cls``: lane class per block (0 = reliable) or one class for all; ``order``: the
+        unimportant blocks, most important first (default: block order)."""
+        if layout.block != self.block:
+            raise ValueError(f"layout block {layout.block} != sender block {self.block}")
+        if flat.numel() != layout.numel:
+            raise ValueError(f"bucket has {flat.numel()} elements, layout {layout.numel}")
+        raw = _raw(flat)
+        isz = flat.element_size()
+        dt = wire.wire_dtype(flat.dtype)
+        geom = self.geometry(layout, isz)
+        if isinstance(cls, int):
+            cls_np = np.full(layout.nblocks, cls, dtype=np.int64)
+        else:
+            cls_np = cls.detach().to("cpu").numpy().astype(np.int64)
+        cls_np = np.minimum(cls_np, self.lanes - 1)
+        important = np.flatnonzero(cls_np == 0)
+        if order is None:
+            unimp = np.flatnonzero(cls_np > 0)
+        else:
+            unimp = order.detach().to("cpu").numpy().astype(np.int64)
+            unimp = unimp[cls_np[unimp] > 0]
+        common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=self.codec)
+
+        reliable: list[tuple[bytes, memoryview]] = []
+        begin = wire.encode_round_begin(layout.numel, layout.block, geom.frag, layout.sizes)
+        reliable.append((wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, **common), memoryview(begin)))
+        reliable += self._runs(raw, isz, dt, geom, important, common)
+        plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp))
+        for lane in range(1, self.lanes):
+            blocks = unimp[cls_np[unimp] == lane]
+            if len(blocks):
+                self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common)
+        end = wire.encode_round_end(len(important), len(unimp), len(reliable) - 1, plan.unreliable_frames())
+        reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
+        if self.error_feedback and len(unimp):
+            self._pending[(bucket, round)] = (flat, layout)
+            while len(self._pending) > self.max_pending:
+                self._pending.popitem(last=False)
+                self.unreported += 1
+        return plan
+
+    def _runs(self, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> list[tuple[bytes, memoryview]]:
+        """Coalesce runs of consecutive important blocks into frames of at most ``reliable_frame_bytes``."""
+        if len(blocks) == 0:
+            return []
+        per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
+        brk = np.ones(len(blocks), dtype=bool)
+        brk[1:] = np.diff(blocks) != 1
+        run_id = np.cumsum(brk) - 1
+        run_first = np.flatnonzero(brk)
+        pos = np.arange(len(blocks)) - run_first[run_id]
+        starts = np.flatnonzero(brk | (pos % per_frame == 0))
+        ends = np.append(starts[1:], len(blocks)) - 1
+        first, last = blocks[starts], blocks[ends]
+        off = geom.block_start[first]
+        cnt = geom.block_end[last] - off
+        h = wire.headers(len(starts))
+        h["ftype"] = FrameType.DATA
+        h["flags"] = Flags.IMPORTANT
+        h["dtype"] = dt
+        h["lane"] = 0
+        for k in ("token", "rank", "round", "bucket", "codec"):
+            h[k] = common[k]
+        h["block"] = first
+        h["offset"] = off
+        h["count"] = cnt
+        h["length"] = cnt * isz
+        hb = h.tobytes()
+        mv = memoryview(raw)
+        hs = wire.HEADER_SIZE
+        return [
+            (hb[i * hs : (i + 1) * hs], mv[int(o) * isz : int(o + c) * isz])
+            for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
+        ]
+
+    def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
+        """One fragment per datagram: equal-size ones packed into a [k, seg] array with one vectorised gather."""
+        blk, off, cnt = geom.fragments_of(blocks)
+        h = wire.headers(len(blk))
+        h["ftype"] = FrameType.DATA
+        h["flags"] = Flags.FRAGMENT
+        h["dtype"] = dt
+        h["lane"] = lane
+        for k in ("token", "rank", "round", "bucket", "codec"):
+            h[k] = common[k]
+        h["block"] = blk
+        h["offset"] = off
+        h["count"] = cnt
+        h["length"] = cnt * isz
+        full = cnt == geom.frag
+        fb = geom.frag * isz
+        hs = wire.HEADER_SIZE
+        buf = np.empty((int(full.sum()), hs + fb), dtype=np.uint8)
+        buf[:, :hs] = h[full].view(np.uint8).reshape(-1, hs)
+        buf[:, hs:] = gather_rows(raw, off[full] * isz, fb)
+        plan.datagrams[lane] = buf
+        odd = np.flatnonzero(~full)
+        plan.odd[lane] = [h[i : i + 1].tobytes() + raw[off[i] * isz : (off[i] + cnt[i]) * isz].tobytes() for i in odd]

@@ -1,0 +1,57 @@
+"""Round statistics: what each lane carried and what was lost, as a dataclass that turns into JSON."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class LaneStats:
+    frames: int = 0
+    blocks: int = 0
+    bytes: int = 0  # payload + header bytes received on this lane for the round
+
+
+@dataclass
+class RoundStats:
+    """Receiver-side account of one round. Invariant: important + unimportant_received + dropped == blocks."""
+
+    sender: int = 0
+    bucket: int = 0
+    round: int = 0
+    blocks: int = 0
+    important: int = 0
+    unimportant_received: int = 0
+    dropped: int = 0  # unimportant blocks missing (wholly or partly) at finalisation
+    partial: int = 0  # of the dropped blocks, those with some fragments in (zeroed)
+    duplicated: int = 0  # frames whose data had already arrived
+    rejected: int = 0  # frames that failed validation against the round (bad offsets, counts)
+    late: int = 0  # frames that arrived after the round was finalised
+    deadline_wait: float = 0.0  # seconds from "all important in" to finalisation
+    closed_by: str = ""  # "complete" or "deadline"
+    lanes: dict[int, LaneStats] = field(default_factory=dict)
+
+    def lane(self, lane: int) -> LaneStats:
+        if lane not in self.lanes:
+            self.lanes[lane] = LaneStats()
+        return self.lanes[lane]
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["lanes"] = {str(k): asdict(v) for k, v in self.lanes.items()}
+        return d
+
+
+@dataclass
+class ReceiverCounters:
+    """Counters of frames that belong to no open round (kept across rounds)."""
+
+    rejected: int = 0  # invalid headers / wrong session token
+    late: int = 0  # for rounds already finalised
+    unknown: int = 0  # for rounds never announced and beyond the early buffer
+    early_buffered: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+    def reject(self, reason: str, n: int = 1) -> None:
+        self.rejected += n
+        self.reasons[reason] = self.reasons.get(reason, 0) + n

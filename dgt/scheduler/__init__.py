@@ -1,0 +1,1 @@
+"""Send order, lane priorities, per-round deadlines and loss accounting between rounds."""

@@ -1,0 +1,1 @@
+"""Drop-in for PyTorch: DDP communication hook and a torch.distributed backend."""
