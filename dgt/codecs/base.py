@@ -126,7 +126,7 @@ class Codec:
         return out
 
     def feedback(self, parts: list[Part], received_masks: list[torch.Tensor], state: BucketState) -> None:
-        """Told which blocks of each sent part were lost (the drop report); lossy codecs fold them into error feedback."""
+        """Told which blocks of each sent part were lost (drop report); lossy codecs fold them into error feedback."""
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"

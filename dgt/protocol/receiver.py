@@ -107,7 +107,7 @@ class RoundReceiver:
         self._early: list[tuple[Key, int, bytes]] = []
         self._early_size = 0
 
-    # -- helpers ----------------------------------------------------------------------------------------------------
+    # -- helpers
     def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None) -> None:
         if key in self.closed:
             self.counters.late += 1
@@ -151,7 +151,7 @@ class RoundReceiver:
                 events += self.receive_bytes(data, lane, now)
         return events
 
-    # -- frame input ----------------------------------------------------------------------------------------------------
+    # -- frame input
     def receive_bytes(self, data: bytes | bytearray | memoryview, lane: int, now: float) -> list:
         """Back-to-back frames (a datagram, or a chunk of a reliable stream). Invalid bytes are counted, not raised."""
         try:
@@ -202,7 +202,7 @@ class RoundReceiver:
             return [self._finalise(r, now, "complete")]
         return []
 
-    # -- reliable lane: one frame at a time, payload zero-copy ------------------------------------------------------------
+    # -- reliable lane: one frame at a time, payload zero-copy
     def _check_run(self, r: _Round, block: int, offset: int, count: int, dtype: int) -> str | None:
         g = r.geom
         if dtype != r.dtype:
@@ -277,7 +277,7 @@ class RoundReceiver:
         h["flags"], h["block"], h["offset"], h["count"] = f.flags, f.block, f.offset, f.count
         return self._mark_run(r, h[0], lane, now)
 
-    # -- unreliable lanes: batches of datagrams, vectorised ---------------------------------------------------------------
+    # -- unreliable lanes: batches of datagrams, vectorised
     def receive_datagrams(self, batch: wire.Batch, lane: int, now: float) -> list:
         """A batch of datagrams (one GRO read or several reads) from an unreliable lane."""
         h = batch.headers
@@ -365,7 +365,7 @@ class RoundReceiver:
         r.unimp_frames += k
         return self._progress(r, now)
 
-    # -- time --------------------------------------------------------------------------------------------------------------
+    # -- time
     def _deadline_of(self, r: _Round) -> float | None:
         if r.imp_done_at is None:
             return None

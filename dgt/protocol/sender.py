@@ -64,7 +64,7 @@ def _raw(flat: torch.Tensor) -> np.ndarray:
 
 
 def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int) -> np.ndarray:
-    """Copy ``len(byte_offsets)`` equal byte ranges out of ``raw`` in one vectorised gather (overlapping strided view)."""
+    """Copy equal byte ranges out of ``raw`` in one vectorised gather (rows of an overlapping strided view)."""
     if len(byte_offsets) == 0:
         return np.zeros((0, row_bytes), np.uint8)
     rows = np.lib.stride_tricks.as_strided(raw, shape=(len(raw) - row_bytes + 1, row_bytes), strides=(1, 1))
@@ -109,7 +109,7 @@ class RoundSender:
         self._geom: dict[tuple[BucketLayout, int], Geometry] = {}
         self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
 
-    # -- error feedback ---------------------------------------------------------------------------------------------
+    # -- error feedback
     def prepare(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
         """A private contiguous CPU copy of ``flat`` with the bucket's residual added (and the residual cleared)."""
         out = flat.detach().to("cpu", copy=True).contiguous().view(-1)
@@ -156,7 +156,7 @@ class RoundSender:
         while len(self._closed) > 4 * self.max_pending:
             self._closed.popitem(last=False)
 
-    # -- framing ------------------------------------------------------------------------------------------------------
+    # -- framing
     def geometry(self, layout: BucketLayout, itemsize: int) -> Geometry:
         frag = fragment_elems(layout.block, itemsize, self.datagram_payload)
         key = (layout, frag)
@@ -198,7 +198,8 @@ class RoundSender:
 
         reliable: list[tuple[bytes, memoryview]] = []
         begin = wire.encode_round_begin(layout.numel, layout.block, geom.frag, layout.sizes)
-        reliable.append((wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, **common), memoryview(begin)))
+        begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, **common)
+        reliable.append((begin_hdr, memoryview(begin)))
         reliable += self._runs(raw, isz, dt, geom, important, common)
         plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp))
         for lane in range(1, self.lanes):
