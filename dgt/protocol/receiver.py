@@ -46,6 +46,14 @@ class DropReportIn:
     frame: wire.Frame
 
 
+def _reencode(f: wire.Frame) -> bytes:
+    """A frame back to bytes (for the early buffer: frames that overtook their round's ROUND_BEGIN)."""
+    h = wire.headers(1)
+    h[0] = (wire.MAGIC, wire.VERSION, f.ftype, f.flags, f.dtype, f.codec, f.lane, f.token, f.rank, f.round,
+            f.bucket, f.block, f.offset, f.count, len(f.payload))
+    return h.tobytes() + bytes(f.payload)
+
+
 class _Round:
     def __init__(self, key: Key, layout: BucketLayout, frag: int, dtype: wire.WireDType, codec: int) -> None:
         self.key = key
@@ -186,7 +194,7 @@ class RoundReceiver:
         key = (f.rank, f.bucket, f.round)
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, 0, None)
+            self._late_or_unknown(key, 0, _reencode(f))
             return []
         try:
             r.end = wire.decode_round_end(f.payload)
@@ -257,10 +265,7 @@ class RoundReceiver:
         key = (f.rank, f.bucket, f.round)
         r = self.rounds.get(key)
         if r is None:
-            h = wire.headers(1)
-            h[0] = (wire.MAGIC, wire.VERSION, f.ftype, f.flags, f.dtype, f.codec, f.lane, f.token, f.rank, f.round,
-                    f.bucket, f.block, f.offset, f.count, len(f.payload))
-            self._late_or_unknown(key, lane, h.tobytes() + bytes(f.payload))
+            self._late_or_unknown(key, lane, _reencode(f))
             return []
         if f.flags & Flags.FRAGMENT:
             h = wire.headers(1)
