@@ -50,6 +50,8 @@ class Part:
     name: str = "payload"
     segments: list[int] | None = None
     """Sizes of the tensors inside ``data`` (blocks never straddle two tensors); None = one tensor."""
+    order: torch.Tensor | None = None
+    """Droppable blocks in send order, most important first (None = block order)."""
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +86,8 @@ class BucketState:
     dtype: torch.dtype
     values: dict[str, Any] = field(default_factory=dict)
     step: int = 0
+    segments: list[int] | None = None
+    """Sizes of the tensors packed in the bucket (DDP buckets hold several parameters); None = one tensor."""
 
 
 class Codec:
@@ -96,11 +100,12 @@ class Codec:
         self._states: dict[int, BucketState] = {}
 
     # -- state -------------------------------------------------------------------------------------------------
-    def state_for(self, bucket_id: int, bucket: torch.Tensor) -> BucketState:
-        """The state of ``bucket_id``, created fresh (or reset) when the bucket's size or dtype changed."""
+    def state_for(self, bucket_id: int, bucket: torch.Tensor, segments: list[int] | None = None) -> BucketState:
+        """The state of ``bucket_id``, created fresh (or reset) when the bucket's size, dtype or tensors changed."""
         st = self._states.get(bucket_id)
-        if st is None or st.numel != bucket.numel() or st.dtype != bucket.dtype:
-            st = BucketState(numel=bucket.numel(), dtype=bucket.dtype)
+        changed = st is None or st.numel != bucket.numel() or st.dtype != bucket.dtype
+        if changed or (segments and st.segments != list(segments)):
+            st = BucketState(numel=bucket.numel(), dtype=bucket.dtype, segments=list(segments) if segments else None)
             self._states[bucket_id] = st
         return st
 

@@ -1,0 +1,40 @@
+"""Block-aligned split of a bucket into per-rank chunks (ring segments, PS shards)."""
+
+from __future__ import annotations
+
+import torch
+
+from dgt.layout import BucketLayout
+
+
+class Chunking:
+    """Splits a bucket of ``segments`` tensors into ``k`` contiguous chunks whose edges are block starts, so every
+    chunk keeps the bucket's sub-blocks intact (DGT scores and drop masks stay per block)."""
+
+    def __init__(self, segments: list[int], block: int, k: int) -> None:
+        self.layout = BucketLayout(segments, block)
+        n = self.layout.numel
+        starts = self.layout.block_start
+        if len(starts) == 0:
+            edges = [0] * (k + 1)
+        else:
+            targets = torch.arange(1, k, dtype=torch.float64) * n / k
+            idx = torch.searchsorted(starts.double(), targets).clamp(max=len(starts) - 1)
+            edges = [0] + starts[idx].tolist() + [n]
+            edges = [max(edges[i], edges[i - 1]) if i else 0 for i in range(len(edges))]
+        self.edges = edges
+        self.k = k
+        self.segments = [self._segments_in(edges[i], edges[i + 1], segments) for i in range(k)]
+
+    @staticmethod
+    def _segments_in(lo: int, hi: int, segments: list[int]) -> list[int]:
+        out, off = [], 0
+        for s in segments:
+            a, b = max(lo, off), min(hi, off + s)
+            if b > a:
+                out.append(b - a)
+            off += s
+        return out or [0]
+
+    def chunk(self, flat: torch.Tensor, i: int) -> torch.Tensor:
+        return flat[self.edges[i] : self.edges[i + 1]]

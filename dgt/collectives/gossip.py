@@ -1,0 +1,82 @@
+"""Decentralized gossip over the DGT transport: each rank exchanges with its neighbours under a mixing matrix W.
+
+``exchange`` moves codec payloads to and from the neighbours (the substrate DCD/ECD-PSGD build on); ``mix`` returns
+sum_j W[rank, j] * x_j with the neighbours' x_j decoded from what arrived (lost blocks count as zeros).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import trio
+
+from dgt.codecs.base import Codec, Received
+from dgt.collectives.base import Collective
+from dgt.collectives.group import Group
+from dgt.collectives.parts import like_parts, recv_parts, send_parts
+from dgt.collectives.stats import CollectiveResult, CollectiveStats
+
+
+def ring_matrix(world: int) -> np.ndarray:
+    """Symmetric doubly stochastic ring: 1/3 to self and each neighbour (1/2 each for 2 ranks)."""
+    W = np.zeros((world, world))
+    if world == 1:
+        W[0, 0] = 1.0
+        return W
+    if world == 2:
+        return np.full((2, 2), 0.5)
+    for i in range(world):
+        for j in (i - 1, i, i + 1):
+            W[i, j % world] = 1.0 / 3.0
+    return W
+
+
+class Gossip(Collective):
+    name = "gossip"
+
+    def __init__(self, group: Group, codec: str | Codec = "dense", W: np.ndarray | None = None) -> None:
+        super().__init__(group, codec, op="sum")
+        W = ring_matrix(group.world) if W is None else np.asarray(W, dtype=np.float64)
+        if W.shape != (group.world, group.world) or not np.allclose(W.sum(1), 1.0) or (W < 0).any():
+            raise ValueError("mixing matrix must be world x world, non-negative, rows summing to 1")
+        self.W = W
+        self.neighbours = [j for j in range(group.world) if j != group.rank and W[group.rank, j] > 0]
+        senders = [j for j in range(group.world) if j != group.rank and W[j, group.rank] > 0]
+        if sorted(senders) != sorted(self.neighbours):
+            raise ValueError("mixing matrix must have a symmetric sparsity pattern (neighbours exchange both ways)")
+
+    async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
+                       segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
+        """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
+        g = self.group
+        flat = x.detach().reshape(-1)
+        stats = CollectiveStats()
+        rnd = g.next_round("gossip", bucket_id)
+        segs = segments or [flat.numel()]
+        parts = self.codec.encode(flat, self.state(bucket_id, flat, segs))
+        got: dict[int, list[Received]] = {}
+
+        async def recv(j: int) -> None:
+            like = like_parts(parts, segs, self.codec, flat)
+            got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, like, stats)
+
+        with self.phase(stats, "exchange"):
+            async with trio.open_nursery() as nursery:
+                for j in self.neighbours:
+                    nursery.start_soon(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
+                    nursery.start_soon(recv, j)
+        out = {}
+        for j in self.neighbours:
+            st = self.state((1 << 30) | (bucket_id * 1024 + j), flat, segs)
+            out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
+        return out, stats
+
+    async def mix(self, x: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None) -> CollectiveResult:
+        """sum_j W[rank, j] x_j: one gossip step."""
+        theirs, stats = await self.exchange(x, bucket_id, segments)
+        r = self.group.rank
+        flat = x.detach().reshape(-1)
+        out = flat * float(self.W[r, r])
+        for j, xj in theirs.items():
+            out += float(self.W[r, j]) * xj
+        return CollectiveResult(out.view_as(x), stats)

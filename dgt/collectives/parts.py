@@ -1,0 +1,106 @@
+"""Moving codec parts over the transport: one transport round per part, keyed so rounds never collide."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+import trio
+
+from dgt.codecs.base import Part, Received
+from dgt.collectives.stats import CollectiveStats
+from dgt.layout import BucketLayout
+
+PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
+MAX_PARTS = 8
+MAX_STEPS = 64
+
+
+def transport_key(bucket: int, phase: str, step: int = 0, part: int = 0) -> int:
+    """A 32-bit transport bucket id unique per (bucket, phase, step, part); error feedback state follows it."""
+    if not 0 <= part < MAX_PARTS or not 0 <= step < MAX_STEPS:
+        raise ValueError("too many parts or steps for the transport key")
+    key = ((bucket * len(PHASES) + PHASES[phase]) * MAX_STEPS + step) * MAX_PARTS + part
+    if key >= 1 << 32:
+        raise ValueError(f"bucket id {bucket} too large")
+    return key
+
+
+@lru_cache(maxsize=256)
+def _layout(segments: tuple[int, ...], block: int) -> BucketLayout:
+    return BucketLayout(list(segments), block)
+
+
+def layout_of(part: Part) -> BucketLayout:
+    return _layout(tuple(part.segments or [part.data.numel()]), part.block_elems)
+
+
+def host(t: torch.Tensor) -> torch.Tensor:
+    """The contiguous CPU tensor the transport packs from (device buckets cross to pinned host memory once)."""
+    if t.device.type == "cpu":
+        return t.contiguous().view(-1)
+    out = torch.empty(t.numel(), dtype=t.dtype, pin_memory=torch.cuda.is_available())
+    out.copy_(t.reshape(-1), non_blocking=False)
+    return out
+
+
+async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
+                     stats: CollectiveStats, reliable: bool = False) -> None:
+    """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane."""
+    async with trio.open_nursery() as nursery:
+        for i, part in enumerate(parts):
+            cls = 0 if reliable else part.lane_class
+            if isinstance(cls, torch.Tensor):
+                cls = cls.detach().to("cpu")
+            order = None if part.order is None else part.order.detach().to("cpu")
+            data = host(part.data)
+            nursery.start_soon(_send_one, ep, peer, transport_key(bucket, phase, step, i), rnd, data,
+                               layout_of(part), cls, order)
+            _count_sent(stats, part, cls)
+
+
+def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
+    if isinstance(cls, int):
+        stats.add_sent(min(cls, 1), part.nbytes)
+        return
+    lay = layout_of(part)
+    isz = part.data.element_size()
+    rel = int(lay.block_len[cls == 0].sum()) * isz
+    stats.add_sent(0, rel)
+    stats.add_sent(1, part.nbytes - rel)
+
+
+async def _send_one(ep, peer, key, rnd, data, layout, cls, order) -> None:
+    await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order)
+
+
+async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],
+                     stats: CollectiveStats) -> list[Received]:
+    """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry)."""
+    out: list[Received | None] = [None] * len(like)
+
+    async def one(i: int, part: Part) -> None:
+        res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd)
+        stats.add_round(res.stats)
+        out[i] = Received(res.data, res.mask, part.block_elems, part.segments)
+
+    async with trio.open_nursery() as nursery:
+        for i, part in enumerate(like):
+            nursery.start_soon(one, i, part)
+    return out  # type: ignore[return-value]
+
+
+def like_parts(template: list[Part], segments: list[int], codec, data: torch.Tensor) -> list[Part]:
+    """Geometry of the parts a peer sends for a chunk of ``segments``, from our own parts for another chunk
+    (summable codecs emit one part per chunk, one element per element); falls back to encoding ``data``."""
+    if data.numel() == 0:
+        return []
+    if template and all(p.data.numel() == sum(p.segments or [p.data.numel()]) for p in template):
+        return [Part(torch.empty(0), 0, p.block_elems, p.name, list(segments)) for p in template]
+    return codec.encode(data, codec.state_for(-1, data, segments))
+
+
+def as_received(part: Part) -> Received:
+    """A part as if it arrived whole (to decode locally exactly what peers will decode)."""
+    n = layout_of(part).nblocks
+    return Received(part.data, torch.ones(n, dtype=torch.bool), part.block_elems, part.segments)

@@ -1,0 +1,42 @@
+"""What a collective call reports: bytes per lane, drops, time per phase."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class CollectiveStats:
+    bytes_received: dict[int, int] = field(default_factory=dict)  # lane -> bytes (headers included)
+    bytes_sent: dict[int, int] = field(default_factory=dict)  # lane -> bytes of payload parts handed to the transport
+    blocks: int = 0  # blocks received in total
+    dropped: int = 0  # blocks lost (wholly or partly) at their deadline
+    phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+
+    def add_round(self, stats) -> None:
+        for lane, ls in stats.lanes.items():
+            self.bytes_received[lane] = self.bytes_received.get(lane, 0) + ls.bytes
+        self.blocks += stats.blocks
+        self.dropped += stats.dropped
+
+    def add_sent(self, lane: int, nbytes: int) -> None:
+        self.bytes_sent[lane] = self.bytes_sent.get(lane, 0) + nbytes
+
+    def merge(self, other: CollectiveStats) -> None:
+        for lane, b in other.bytes_received.items():
+            self.bytes_received[lane] = self.bytes_received.get(lane, 0) + b
+        for lane, b in other.bytes_sent.items():
+            self.add_sent(lane, b)
+        self.blocks += other.blocks
+        self.dropped += other.dropped
+        for k, v in other.phases.items():
+            self.phases[k] = self.phases.get(k, 0.0) + v
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class CollectiveResult:
+    tensor: object  # torch.Tensor
+    stats: CollectiveStats
