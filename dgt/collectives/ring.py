@@ -75,4 +75,4 @@ class RingAllReduce(Collective):
                 nursery.start_soon(recv)
         if not like:
             return None
-        return self.codec.decode(got, self.state(state_key, mine, ch.segments[recv_c]), mine)
+        return self.codec.decode(got, self.state(-state_key - 1, mine, ch.segments[recv_c]), mine)
