@@ -1,0 +1,201 @@
+"""Collectives across OS processes on loopback: lossless results equal a dense reference; with injected loss the
+result differs only in dropped blocks and the statistics account for each; a killed rank fails the others."""
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from dgt.collectives.launch import run_ranks
+from dgt.estimator import ContributionEstimator
+from dgt.layout import BucketLayout
+
+SEGMENTS = [3000, 5, 20000, 1500]
+NUMEL = sum(SEGMENTS)
+
+
+def data(rank: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed * 100 + rank))
+
+
+def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
+    import trio
+    from dgt.endpoint import TransportConfig
+
+    from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+
+    async def main():
+        g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)
+        try:
+            if kind == "ring":
+                coll = RingAllReduce(g, codec)
+            elif kind == "gossip":
+                coll = Gossip(g, codec)
+            else:
+                coll = ParameterServer(g, codec, server=kind.split(":")[1], **(opts or {}))
+                if coll.server != "sharded":
+                    coll.server = int(coll.server)
+            outs = []
+            for rnd in range(rounds):
+                x = data(rank, rnd)
+                if kind == "gossip":
+                    res = await coll.mix(x, 0, SEGMENTS)
+                else:
+                    res = await coll.allreduce(x, 0, SEGMENTS)
+                outs.append((res.tensor, res.stats.to_dict()))
+            return outs
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("kind", ["ring", "ps:0", "ps:sharded"])
+def test_lossless_equals_dense_mean(world, kind):
+    res = run_ranks(_worker, world, kind, "dense", {}, 2, timeout=90)
+    for rnd in range(2):
+        ref = torch.stack([data(r, rnd) for r in range(world)]).mean(0)
+        for r in range(world):
+            torch.testing.assert_close(res[r][rnd][0], ref, rtol=1e-5, atol=1e-5)
+        # every rank ends with the identical tensor
+        assert all(torch.equal(res[0][rnd][0], res[r][rnd][0]) for r in range(world))
+
+
+@pytest.mark.slow
+def test_eight_ranks_ring_and_sharded_ps():
+    for kind in ("ring", "ps:sharded"):
+        res = run_ranks(_worker, 8, kind, "dense", {}, 1, timeout=120)
+        ref = torch.stack([data(r) for r in range(8)]).mean(0)
+        for r in range(8):
+            torch.testing.assert_close(res[r][0][0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_dgt_lossless_when_nothing_drops():
+    res = run_ranks(_worker, 3, "ring", "dgt:p=0.3", {}, 1)
+    ref = torch.stack([data(r) for r in range(3)]).mean(0)
+    torch.testing.assert_close(res[0][0][0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_ps_with_injected_loss_differs_only_in_dropped_blocks():
+    world = 3
+    res = run_ranks(_worker, world, "ps:0", "dgt:p=0.3", {"drop_fraction": 0.3}, 1, timeout=90)
+    out, server_stats = res[0][0]
+    layout = BucketLayout(SEGMENTS)
+    xs = [data(r) for r in range(world)]
+    important = []
+    for x in xs:
+        est = ContributionEstimator(layout)
+        est.update(x)
+        important.append(est.classify(0.3).important)
+    # each block of the result is the sum over some subset of workers (the server's own block always counts) / K
+    total_missing = 0
+    starts, lens = layout.block_start.tolist(), layout.block_len.tolist()
+    for b, (s, n) in enumerate(zip(starts, lens)):
+        sl = slice(s, s + n)
+        match = None
+        for k in range(world, 0, -1):
+            for subset in itertools.combinations(range(1, world), k - 1):
+                S = (0, *subset)
+                if torch.allclose(out[sl] * world, sum(xs[w][sl] for w in S), atol=1e-4):
+                    match = S
+                    break
+            if match:
+                break
+        assert match is not None, f"block {b} is no subset sum"
+        for w in range(world):
+            if important[w][b]:
+                assert w in match, "important blocks always arrive"
+        total_missing += world - len(match)
+    assert total_missing > 0, "30% datagram loss must drop some blocks"
+    assert server_stats["dropped"] == total_missing
+    # workers pull the identical aggregate
+    for r in range(world):
+        assert torch.equal(res[r][0][0], out)
+
+
+def _dying_worker(rank, world, cfg_kwargs):
+    import os
+
+    import trio
+    from dgt.endpoint import TransportConfig
+
+    from dgt.collectives import Group, RingAllReduce
+
+    async def main():
+        g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)
+        ring = RingAllReduce(g, "dense")
+        await ring.allreduce(data(rank), 0, SEGMENTS)
+        if rank == 1:
+            os._exit(17)  # dies between collectives, without closing anything
+        await ring.allreduce(data(rank), 0, SEGMENTS)
+
+    trio.run(main)
+
+
+def test_killed_rank_fails_the_others_with_a_clear_error():
+    import time
+
+    t0 = time.monotonic()
+    out = run_ranks(_dying_worker, 3, {"peer_timeout": 3.0}, timeout=60, allow_fail=True)
+    elapsed = time.monotonic() - t0
+    assert out[1][0] in ("missing", "error")
+    for r in (0, 2):
+        status, info = out[r]
+        assert status == "error"
+        assert info[0] in ("PeerClosed", "PeerTimeout"), info
+    assert elapsed < 30
+
+
+def test_gossip_mixes_with_ring_matrix():
+    world = 4
+    res = run_ranks(_worker, world, "gossip", "dense", {}, 1)
+    xs = [data(r) for r in range(world)]
+    for r in range(world):
+        ref = (xs[(r - 1) % world] + xs[r] + xs[(r + 1) % world]) / 3
+        torch.testing.assert_close(res[r][0][0], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_codec_collective_mismatch_is_rejected_at_construction():
+    from dgt.codecs.base import Capabilities, Codec
+    from dgt.collectives import RingAllReduce
+    from dgt.collectives.group import Group
+    from dgt.errors import CodecMismatch
+
+    class Gathered(Codec):
+        name = "gathered"
+        capabilities = Capabilities(summable=False, lossy_tolerant=False)
+
+    with pytest.raises(CodecMismatch, match="not summable"):
+        RingAllReduce(Group(None, 0, 2, 1), Gathered())
+
+
+def _lonely(rank, world):
+    import os
+
+    import torch.distributed as dist
+
+    from dgt.collectives.rendezvous import Rendezvous
+    from dgt.errors import RendezvousTimeout
+    store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, is_master=True, wait_for_workers=False)
+    rv = Rendezvous(0, 2, store, timeout=1.0)
+    rv.token()
+    try:
+        rv.exchange({"host": "127.0.0.1"})
+    except RendezvousTimeout as exc:
+        return str(exc)
+    return "no timeout"
+
+
+def test_rank_that_never_shows_up_times_out_clearly():
+    (msg,) = run_ranks(_lonely, 1, timeout=30).values()
+    assert "ranks [1] did not show up" in msg
+
+
+def test_ring_matrix():
+    from dgt.collectives.gossip import ring_matrix
+
+    W = ring_matrix(5)
+    assert np.allclose(W.sum(0), 1) and np.allclose(W.sum(1), 1) and np.allclose(W, W.T)
+    assert ring_matrix(2).tolist() == [[0.5, 0.5], [0.5, 0.5]]
