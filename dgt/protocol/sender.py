@@ -13,12 +13,17 @@ from dgt.layout import BucketLayout
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.wire import Flags, FrameType
 
+LONG_RUN = 8
+"""Runs of at least this many consecutive important blocks are sent zero-copy; shorter ones are packed."""
+
 
 @dataclass
 class RoundPlan:
     """Everything one round puts on the wire, per lane, in send order.
 
-    reliable: (header, payload view) pairs for the reliable lane: ROUND_BEGIN, important DATA runs, ROUND_END.
+    reliable: (header, payload view) pairs for the reliable lane, to be written back to back: ROUND_BEGIN, the
+        important DATA frames, ROUND_END. A pair may carry several whole frames in its payload with an empty header
+        (packed scattered blocks); the byte stream is always a valid sequence of frames.
     datagrams: per unreliable lane, a uint8 array [k, seg] of equal-size datagrams (header + fragment, most
         important block first; ready for UDP GSO) and a list of odd-size datagrams (partial tensor tails).
     """
@@ -63,12 +68,18 @@ def _raw(flat: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
-def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int) -> np.ndarray:
-    """Copy equal byte ranges out of ``raw`` in one vectorised gather (rows of an overlapping strided view)."""
+def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int, out: np.ndarray | None = None) -> np.ndarray:
+    """Copy equal byte ranges of ``raw`` into the rows of ``out`` with one vectorised gather (index_select over an
+    overlapping strided view: one copy, no Python loop)."""
+    if out is None:
+        out = np.empty((len(byte_offsets), row_bytes), np.uint8)
     if len(byte_offsets) == 0:
-        return np.zeros((0, row_bytes), np.uint8)
-    rows = np.lib.stride_tricks.as_strided(raw, shape=(len(raw) - row_bytes + 1, row_bytes), strides=(1, 1))
-    return rows[byte_offsets]
+        return out
+    src = torch.from_numpy(raw)
+    rows = src.as_strided((len(raw) - row_bytes + 1, row_bytes), (1, 1))
+    torch.index_select(rows, 0, torch.from_numpy(np.ascontiguousarray(byte_offsets, dtype=np.int64)),
+                       out=torch.from_numpy(out))
+    return out
 
 
 class RoundSender:
@@ -215,46 +226,10 @@ class RoundSender:
                 self.unreported += 1
         return plan
 
-    def _runs(self, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> list[tuple[bytes, memoryview]]:
-        """Coalesce runs of consecutive important blocks into frames of at most ``reliable_frame_bytes``."""
-        if len(blocks) == 0:
-            return []
-        per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
-        brk = np.ones(len(blocks), dtype=bool)
-        brk[1:] = np.diff(blocks) != 1
-        run_id = np.cumsum(brk) - 1
-        run_first = np.flatnonzero(brk)
-        pos = np.arange(len(blocks)) - run_first[run_id]
-        starts = np.flatnonzero(brk | (pos % per_frame == 0))
-        ends = np.append(starts[1:], len(blocks)) - 1
-        first, last = blocks[starts], blocks[ends]
-        off = geom.block_start[first]
-        cnt = geom.block_end[last] - off
-        h = wire.headers(len(starts))
+    def _data_headers(self, n: int, flags: int, lane: int, dt: int, common: dict, blk, off, cnt, isz) -> np.ndarray:
+        h = wire.headers(n)
         h["ftype"] = FrameType.DATA
-        h["flags"] = Flags.IMPORTANT
-        h["dtype"] = dt
-        h["lane"] = 0
-        for k in ("token", "rank", "round", "bucket", "codec"):
-            h[k] = common[k]
-        h["block"] = first
-        h["offset"] = off
-        h["count"] = cnt
-        h["length"] = cnt * isz
-        hb = h.tobytes()
-        mv = memoryview(raw)
-        hs = wire.HEADER_SIZE
-        return [
-            (hb[i * hs : (i + 1) * hs], mv[int(o) * isz : int(o + c) * isz])
-            for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
-        ]
-
-    def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
-        """One fragment per datagram: equal-size ones packed into a [k, seg] array with one vectorised gather."""
-        blk, off, cnt = geom.fragments_of(blocks)
-        h = wire.headers(len(blk))
-        h["ftype"] = FrameType.DATA
-        h["flags"] = Flags.FRAGMENT
+        h["flags"] = flags
         h["dtype"] = dt
         h["lane"] = lane
         for k in ("token", "rank", "round", "bucket", "codec"):
@@ -263,12 +238,63 @@ class RoundSender:
         h["offset"] = off
         h["count"] = cnt
         h["length"] = cnt * isz
+        return h
+
+    def _runs(self, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> list[tuple[bytes, memoryview]]:
+        """Important blocks for the reliable lane. Runs of >= ``LONG_RUN`` consecutive blocks become zero-copy frames
+        of at most ``reliable_frame_bytes``; scattered full blocks are packed one block per frame into a single buffer
+        by one vectorised gather, so the Python work is per long run, never per block."""
+        if len(blocks) == 0:
+            return []
+        brk = np.ones(len(blocks), dtype=bool)
+        brk[1:] = np.diff(blocks) != 1
+        run_id = np.cumsum(brk) - 1
+        run_first = np.flatnonzero(brk)
+        run_len = np.diff(np.append(run_first, len(blocks)))
+        long_blk = run_len[run_id] >= LONG_RUN
+        full = geom.block_len[blocks] == self.block
+        out: list[tuple[bytes, memoryview]] = []
+        hs = wire.HEADER_SIZE
+        single = blocks[~long_blk & full]
+        if len(single):
+            off = geom.block_start[single]
+            cnt = np.full(len(single), self.block, dtype=np.int64)
+            h = self._data_headers(len(single), Flags.IMPORTANT, 0, dt, common, single, off, cnt, isz)
+            buf = np.empty((len(single), hs + self.block * isz), dtype=np.uint8)
+            buf[:, :hs] = h.view(np.uint8).reshape(-1, hs)
+            gather_rows(raw, off * isz, self.block * isz, buf[:, hs:])
+            out.append((b"", memoryview(buf).cast("B")))
+        # zero-copy frames: long runs (cut at reliable_frame_bytes) and the partial blocks of short runs
+        zc = blocks[long_blk | ~full]
+        if len(zc):
+            per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
+            zbrk = np.ones(len(zc), dtype=bool)
+            zbrk[1:] = (np.diff(zc) != 1) | ~long_blk[long_blk | ~full][1:]
+            zrun = np.cumsum(zbrk) - 1
+            pos = np.arange(len(zc)) - np.flatnonzero(zbrk)[zrun]
+            starts = np.flatnonzero(zbrk | (pos % per_frame == 0))
+            ends = np.append(starts[1:], len(zc)) - 1
+            first, last = zc[starts], zc[ends]
+            off = geom.block_start[first]
+            cnt = geom.block_end[last] - off
+            hb = self._data_headers(len(starts), Flags.IMPORTANT, 0, dt, common, first, off, cnt, isz).tobytes()
+            mv = memoryview(raw)
+            out += [
+                (hb[i * hs : (i + 1) * hs], mv[o * isz : (o + c) * isz])
+                for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
+            ]
+        return out
+
+    def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
+        """One fragment per datagram: equal-size ones packed into a [k, seg] array with one vectorised gather."""
+        blk, off, cnt = geom.fragments_of(blocks)
+        h = self._data_headers(len(blk), Flags.FRAGMENT, lane, dt, common, blk, off, cnt, isz)
         full = cnt == geom.frag
         fb = geom.frag * isz
         hs = wire.HEADER_SIZE
         buf = np.empty((int(full.sum()), hs + fb), dtype=np.uint8)
         buf[:, :hs] = h[full].view(np.uint8).reshape(-1, hs)
-        buf[:, hs:] = gather_rows(raw, off[full] * isz, fb)
+        gather_rows(raw, off[full] * isz, fb, buf[:, hs:])
         plan.datagrams[lane] = buf
         odd = np.flatnonzero(~full)
         plan.odd[lane] = [h[i : i + 1].tobytes() + raw[off[i] * isz : (off[i] + cnt[i]) * isz].tobytes() for i in odd]
