@@ -1,0 +1,311 @@
+"""Bounded bulk flows between emulated hosts: cross traffic for congestion, and the measuring stick for tests.
+
+A flow is two small processes started inside the hosts' namespaces: a sink on the destination that counts what
+arrives, and a sender on the source that sends TCP or UDP at a DSCP and (optionally) a paced rate for a fixed
+duration. Both stop by themselves; the parent also kills them at a hard deadline. Each prints one JSON line.
+
+Run directly: ``python -m dgt.netem.crosstraffic sink|send ...`` (that is what Flow does inside namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import select
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from dgt.netem.topology import Topology
+
+UDP_PAYLOAD = 1400  # stays under a 1500 MTU with IP/UDP headers
+TCP_CHUNK = 64 * 1024
+_SEQ = struct.Struct("!Q")
+
+
+def _rate_arg(value: str | int | None) -> int | None:
+    from dgt.netem.spec import parse_rate  # light import, keeps the child fast
+
+    return parse_rate(value) if value not in (None, "", "0") else None
+
+
+# ---- the child programs ----------------------------------------------------------------------------------
+
+
+def _udp_rcvbuf_errors() -> int:
+    """UDP RcvbufErrors of this namespace: datagrams the sink itself was too slow for (not emulated loss)."""
+    try:
+        with open("/proc/net/snmp") as f:
+            rows = [ln.split() for ln in f if ln.startswith("Udp:")]
+        return int(rows[1][rows[0].index("RcvbufErrors")])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def run_sink(proto: str, port: int, duration: float, idle: float = 0.5) -> dict[str, Any]:
+    """Count bytes (and UDP sequence numbers) until duration is up, the sender has gone quiet, or SIGTERM."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
+    rcvbuf_errors = _udp_rcvbuf_errors()
+    start = time.monotonic()
+    deadline = start + duration
+    stats: dict[str, Any] = {"proto": proto, "bytes": 0, "packets": 0, "first": None, "last": None}
+    seqs: set[int] = set()
+    if proto == "udp":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        sock.bind(("0.0.0.0", port))
+        conns: list[socket.socket] = []
+        listen = None
+    else:
+        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listen.bind(("0.0.0.0", port))
+        listen.listen(16)
+        sock = listen
+        conns = []
+    print(json.dumps({"ready": True}), flush=True)
+    had_conn = False
+    while True:
+        now = time.monotonic()
+        if now >= deadline or stop:
+            break
+        if stats["last"] is not None and now - stats["last"] > idle and not conns:
+            break
+        readable, _, _ = select.select([sock, *conns], [], [], min(0.2, deadline - now))
+        for s in readable:
+            if s is listen:
+                c, _ = listen.accept()
+                c.setblocking(False)
+                conns.append(c)
+                had_conn = True
+                continue
+            try:
+                data = s.recv(1 << 20) if proto == "tcp" else s.recv(65536)
+            except BlockingIOError:
+                continue
+            t = time.monotonic()
+            if proto == "tcp" and not data:
+                conns.remove(s)
+                s.close()
+                continue
+            if stats["first"] is None:
+                stats["first"] = t
+            stats["last"] = t
+            stats["bytes"] += len(data)
+            stats["packets"] += 1
+            if proto == "udp" and len(data) >= _SEQ.size:
+                seqs.add(_SEQ.unpack_from(data)[0])
+        if proto == "tcp" and had_conn and not conns:
+            break
+    first, last = stats.pop("first"), stats.pop("last")
+    span = (last - first) if first is not None and last is not None else 0.0
+    stats["span_s"] = span
+    stats["goodput_bps"] = stats["bytes"] * 8 / span if span > 0 else 0.0
+    if proto == "udp":
+        stats["unique"] = len(seqs)
+        stats["rcvbuf_errors"] = _udp_rcvbuf_errors() - rcvbuf_errors
+    return stats
+
+
+def run_sender(proto: str, dst: str, port: int, duration: float, rate: int | None, dscp: int,
+               size: int = UDP_PAYLOAD, count: int | None = None) -> dict[str, Any]:
+    """Send for duration seconds (or count datagrams, or until SIGTERM), paced to rate bit/s, marked with dscp."""
+    stop = []
+    signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # Flow.stop(): end early but still report
+    fam_type = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
+    sock = socket.socket(socket.AF_INET, fam_type)
+    sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+    start = time.monotonic()
+    deadline = start + duration
+    connected = proto == "udp"
+    while not connected and time.monotonic() < deadline and not stop:
+        # the sink may still be binding, and under congestion a SYN can be lost: retry until the deadline
+        sock.settimeout(max(0.1, min(1.5, deadline - time.monotonic())))
+        try:
+            sock.connect((dst, port))
+            connected = True
+        except (ConnectionRefusedError, TimeoutError):
+            sock.close()
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, dscp << 2)
+            time.sleep(0.05)
+    sock.settimeout(0.5)
+    sent = 0
+    packets = 0
+    chunk = bytearray(TCP_CHUNK if proto == "tcp" else size)
+    while connected:
+        now = time.monotonic()
+        if now >= deadline or stop or (count is not None and packets >= count):
+            break
+        if rate is not None:
+            ahead = sent * 8 / rate - (now - start)
+            if ahead > 0:
+                time.sleep(min(ahead, deadline - now))
+                continue
+        try:
+            if proto == "udp":
+                _SEQ.pack_into(chunk, 0, packets)
+                n = sock.sendto(chunk, (dst, port))
+            else:
+                n = sock.send(chunk)
+        except (TimeoutError, BlockingIOError):
+            continue
+        except OSError:
+            break  # ENOBUFS/ECONNRESET: the flow is over
+        sent += n
+        packets += 1
+    elapsed = time.monotonic() - start
+    sock.close()
+    return {"proto": proto, "connected": connected, "bytes": sent, "packets": packets, "elapsed_s": elapsed,
+            "rate_bps": sent * 8 / elapsed if elapsed > 0 else 0.0}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m dgt.netem.crosstraffic")
+    sub = p.add_subparsers(dest="role", required=True)
+    s = sub.add_parser("sink")
+    s.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
+    s.add_argument("--port", type=int, default=5201)
+    s.add_argument("--duration", type=float, default=10.0)
+    s.add_argument("--idle", type=float, default=0.5)
+    t = sub.add_parser("send")
+    t.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
+    t.add_argument("--dst", required=True)
+    t.add_argument("--port", type=int, default=5201)
+    t.add_argument("--duration", type=float, default=5.0)
+    t.add_argument("--rate", default=None)
+    t.add_argument("--dscp", type=int, default=0)
+    t.add_argument("--size", type=int, default=UDP_PAYLOAD)
+    t.add_argument("--count", type=int, default=None)
+    a = p.parse_args(argv)
+    if a.role == "sink":
+        out = run_sink(a.proto, a.port, a.duration, a.idle)
+    else:
+        out = run_sender(a.proto, a.dst, a.port, a.duration, _rate_arg(a.rate), a.dscp, a.size, a.count)
+    print(json.dumps(out), flush=True)
+    return 0
+
+
+# ---- the parent side --------------------------------------------------------------------------------------
+
+
+@dataclass
+class FlowResult:
+    """What the sender sent and the sink received; goodput is measured at the sink."""
+
+    sent: dict[str, Any]
+    received: dict[str, Any]
+
+    @property
+    def goodput_bps(self) -> float:
+        return float(self.received.get("goodput_bps", 0.0))
+
+    @property
+    def loss(self) -> float:
+        """UDP only: fraction of sent datagrams that never arrived."""
+        sent = self.sent.get("packets", 0)
+        return 1.0 - self.received.get("unique", 0) / sent if sent else 0.0
+
+
+@dataclass
+class Flow:
+    """One bounded flow src -> dst inside a topology; start() then wait(), or use as a context manager."""
+
+    topo: Topology
+    src: int
+    dst: int
+    proto: str = "tcp"
+    dscp: int = 0
+    rate: str | int | None = None
+    duration: float = 2.0
+    port: int = 5201
+    size: int = UDP_PAYLOAD
+    count: int | None = None
+    _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
+    _stopped: bool = field(default=False, repr=False)
+
+    def start(self) -> Flow:
+        if self.proto not in ("tcp", "udp"):
+            raise ValueError("proto must be tcp or udp")
+        py = [sys.executable, "-m", "dgt.netem.crosstraffic"]
+        sink = self.topo.popen(self.dst, py + ["sink", "--proto", self.proto, "--port", str(self.port),
+                                              "--duration", str(self.duration + 3.0)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self._procs.append(sink)
+        ready, _, _ = select.select([sink.stdout], [], [], 10.0)
+        line = sink.stdout.readline() if ready else ""
+        if '"ready"' not in line:
+            self.kill()
+            raise RuntimeError(f"flow sink on host {self.dst} did not start: {line!r} {sink.stderr.read()!r}")
+        cmd = py + ["send", "--proto", self.proto, "--dst", self.topo.hosts[self.dst].addr, "--port",
+                    str(self.port), "--duration", str(self.duration), "--dscp", str(self.dscp), "--size",
+                    str(self.size)]
+        if self.rate is not None:
+            cmd += ["--rate", str(self.rate)]
+        if self.count is not None:
+            cmd += ["--count", str(self.count)]
+        self._procs.append(self.topo.popen(self.src, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        return self
+
+    def wait(self, grace: float = 10.0, drain: float = 1.0) -> FlowResult:
+        """Wait for both ends and parse their reports. Both stop by themselves; the sink is told to stop `drain`
+        seconds after the sender has finished, and anything still running after duration + grace is killed."""
+        sink, sender = self._procs
+        out = {}
+        for name, proc in (("sent", sender), ("received", sink)):
+            if proc is sink:
+                try:
+                    sink.wait(drain)
+                except subprocess.TimeoutExpired:
+                    sink.send_signal(signal.SIGTERM)
+            try:
+                stdout, stderr = proc.communicate(timeout=self.duration + grace)
+            except subprocess.TimeoutExpired:
+                self.kill()
+                raise RuntimeError(f"flow {name} side did not stop in time") from None
+            lines = [ln for ln in stdout.splitlines() if ln.startswith("{") and '"ready"' not in ln]
+            if name == "sent" and self._stopped and proc.returncode == -signal.SIGTERM:
+                # stopped before its handler was installed: it sent nothing worth reporting
+                out[name] = {"bytes": 0, "packets": 0, "elapsed_s": 0.0, "rate_bps": 0.0, "connected": False}
+                continue
+            if proc.returncode != 0 or not lines:
+                raise RuntimeError(f"flow {name} side failed (rc {proc.returncode}): {stderr.strip()[-500:]}")
+            out[name] = json.loads(lines[-1])
+        return FlowResult(sent=out["sent"], received=out["received"])
+
+    def stop(self, wait: bool = True) -> FlowResult | None:
+        """End the flow now: the sender stops and reports, the sink reports once the data has drained.
+        wait=False only signals, so several flows can be stopped together and then wait()ed."""
+        self._stopped = True
+        if len(self._procs) == 2 and self._procs[1].poll() is None:
+            self._procs[1].send_signal(signal.SIGTERM)
+        return self.wait() if wait else None
+
+    def kill(self) -> None:
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> Flow:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def cross_traffic(topo: Topology, src: int, dst: int, proto: str = "udp", dscp: int = 1,
+                  rate: str | int | None = "1gbit", duration: float = 5.0, port: int = 5301) -> Flow:
+    """Start background load (LE-marked UDP by default) from src to dst; bounded by duration. Returns the Flow."""
+    return Flow(topo, src, dst, proto=proto, dscp=dscp, rate=rate, duration=duration, port=port).start()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

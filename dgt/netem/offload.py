@@ -1,0 +1,28 @@
+"""Turn off segmentation offloads on emulated links so every queue, filter and loss draw sees wire-size packets.
+
+veth hands 64 KB TSO/GSO super-packets straight to its peer; a loss rule would then drop ~45 segments at once
+and HTB would shape in bursts. With TSO/GSO/GRO off the stack builds MTU-size packets, as on a real wire.
+Uses pyroute2's ethtool (ioctl); call inside the interface's namespace.
+"""
+
+from __future__ import annotations
+
+from pyroute2.ethtool import Ethtool
+
+OFF = ("tx-tcp-segmentation", "tx-tcp6-segmentation", "tx-tcp-ecn-segmentation", "tx-tcp-mangleid-segmentation",
+       "tx-generic-segmentation", "rx-gro", "tx-udp-segmentation", "rx-gro-list", "rx-udp-gro-forwarding")
+
+
+def disable_segmentation(ifname: str) -> list[str]:
+    """Switch off the segmentation/GRO features the device has on; returns the ones changed."""
+    with Ethtool() as eth:
+        feats = eth.get_features(ifname)
+        changed = []
+        for name in OFF:
+            f = feats.features.get(name)
+            if f is not None and f.enable and f.available:
+                f.enable = False
+                changed.append(name)
+        if changed:
+            eth.set_features(ifname, feats)
+    return changed
