@@ -6,23 +6,26 @@ import argparse
 import importlib
 import sys
 
-# (module, help) for each subcommand; a module provides add_parser(subparsers) that sets func=callable(args)->int
-SUBCOMMANDS: list[tuple[str, str]] = [
-    ("dgt.experiment.cli", "demo / experiment: reproduce the DGT paper's Table 1 in emulation"),
-    ("dgt.bench.cli", "bench: benchmarks against their anchors (codec, transport, allreduce, codecs, ddp, lgc)"),
-    ("dgt.netem.cli", "netem: network emulation with namespaces, shaped links and DSCP priority queues"),
-    ("dgt.inspect.cli", "inspect / capture: dissect DGT traffic from pcap files or live interfaces"),
-]
+# module -> the subcommands it adds; a module provides add_parser(subparsers) that sets func=callable(args)->int
+SUBCOMMANDS: dict[str, tuple[str, ...]] = {
+    "dgt.experiment.cli": ("demo", "experiment"),
+    "dgt.bench.cli": ("bench",),
+    "dgt.netem.cli": ("netem",),
+    "dgt.inspect.cli": ("inspect", "capture"),
+}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """All subcommands for --help; only the named one's module otherwise (so `dgt netem` never imports torch)."""
     parser = argparse.ArgumentParser(
         prog="dgt",
         description="Differential Gradient Transmission: important gradient blocks over reliable TCP with high DSCP, "
         "the rest over best-effort UDP with low DSCP, dropped at a deadline.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for module, _help in SUBCOMMANDS:
+    first = next((a for a in (argv or []) if not a.startswith("-")), None)
+    wanted = [m for m, cmds in SUBCOMMANDS.items() if first in cmds] or list(SUBCOMMANDS)
+    for module in wanted:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
@@ -34,7 +37,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(argv)
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
