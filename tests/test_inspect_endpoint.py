@@ -1,0 +1,74 @@
+"""A capture of traffic made by the real transport (dgt.endpoint.Endpoint on loopback) agrees with the
+Endpoint's own round statistics, and its DSCP marks are the lanes' configured ones."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+import trio
+
+from dgt.inspect.capture import LiveCapture
+from dgt.inspect.summary import Options, summarize
+
+endpoint = pytest.importorskip("dgt.endpoint", reason="the transport (dgt.endpoint) is not built yet")
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="packet capture needs root (CAP_NET_RAW)")
+TOKEN = 0x1D5EC7_0000_0042
+
+
+async def _exchange(rounds: int, layout_numel: int) -> tuple[list, list, object, object]:
+    # a generous deadline: every datagram is in before a round closes, so the capture and the receiver see the same
+    # set (with the adaptive deadline a datagram still in flight at the deadline is on the wire but not received)
+    cfg = endpoint.TransportConfig(deadline="fixed:2.0")
+    a = await endpoint.Endpoint.open(0, TOKEN, cfg)
+    b = await endpoint.Endpoint.open(1, TOKEN, cfg)
+    sent, got = [], []
+    try:
+        await a.connect({1: b.address})
+        await b.connect({0: a.address})
+        gen = torch.Generator().manual_seed(0)
+        for rnd in range(rounds):
+            flat = torch.randn(layout_numel, generator=gen)
+            nblocks = -(-layout_numel // 1024)
+            cls = (torch.rand(nblocks, generator=gen) > 0.3).long()  # ~30% important
+            async with trio.open_nursery() as n:
+
+                async def send(flat=flat, cls=cls, rnd=rnd) -> None:
+                    sent.append(await a.send_round(1, 0, rnd, flat, cls=cls, timeout=10))
+
+                n.start_soon(send)
+                got.append(await b.recv_round(0, 0, rnd, timeout=10))
+    finally:
+        addr_a, addr_b = a.address, b.address
+        await a.aclose()
+        await b.aclose()
+    return sent, got, addr_a, addr_b
+
+
+def test_capture_of_endpoint_traffic_matches_its_statistics(tmp_path):
+    path = str(tmp_path / "ep.pcap")
+    cap = LiveCapture(path, "lo").start()
+    try:
+        sent, got, addr_a, addr_b = trio.run(_exchange, 3, 40_000)
+        time.sleep(0.2)
+    finally:
+        res = cap.stop()
+    assert res.kernel_drops == 0
+    ports = {addr_a.tcp_port, addr_b.tcp_port}
+    udp = {*addr_a.udp_ports, *addr_b.udp_ports}
+    s = summarize(path, Options(auto=False, tcp_ports=tuple(ports), udp_ports=tuple(udp)))
+    rounds = [r for r in s["rounds"] if r["sender"] == 0]
+    assert len(rounds) == len(got) == 3
+    keys = ("important", "unimportant_received", "dropped", "partial", "duplicated", "rejected", "lanes")
+    for mine, theirs, snd in zip(rounds, got, sent):
+        want = theirs.stats.to_dict()
+        assert {k: mine[k] for k in keys} == {k: want[k] for k in keys}
+        assert mine["report"]["agrees"] and mine["report"]["dropped"] == want["dropped"]
+        assert mine["lanes"]["1"]["frames"] == snd.datagrams.get(1, 0) - snd.abandoned.get(1, 0)
+    assert s["malformed"]["total"] == 0, s["malformed"]
+    lanes = endpoint.default_lanes()
+    for lane, spec in enumerate(lanes):
+        v = s["lanes"][str(lane)]
+        assert v["dscp"] == {str(spec.dscp): v["packets"]}, (lane, spec)

@@ -1,0 +1,258 @@
+"""`dgt inspect` on pcap files written without sockets (dgt.inspect.synth): exact agreement with the receiver,
+link types, DSCP warnings, reordering, TCP reassembly, corruption and junk, volume, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+import struct
+import time
+
+import numpy as np
+import pytest
+from scapy.utils import RawPcapReader, RawPcapWriter
+
+from dgt import wire
+from dgt.cli import main as dgt_main
+from dgt.inspect import pcapio, reassembly
+from dgt.inspect.summary import Options, summarize
+from dgt.inspect.synth import Wire, synth_rounds
+from dgt.inspect.traffic import TrafficSpec
+
+ROUND_KEYS = ("important", "unimportant_received", "dropped", "partial", "duplicated", "rejected", "lanes")
+UDP_AT = 14 + 20 + 8  # Ethernet + IPv4 + UDP: where the DGT header starts in a default synthetic datagram
+
+
+def assert_matches_receiver(summary: dict, truth) -> None:
+    assert len(summary["rounds"]) == len(truth.stats)
+    for got, want in zip(summary["rounds"], truth.stats):
+        assert {k: got[k] for k in ROUND_KEYS} == {k: want[k] for k in ROUND_KEYS}
+        assert got["report"]["agrees"] and got["report"]["dropped"] == want["dropped"]
+    assert summary["totals"]["late_frames"] == truth.late
+
+
+@pytest.fixture(scope="module")
+def base_pcap(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("synth") / "base.pcap")
+    truth = synth_rounds(path, TrafficSpec(rounds=4, lanes=3, seed=11))
+    return path, truth
+
+
+@pytest.mark.parametrize(
+    "w",
+    [
+        Wire(),
+        Wire(link=pcapio.LINUX_SLL, ipv6=True),
+        Wire(vlan=7),
+        Wire(link=pcapio.RAW),
+        Wire(link=pcapio.LINUX_SLL2, mss=536),
+    ],
+    ids=["ether", "sll-ipv6", "vlan", "raw-ip", "sll2-small-mss"],
+)
+def test_summary_equals_receiver_stats(tmp_path, w):
+    path = str(tmp_path / "r.pcap")
+    truth = synth_rounds(path, TrafficSpec(rounds=3, lanes=3, seed=5), w)
+    s = summarize(path)
+    assert_matches_receiver(s, truth)
+    assert s["lanes"]["0"]["dscp"] == {"46": s["lanes"]["0"]["packets"]} and s["lanes"]["0"]["dscp_ok"]
+    for lane in ("1", "2"):
+        assert s["lanes"][lane]["dscp"] == {"1": s["lanes"][lane]["packets"]} and s["lanes"][lane]["dscp_ok"]
+    assert s["warnings"] == [] and s["malformed"]["total"] == 0
+    assert s["totals"]["dropped"] > 0 and s["totals"]["duplicated"] > 0 and s["totals"]["late_frames"] > 0
+
+
+def test_ports_without_auto_detection(base_pcap):
+    path, truth = base_pcap
+    assert summarize(path, Options(auto=False))["dgt_packets"] == 0
+    s = summarize(path, Options(auto=False, tcp_ports=(5201,), udp_ports=(5202, 5203)))
+    assert_matches_receiver(s, truth)
+    assert {f["detected_by"] for f in s["flows"]} == {"port"}
+
+
+def test_bleached_and_remarked_dscp_warn(tmp_path):
+    path = str(tmp_path / "b.pcap")
+    synth_rounds(path, TrafficSpec(rounds=1, low_dscp=0, seed=2), Wire(reliable_dscp=0))
+    s = summarize(path)
+    assert not s["lanes"]["0"]["dscp_ok"] and not s["lanes"]["1"]["dscp_ok"]
+    assert sum("bleached" in w for w in s["warnings"]) == 2
+    ok = summarize(path, Options(expect_dscp={0: (0,), 1: (0,)}))
+    assert ok["lanes"]["0"]["dscp_ok"] and ok["lanes"]["1"]["dscp_ok"] and ok["warnings"] == []
+    synth_rounds(path, TrafficSpec(rounds=1, low_dscp=46, seed=2))
+    assert any("high priority" in w for w in summarize(path)["warnings"])
+
+
+def _records(path):
+    with RawPcapReader(path) as rd:
+        lt = rd.linktype
+        return lt, [(bytearray(d), m) for d, m in rd]
+
+
+def _write(path, lt, recs):
+    with RawPcapWriter(path, linktype=lt) as w:
+        w.write_header(None)
+        for d, m in recs:
+            w.write_packet(bytes(d), sec=m.sec, usec=m.usec)
+
+
+def test_reordering_matches_its_definition(base_pcap):
+    """Reordered = a fragment below the highest offset already seen of its block, or a round below the highest
+    round already seen of its (sender, bucket), per datagram flow (docs/inspect.md)."""
+    path, _ = base_pcap
+    _, recs = _records(path)
+    seen_off: dict = {}
+    seen_round: dict = {}
+    expected = 0
+    for d, _m in recs:
+        if d[23] != 17:
+            continue
+        h = np.frombuffer(bytes(d[UDP_AT : UDP_AT + 48]), wire.HEADER_DTYPE)[0]
+        flow = bytes(d[26:38])
+        kb = (flow, int(h["rank"]), int(h["bucket"]), int(h["round"]), int(h["block"]))
+        kr = (flow, int(h["rank"]), int(h["bucket"]))
+        late_off = int(h["offset"]) < seen_off.get(kb, -1)
+        late_round = int(h["round"]) < seen_round.get(kr, -1)
+        expected += late_off or late_round
+        seen_off[kb] = max(seen_off.get(kb, -1), int(h["offset"]))
+        seen_round[kr] = max(seen_round.get(kr, -1), int(h["round"]))
+    s = summarize(path)
+    assert expected > 0
+    assert sum(v["reordered"] for v in s["lanes"].values()) == expected
+
+
+def test_tcp_reassembly_orders_dedups_and_resyncs():
+    frames = [wire.encode_frame(wire.FrameType.CONTROL, b"{}" * k, token=1, rank=0) for k in range(1, 40)]
+    stream = b"".join(frames)
+    segs = [(i, stream[i : i + 97]) for i in range(0, len(stream), 97)]
+    shuffled = segs[::-1] + segs[3:5]  # reversed, plus two retransmissions
+    st = reassembly.reassemble(
+        np.array([1001 + s for s, _ in shuffled]),
+        [p for _, p in shuffled],
+        np.arange(len(shuffled), dtype=float),
+        np.arange(len(shuffled)),
+        syn_seq=1000,
+    )
+    assert st.data == stream and st.retransmitted == 2 and st.gaps == []
+    assert len(reassembly.frames(st).pos) == len(frames)
+    # lose one segment: the frames it touched are gone, the walk resynchronises after the gap
+    lossy = [s for k, s in enumerate(segs) if k != 5]
+    st = reassembly.reassemble(
+        np.array([1001 + s for s, _ in lossy]),
+        [p for _, p in lossy],
+        np.zeros(len(lossy)),
+        np.arange(len(lossy)),
+        syn_seq=1000,
+    )
+    sf = reassembly.frames(st)
+    assert st.gaps == [(5 * 97, 6 * 97)] and sf.problems.get("gap") == 1
+    assert len(frames) - 3 <= len(sf.pos) < len(frames)
+    assert (wire.validate(sf.headers) == 0).all()
+
+
+def test_corrupted_payloads_are_counted_not_fatal(base_pcap, tmp_path):
+    path, truth = base_pcap
+    lt, recs = _records(path)
+    udp = [d for d, _ in recs if d[23] == 17]
+    tcp_data = [d for d, _ in recs if d[23] == 6 and len(d) > 54 + 48]
+    udp[0][UDP_AT] ^= 0xFF  # magic
+    udp[1][UDP_AT] ^= 0xFF
+    udp[2][UDP_AT + 3] = 9  # ftype
+    struct.pack_into(">I", udp[3], UDP_AT + 40, 7)  # count no longer matches the payload length
+    struct.pack_into(">II", udp[4], UDP_AT + 40, 1, 4)  # a consistent header that does not match the datagram
+    udp[5][UDP_AT + 2] = 7  # version
+    # the reliable stream: garbage in the first header of a later segment that starts a frame
+    victim = next(d for d in tcp_data[1:] if bytes(d[54:57]) == b"DG\x01")
+    victim[54:58] = b"XXXX"
+    out = str(tmp_path / "corrupt.pcap")
+    _write(out, lt, recs)
+    s = summarize(out)
+    r = s["malformed"]["reasons"]
+    assert r["magic"] == 2 and r["ftype"] == 1 and r["count"] == 1 and r["length"] == 1 and r["version"] == 1
+    assert r["stream-garbage"] >= 1
+    assert s["malformed"]["total"] == sum(r.values()) and any("malformed" in w for w in s["warnings"])
+    assert s["totals"]["rounds"] >= truth.stats.__len__() - 1  # rounds after the damage are still found
+    assert dgt_main(["inspect", out, "--strict", "--json"]) == 1
+
+
+def test_junk_inputs(tmp_path, capsys):
+    notpcap = tmp_path / "x.pcap"
+    notpcap.write_bytes(b"this is not a capture" * 10)
+    assert dgt_main(["inspect", str(notpcap)]) == 2
+    assert "x.pcap" in capsys.readouterr().err
+    assert dgt_main(["inspect", str(tmp_path / "missing.pcap")]) == 2
+    empty = str(tmp_path / "empty.pcap")
+    _write(empty, 1, [])
+    assert summarize(empty)["packets"] == 0
+
+
+def test_fuzzed_and_truncated_captures_never_crash(base_pcap, tmp_path):
+    path, _ = base_pcap
+    lt, recs = _records(path)
+    rnd = random.Random(3)
+    for d, _ in rnd.sample(recs, 120):
+        for _ in range(rnd.randint(1, 8)):
+            d[rnd.randrange(len(d))] = rnd.randrange(256)
+        if rnd.random() < 0.2:
+            del d[rnd.randrange(len(d)) :]
+    out = str(tmp_path / "fuzz.pcap")
+    _write(out, lt, recs)
+    s = summarize(out)
+    json.dumps(s)
+    assert s["packets"] == len(recs)
+    raw = open(out, "rb").read()
+    cut = str(tmp_path / "cut.pcap")
+    open(cut, "wb").write(raw[: len(raw) // 2 + 7])  # capture killed mid-record
+    assert 0 < summarize(cut)["packets"] < len(recs)
+
+
+def test_cli_json_and_plot(base_pcap, tmp_path, capsys):
+    path, truth = base_pcap
+    png = tmp_path / "t.png"
+    assert dgt_main(["inspect", path, "--json", "--plot", str(png), "--bin", "0.0005"]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert_matches_receiver(s, truth)
+    assert png.stat().st_size > 10_000 and png.read_bytes()[:4] == b"\x89PNG"
+    assert s["timeline"]["bin_s"] == 0.0005 and sum(s["timeline"]["drops"]) == s["totals"]["dropped"]
+    assert dgt_main(["inspect", path, "--dissect", "5", "--dscp", "1=CS1"]) == 0
+    text = capsys.readouterr().out
+    assert "lanes" in text and "DGT ROUND_BEGIN" in text and "CS1(8)" in text and "warning" in text
+
+
+def test_hundred_thousand_packets_in_reasonable_time(tmp_path):
+    path = str(tmp_path / "big.pcap")
+    synth_rounds(path, TrafficSpec(rounds=68, sizes=(131072,), block=64, seed=1), truth=False)
+    t = time.perf_counter()
+    s = summarize(path)
+    took = time.perf_counter() - t
+    assert s["packets"] >= 100_000 and s["totals"]["rounds"] == 68
+    assert took < 30, f"{s['packets']} packets took {took:.1f} s"
+    print(f"{s['packets']} packets summarised in {took:.2f} s")
+
+
+def test_gso_aggregates_are_cut_into_datagrams(tmp_path):
+    """On loopback a UDP GSO send is captured unsegmented: one packet, its datagrams back to back."""
+    from dgt.inspect.summary import _datagrams
+    from dgt.inspect.synth import PcapOut, udp
+
+    grams = [
+        wire.encode_header(
+            wire.FrameType.DATA,
+            token=1,
+            rank=0,
+            block=k,
+            offset=4 * k,
+            count=4,
+            length=16,
+            lane=1,
+            flags=wire.Flags.FRAGMENT,
+        )
+        + bytes(16)
+        for k in range(3)
+    ]
+    path = str(tmp_path / "gso.pcap")
+    out = PcapOut(path, Wire())
+    out.packet(1.0, udp(1, 2, b"".join(grams)), pcapio.UDP, 1)
+    out.packet(1.1, udp(1, 2, grams[0][:-4]), pcapio.UDP, 1)  # short datagram: one, with a bad length
+    out.close()
+    t = pcapio.read_pcap(path)
+    rows, h, size = _datagrams(t, np.arange(len(t)))
+    assert rows.tolist() == [0, 0, 0, 1] and h["block"].tolist() == [0, 1, 2, 0] and size.tolist() == [64] * 3 + [60]
