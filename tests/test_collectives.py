@@ -21,9 +21,9 @@ def data(rank: int, seed: int = 0) -> torch.Tensor:
 
 def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
     import trio
-    from dgt.endpoint import TransportConfig
 
     from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+    from dgt.endpoint import TransportConfig
 
     async def main():
         g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)
@@ -33,9 +33,8 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
             elif kind == "gossip":
                 coll = Gossip(g, codec)
             else:
-                coll = ParameterServer(g, codec, server=kind.split(":")[1], **(opts or {}))
-                if coll.server != "sharded":
-                    coll.server = int(coll.server)
+                server = kind.split(":")[1]
+                coll = ParameterServer(g, codec, server=server if server == "sharded" else int(server), **(opts or {}))
             outs = []
             for rnd in range(rounds):
                 x = data(rank, rnd)
@@ -119,9 +118,9 @@ def _dying_worker(rank, world, cfg_kwargs):
     import os
 
     import trio
-    from dgt.endpoint import TransportConfig
 
     from dgt.collectives import Group, RingAllReduce
+    from dgt.endpoint import TransportConfig
 
     async def main():
         g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)

@@ -34,6 +34,7 @@ class Group:
     ) -> Group:
         """Meet through the c10d store (``store`` or env://), open this rank's endpoint, connect to every peer."""
         import trio
+
         from dgt.endpoint import Endpoint, PeerAddress, TransportConfig
 
         rv = Rendezvous(rank, world, store, timeout, prefix)

@@ -65,10 +65,11 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
                 if all(not p.is_alive() for p in procs) and out.empty():
                     break
     finally:
-        for p in procs:
+        started = [p for p in procs if p.pid is not None]
+        for p in started:
             if p.is_alive():
                 p.kill()
-        for p in procs:
+        for p in started:
             p.join(5)
     for r in range(world):
         outcomes.setdefault(r, ("missing", None))

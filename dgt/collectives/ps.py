@@ -89,12 +89,12 @@ class ParameterServer(Collective):
                         if w != g.rank:
                             nursery.start_soon(gather, w)
             with self.phase(stats, "reduce"):
-                decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32)
+                decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
                 for w in range(g.world):
                     st = self.state((2 << 29) | key * 64 + w, piece, sg)
                     decoded.append(self.codec.decode(received[w], st, piece).to(piece.dtype))
                     if self.normalize == "contributors":
-                        counts += received[w][0].element_mask().to(torch.float32)
+                        counts += received[w][0].element_mask().to(device=piece.device, dtype=torch.float32)
                 total = self.codec.aggregate(decoded)
                 reduced = self.finish(total, counts.clamp(min=1) if self.normalize == "contributors" else None)
             with self.phase(stats, "pull"):

@@ -1,0 +1,60 @@
+"""The DDP communication hook: ``model.register_comm_hook(DGTState(), hook)``.
+
+DDP calls the hook on its autograd thread, once per gradient bucket, in bucket order, on every rank. The hook only
+records the bucket's identity and hands it to the state's trio worker; the worker runs the collective (dense during
+the warm-up, then the configured codec) and completes the returned future with the averaged bucket. DDP does not
+divide by the world size before a hook, so the collectives compute the mean.
+
+(No ``from __future__ import annotations`` here: DDP's ``register_comm_hook`` compares the hook's annotations with
+``dist.GradBucket`` and ``torch.futures.Future[torch.Tensor]`` as objects.)
+"""
+
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dgt.shim.state import DGTState
+from dgt.shim.worker import for_cpp
+
+
+def hook(state: DGTState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """Average ``bucket`` over the ranks through DGT; returns at once with a future completed by the worker."""
+    buf = bucket.buffer()
+    index = bucket.index()
+    segments = [g.numel() for g in bucket.gradients()]
+    clear = state.note_bucket(index, buf.numel(), buf.dtype, segments)
+    use_codec = state.past_warmup
+    if bucket.is_last():
+        state.iter += 1
+    return submit(state, buf, index, segments, use_codec=use_codec, clear=clear)
+
+
+def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] | None = None, *,
+           use_codec: bool = True, clear: bool = False) -> torch.futures.Future[torch.Tensor]:
+    """Queue the mean all-reduce of ``buf`` (a flat tensor) on the state's worker (also usable without DDP):
+    with the state's codec, or densely and losslessly when ``use_codec`` is False; ``clear`` drops the codec's
+    per-bucket state first."""
+    devices = None
+    ready = None
+    if buf.device.type == "cuda":
+        # the gradients were written on the autograd thread's stream: the worker's stream waits for them on the GPU
+        devices = [buf.device]
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(buf.device))
+
+    async def job(group: Any) -> torch.Tensor:
+        if ready is not None:
+            torch.cuda.set_device(buf.device)
+            torch.cuda.current_stream(buf.device).wait_event(ready)
+        if clear:  # DDP rebuilt its buckets: the codec's per-bucket state describes tensors that no longer exist
+            state.codec.load_state_dict({})
+        warm, main = state.collectives(group)
+        coll = main if use_codec else warm
+        t0 = time.perf_counter()
+        res = await coll.allreduce(buf, index, segments)
+        state.record(index, res.stats, use_codec, time.perf_counter() - t0)
+        return res.tensor.view_as(buf)
+
+    return for_cpp(state.worker.submit(job, devices))

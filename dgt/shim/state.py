@@ -1,0 +1,226 @@
+"""The state object of the DGT communication hook (modelled on PyTorch's ``PowerSGDState``).
+
+It holds the hyperparameters (codec, collective, warm-up, transport settings), the per-bucket bookkeeping that DDP's
+bucket rebuild after iteration 1 invalidates, the loss feed of the p schedule, running statistics, and at run time
+the background trio worker with its group. It pickles without the worker and the process group, so it can be
+saved in a checkpoint and loaded into a fresh process (the worker reconnects on the next hook call).
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from dgt.codecs.base import Codec
+from dgt.codecs.registry import make_codec
+from dgt.collectives.stats import CollectiveStats
+from dgt.shim.net import group_connector
+from dgt.shim.worker import TrioWorker
+
+logger = logging.getLogger(__name__)
+
+COLLECTIVES = ("ring", "ps")
+_starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
+_starts_lock = threading.Lock()
+
+
+class DGTState:
+    """Everything :func:`dgt.shim.hook` needs.
+
+    Args:
+        process_group: the group whose ranks take part (None: the default group, resolved on first use).
+        codec: a codec spec (``"dgt"``, ``"dgt:p=0.3"``, ``"dense"``, any registered codec) or a ``Codec``.
+            ``"dense"`` makes the hook lossless.
+        collective: ``"ring"`` (ring all-reduce) or ``"ps"`` (parameter server; ``server`` = a rank or
+            ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
+        warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
+            buckets after iteration 1, and the first gradients are the least compressible).
+        transport: a ``TransportConfig`` or a dict of its fields (deadline, drop_fraction, DSCP, ...).
+        host: the address this rank's endpoint advertises (default: the route towards MASTER_ADDR, or DGT_HOST).
+        timeout: seconds allowed for the rendezvous and the connections.
+        store: the c10d store to meet on (default: the default group's store).
+    """
+
+    __slots__ = (
+        "process_group", "store",
+        # hyperparameters
+        "codec", "warmup_codec", "collective", "server", "normalize", "lossy_pull", "warmup_iters", "transport",
+        "host", "timeout",
+        # internal state (pickled)
+        "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter",
+        # run time only (not pickled)
+        "_worker", "_collectives",
+    )
+    _RUNTIME = ("process_group", "store", "_worker", "_collectives")
+
+    def __init__(
+        self,
+        process_group: dist.ProcessGroup | None = None,
+        codec: str | Codec = "dgt",
+        collective: str = "ring",
+        *,
+        warmup_iters: int = 2,
+        server: int | str = 0,
+        normalize: str = "world",
+        lossy_pull: bool = False,
+        transport: Any = None,
+        host: str | None = None,
+        timeout: float = 60.0,
+        store: dist.Store | None = None,
+    ) -> None:
+        if collective not in COLLECTIVES:
+            raise ValueError(f"collective must be one of {COLLECTIVES}, not {collective!r}")
+        if warmup_iters < 0:
+            raise ValueError("warmup_iters must be >= 0")
+        self.process_group = process_group
+        self.store = store
+        self.codec = make_codec(codec)
+        self.warmup_codec = make_codec("dense")
+        self.collective = collective
+        self.server = server
+        self.normalize = normalize
+        self.lossy_pull = lossy_pull
+        self.warmup_iters = warmup_iters
+        self.transport = transport
+        self.host = host
+        self.timeout = timeout
+        self.iter = 0
+        self.buckets: dict[int, tuple[int, str, tuple[int, ...]]] = {}
+        self.bucket_resets = 0
+        self.last_loss: float | None = None
+        self.totals: dict[str, Any] = _new_totals()
+        self.last_stats: dict[int, dict] = {}
+        self._worker: TrioWorker | None = None
+        self._collectives: tuple[Any, Any] | None = None
+        self._clear_iter = -1
+
+    # -- the loss feed ----------------------------------------------------------------------------------------
+    def observe_loss(self, loss: float | torch.Tensor) -> None:
+        """Feed the training loss to the codec's p schedule (DGT: p = p0 * loss_t / loss_0). Call once per step
+        with this rank's loss; a tensor is read with ``float()`` (a device sync on CUDA)."""
+        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
+        self.last_loss = value
+        observe = getattr(self.codec, "observe_loss", None)
+        if observe is not None:
+            observe(value)
+
+    @property
+    def past_warmup(self) -> bool:
+        """Whether the current iteration uses the configured codec (False during the dense warm-up)."""
+        return self.iter >= self.warmup_iters
+
+    # -- run time ---------------------------------------------------------------------------------------------
+    @property
+    def worker(self) -> TrioWorker:
+        """The background trio worker, created on first use; its thread connects the group asynchronously."""
+        if self._worker is None:
+            pg = self.process_group
+            if pg is None:
+                if not dist.is_initialized():
+                    raise RuntimeError("DGTState needs torch.distributed initialised (or an explicit process_group)")
+                pg = self.process_group = dist.distributed_c10d._get_default_group()
+            store = self.store if self.store is not None else dist.distributed_c10d._get_default_store()
+            with _starts_lock:
+                n = next(_starts)
+            prefix = f"dgt-hook/{_group_name(pg)}/{n}"
+            connect = group_connector(pg.rank(), pg.size(), store=store, config=self.transport,
+                                      host=self.host, timeout=self.timeout, prefix=prefix)
+            self._worker = TrioWorker(connect, name=f"dgt-hook-{n}")
+        return self._worker
+
+    def collectives(self, group: Any) -> tuple[Any, Any]:
+        """(warm-up collective, main collective) on ``group``; built once, in the worker thread."""
+        if self._collectives is None or self._collectives[0].group is not group:
+            self._collectives = (self._make(group, self.warmup_codec), self._make(group, self.codec))
+        return self._collectives
+
+    def _make(self, group: Any, codec: Codec) -> Any:
+        from dgt.collectives import ParameterServer, RingAllReduce
+
+        if self.collective == "ring":
+            return RingAllReduce(group, codec, op="mean")
+        return ParameterServer(group, codec, op="mean", server=self.server, normalize=self.normalize,
+                               lossy_pull=self.lossy_pull)
+
+    def note_bucket(self, index: int, numel: int, dtype: torch.dtype, segments: list[int]) -> bool:
+        """Record a bucket's geometry; True when it changed (DDP rebuilt its buckets) and this is the first change
+        seen in this iteration, i.e. the hook should drop the codec's per-bucket state before the next round."""
+        sig = (numel, str(dtype), tuple(segments))
+        old = self.buckets.get(index)
+        if old == sig:
+            return False
+        self.buckets[index] = sig
+        if old is None:
+            return False
+        self.bucket_resets += 1
+        if self._clear_iter == self.iter:
+            return False
+        self._clear_iter = self.iter
+        return True
+
+    def record(self, index: int, stats: CollectiveStats, use_codec: bool, seconds: float) -> None:
+        """Fold one bucket's collective statistics into the running totals (called in the worker thread).
+        ``codec_buckets`` counts the buckets reduced with the configured codec (after the dense warm-up)."""
+        t = self.totals
+        t["buckets"] += 1
+        t["codec_buckets"] += int(use_codec)
+        t["blocks"] += stats.blocks
+        t["dropped"] += stats.dropped
+        t["seconds"] += seconds
+        for lane, b in stats.bytes_sent.items():
+            t["bytes_sent"][lane] = t["bytes_sent"].get(lane, 0) + b
+        entry = {"codec": self.codec.name if use_codec else "dense", "seconds": seconds, "blocks": stats.blocks,
+                 "dropped": stats.dropped, "bytes_sent": dict(stats.bytes_sent)}
+        schedule = getattr(self.codec, "schedule", None)
+        if use_codec and schedule is not None:
+            entry["p"] = schedule.p()
+        self.last_stats[index] = entry
+
+    def close(self) -> None:
+        """Stop the worker thread and close the transport (the state stays usable: it reconnects on next use)."""
+        if self._worker is not None:
+            self._worker.close()
+            self._worker = None
+            self._collectives = None
+
+    # -- checkpointing ----------------------------------------------------------------------------------------
+    def __getstate__(self) -> dict[str, Any]:
+        """Everything but the process group, the store and the worker (like PowerSGDState); call between steps."""
+        return {s: getattr(self, s) for s in self.__slots__ if s not in self._RUNTIME}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for slot in self._RUNTIME:
+            setattr(self, slot, None)
+        for k, v in state.items():
+            setattr(self, k, v)
+        if dist.is_initialized():
+            self.process_group = dist.distributed_c10d._get_default_group()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.__getstate__()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        keep = self.process_group, self.store
+        self.close()
+        self.__setstate__(state)
+        self.process_group, self.store = keep if keep[0] is not None else (self.process_group, keep[1])
+
+    def __repr__(self) -> str:
+        return (f"DGTState(codec={self.codec.name!r}, collective={self.collective!r}, warmup_iters={self.warmup_iters},"
+                f" iter={self.iter})")
+
+
+def _new_totals() -> dict[str, Any]:
+    return {"buckets": 0, "codec_buckets": 0, "blocks": 0, "dropped": 0, "seconds": 0.0, "bytes_sent": {}}
+
+
+def _group_name(pg: dist.ProcessGroup) -> str:
+    try:
+        return str(pg.group_name)
+    except Exception:  # a Python process group without a registered name
+        return "pg"
