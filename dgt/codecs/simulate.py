@@ -1,0 +1,390 @@
+"""In-process simulation of K ranks for the payload codecs (tests and experiments; no transport, no processes).
+
+Three loops, each calling the codecs exactly as a collective will (encode -> Received built from the parts, with
+droppable blocks optionally lost -> decode / aggregate / merge):
+
+- :func:`train_ps`: parameter server (Plump-DP, Slim-DP push + pull, Quant-DP = QSGD push + dense pull).
+- :func:`train_gossip`: decentralized ring with a mixing matrix (D-PSGD, DCD, ECD, naive compression).
+- :func:`train_model_averaging`: local epochs then model averaging of encoded parameters (Oland-Raj).
+
+The problem: scikit-learn's digits (1797 8x8 images, 10 classes), a fixed stratified 70/30 split, the training part
+sharded iid over the ranks, and a small MLP whose parameters live in one flat vector (forward by views of it).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from dgt.codecs.base import BucketState, Codec, Part, Received
+from dgt.codecs.bucketinfo import received_from_parts, set_segments, wire_bytes
+from dgt.codecs.registry import make_codec
+
+# ---------------------------------------------------------------------------------------------------------------
+# data and model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Data:
+    x_train: torch.Tensor
+    y_train: torch.Tensor
+    x_test: torch.Tensor
+    y_test: torch.Tensor
+
+
+_DIGITS: Data | None = None
+
+
+def digits() -> Data:
+    """Digits scaled to [0, 1], stratified 70/30 split with a fixed seed (cached)."""
+    global _DIGITS
+    if _DIGITS is None:
+        from sklearn.datasets import load_digits
+        from sklearn.model_selection import train_test_split
+
+        x, y = load_digits(return_X_y=True)
+        xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.3, random_state=0, stratify=y)
+        f = lambda a: torch.tensor(a, dtype=torch.float32)
+        i = lambda a: torch.tensor(a, dtype=torch.int64)
+        _DIGITS = Data(f(xtr), i(ytr), f(xte), i(yte))
+    return _DIGITS
+
+
+@dataclass
+class MLP:
+    """A fully connected net over a flat parameter vector: sizes [in, hidden..., out]."""
+
+    sizes: tuple[int, ...] = (64, 64, 10)
+    act: str = "relu"
+    shapes: list[tuple[int, ...]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.shapes = []
+        for a, b in zip(self.sizes[:-1], self.sizes[1:]):
+            self.shapes += [(b, a), (b,)]
+
+    @property
+    def segments(self) -> list[int]:
+        return [math.prod(s) for s in self.shapes]
+
+    @property
+    def numel(self) -> int:
+        return sum(self.segments)
+
+    def init(self, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        parts = []
+        for s in self.shapes:
+            if len(s) == 2:
+                bound = 1.0 / math.sqrt(s[1])
+                parts.append((torch.rand(s, generator=g) * 2 - 1).mul_(bound).reshape(-1))
+            else:
+                parts.append(torch.zeros(s).reshape(-1))
+        return torch.cat(parts)
+
+    def forward(self, flat: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        off = 0
+        h = x
+        nl = len(self.shapes) // 2
+        for layer in range(nl):
+            ws, bs = self.shapes[2 * layer], self.shapes[2 * layer + 1]
+            w = flat[off : off + math.prod(ws)].view(ws)
+            off += math.prod(ws)
+            b = flat[off : off + bs[0]]
+            off += bs[0]
+            h = F.linear(h, w, b)
+            if layer < nl - 1:
+                h = torch.relu(h) if self.act == "relu" else torch.tanh(h)
+        return h
+
+    def loss_grad(self, flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, l1: float = 0.0) -> torch.Tensor:
+        p = flat.detach().requires_grad_(True)
+        loss = F.cross_entropy(self.forward(p, x), y)
+        (g,) = torch.autograd.grad(loss, p)
+        if l1:
+            g = g + l1 * torch.sign(p.detach())
+        return g
+
+    @torch.no_grad()
+    def evaluate(self, flat: torch.Tensor, data: Data) -> dict[str, float]:
+        out_te = self.forward(flat, data.x_test)
+        out_tr = self.forward(flat, data.x_train)
+        return {
+            "accuracy": float((out_te.argmax(1) == data.y_test).float().mean()) * 100.0,
+            "train_loss": float(F.cross_entropy(out_tr, data.y_train)),
+            "test_loss": float(F.cross_entropy(out_te, data.y_test)),
+        }
+
+
+class Shards:
+    """The training set split iid over K ranks; each rank samples mini-batches with its own generator."""
+
+    def __init__(self, data: Data, k: int, seed: int, iid: bool = True) -> None:
+        g = torch.Generator().manual_seed(seed)
+        perm = torch.randperm(data.x_train.shape[0], generator=g)
+        if iid:
+            self.parts = [perm[i::k] for i in range(k)]
+        else:  # label-sorted contiguous shards: each rank sees only a few classes
+            order = perm[torch.argsort(data.y_train[perm], stable=True)]
+            self.parts = list(torch.chunk(order, k))
+        self.data = data
+        self.gens = [torch.Generator().manual_seed(seed * 1000 + 17 + i) for i in range(k)]
+
+    def batch(self, rank: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        idx = self.parts[rank]
+        pick = idx[torch.randint(idx.numel(), (size,), generator=self.gens[rank])]
+        return self.data.x_train[pick], self.data.y_train[pick]
+
+    def epoch(self, rank: int, size: int):
+        idx = self.parts[rank]
+        perm = idx[torch.randperm(idx.numel(), generator=self.gens[rank])]
+        for s in range(0, perm.numel(), size):
+            pick = perm[s : s + size]
+            yield self.data.x_train[pick], self.data.y_train[pick]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the wire
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Wire:
+    """Delivers parts: reliable parts always arrive; blocks of droppable parts (lane_class >= 1) are lost iid with
+    probability ``drop`` (zero-filled, as the transport does). Counts the bytes it carries."""
+
+    def __init__(self, drop: float = 0.0, seed: int = 0) -> None:
+        self.drop = float(drop)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.bytes = 0
+        self.blocks_lost = 0
+
+    def send(self, parts: list[Part]) -> list[Received]:
+        self.bytes += wire_bytes(parts)
+        if self.drop <= 0:
+            return received_from_parts(parts)
+        masks = []
+        for p in parts:
+            droppable = isinstance(p.lane_class, torch.Tensor) or p.lane_class >= 1
+            if not droppable:
+                masks.append(None)
+                continue
+            nb = -(-p.data.numel() // p.block_elems)
+            m = torch.rand(nb, generator=self.gen) >= self.drop
+            self.blocks_lost += int((~m).sum())
+            masks.append(m)
+        return received_from_parts(parts, masks)
+
+
+def _make(spec: str | Codec, **extra: object) -> Codec:
+    """A codec from a spec, with extra options (rank, mode) appended unless the spec sets them."""
+    if isinstance(spec, Codec):
+        return spec
+    name, _, opts = spec.partition(":")
+    given = {kv.split("=")[0].strip() for kv in opts.split(",") if kv}
+    add = [f"{k}={v}" for k, v in extra.items() if k not in given]
+    joined = ",".join(filter(None, [opts, *add]))
+    return make_codec(f"{name}:{joined}" if joined else name)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# parameter server
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train_ps(
+    push: str | None = None,
+    pull: str | None = None,
+    *,
+    k: int = 4,
+    rounds: int = 400,
+    lr: float = 0.05,
+    batch: int = 32,
+    seed: int = 0,
+    drop: float = 0.0,
+    model: MLP | None = None,
+    eval_every: int = 0,
+    iid: bool = True,
+) -> dict:
+    """Synchronous PS training: each round every worker takes one local SGD step on its mini-batch, pushes its
+    gradient (dense when ``push`` is None), the server applies ``w <- w - lr * sum_k decoded_k`` and every worker
+    pulls (dense copy of w when ``pull`` is None; otherwise the server encodes w once and each worker merges)."""
+    model = model or MLP()
+    data = digits()
+    shards = Shards(data, k, seed, iid)
+    w = model.init(seed)
+    local = [w.clone() for _ in range(k)]
+    wire_up, wire_down = Wire(drop, seed + 1), Wire(drop, seed + 2)
+    push_tx = [_make(push, rank=r, seed=seed) for r in range(k)] if push else []
+    push_rx = _make(push, seed=seed) if push else None
+    push_tx_state = [BucketState(w.numel(), w.dtype) for _ in range(k)]
+    push_rx_state = [BucketState(w.numel(), w.dtype) for _ in range(k)]  # one receive state per sender
+    if pull and pull.partition(":")[0].strip() != "slimdp":
+        raise ValueError("a compressed pull needs a codec with merge semantics (slimdp)")
+    pull_tx = _make(pull, mode="pull", rank=k, seed=seed) if pull else None
+    pull_tx_state = BucketState(w.numel(), w.dtype)
+    pull_rx_state = [BucketState(w.numel(), w.dtype) for _ in range(k)]
+    for st in (*push_tx_state, *push_rx_state, pull_tx_state, *pull_rx_state):
+        set_segments(st, model.segments)
+    history = []
+    for t in range(rounds):
+        decoded = []
+        for r in range(k):
+            xb, yb = shards.batch(r, batch)
+            g = model.loss_grad(local[r], xb, yb)
+            local[r] -= lr * g
+            if push_rx is None:
+                wire_up.bytes += g.numel() * g.element_size()
+                decoded.append(g)
+            else:
+                parts = push_tx[r].encode(g, push_tx_state[r])
+                decoded.append(push_rx.decode(wire_up.send(parts), push_rx_state[r], g))
+        agg = push_rx.aggregate(decoded) if push_rx is not None else torch.stack(decoded).sum(0)
+        w -= lr * agg
+        if pull_tx is None:
+            wire_down.bytes += k * w.numel() * w.element_size()
+            local = [w.clone() for _ in range(k)]
+        else:
+            parts = pull_tx.encode(w, pull_tx_state)
+            for r in range(k):
+                local[r] = pull_tx.merge(wire_down.send(parts), pull_rx_state[r], local[r])
+        if eval_every and (t + 1) % eval_every == 0:
+            history.append({"round": t + 1, **model.evaluate(w, data)})
+    res = model.evaluate(w, data)
+    n = w.numel()
+    res.update(
+        rounds=rounds,
+        numel=n,
+        push_bytes_per_round_per_worker=wire_up.bytes / (rounds * k),
+        pull_bytes_per_round_per_worker=wire_down.bytes / (rounds * k),
+        push_ratio=4.0 * n / (wire_up.bytes / (rounds * k)),
+        blocks_lost=wire_up.blocks_lost + wire_down.blocks_lost,
+        history=history,
+    )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# gossip
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train_gossip(
+    spec: str,
+    *,
+    k: int = 4,
+    rounds: int = 400,
+    lr: float = 0.1,
+    batch: int = 32,
+    seed: int = 0,
+    model: MLP | None = None,
+    mixing: torch.Tensor | None = None,
+    eval_every: int = 0,
+) -> dict:
+    """Decentralized SGD on a ring (W = 1/3 by default) with the algorithm the codec names (dcd / ecd /
+    naive-gossip; ``dcd:bits=32`` is full-precision D-PSGD). Evaluates the average of the local models."""
+    from dgt.codecs.decentralized import mixing_row, ring_matrix
+
+    model = model or MLP()
+    data = digits()
+    shards = Shards(data, k, seed)
+    x0 = model.init(seed)
+    w = mixing if mixing is not None else ring_matrix(k)
+    proto = _make(spec, seed=seed)
+    nodes = [proto.make_node(r, x0, mixing_row(w, r), lr) for r in range(k)]
+    wire = Wire(0.0, seed)
+    history = []
+    for t in range(rounds):
+        payloads = []
+        for r, node in enumerate(nodes):
+            xb, yb = shards.batch(r, batch)
+            payloads.append(node.step(model.loss_grad(node.x, xb, yb)))
+        for node in nodes:
+            for j in node.neighbours:
+                node.receive(j, wire.send(payloads[j]))
+        if eval_every and (t + 1) % eval_every == 0:
+            xbar = torch.stack([nd.x for nd in nodes]).mean(0)
+            history.append({"round": t + 1, **model.evaluate(xbar, data)})
+    xbar = torch.stack([nd.x for nd in nodes]).mean(0)
+    res = model.evaluate(xbar, data)
+    msgs = rounds * sum(len(nd.neighbours) for nd in nodes)
+    res.update(
+        rounds=rounds,
+        numel=x0.numel(),
+        bytes_per_message=wire.bytes / msgs,
+        ratio=4.0 * x0.numel() / (wire.bytes / msgs),
+        consensus=float(torch.stack([(nd.x - xbar).norm() for nd in nodes]).max()),
+        worst_node_accuracy=min(model.evaluate(nd.x, data)["accuracy"] for nd in nodes),
+        history=history,
+        nodes=nodes,
+        xbar=xbar,
+    )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# model averaging (Oland-Raj)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train_model_averaging(
+    spec: str | None = None,
+    *,
+    k: int = 4,
+    epochs: int = 30,
+    lr: float = 0.1,
+    batch: int = 16,
+    l1: float = 0.0,
+    seed: int = 0,
+    model: MLP | None = None,
+) -> dict:
+    """Each epoch every worker trains one local epoch on its shard, then sends its parameters (encoded with ``spec``,
+    or fp32 when None); every worker decodes all K messages and takes their mean, so all end with the same model."""
+    model = model or MLP()
+    data = digits()
+    shards = Shards(data, k, seed)
+    w = model.init(seed)
+    codecs = [_make(spec, rank=r, seed=seed) for r in range(k)] if spec else []
+    states = [BucketState(w.numel(), w.dtype) for _ in range(k)]
+    for st in states:
+        set_segments(st, model.segments)
+    wire = Wire(0.0, seed)
+    bits, payload_bits, raw_bits, layer_bits = [], [], [], []
+    for _ in range(epochs):
+        decoded = []
+        for r in range(k):
+            local = w.clone()
+            for xb, yb in shards.epoch(r, batch):
+                local -= lr * model.loss_grad(local, xb, yb, l1)
+            if codecs:
+                parts = codecs[r].encode(local, states[r])
+                st = codecs[r].last_stats
+                bits.append(st["bits_per_param"])
+                payload_bits.append(st["payload_bits_per_param"])
+                raw_bits.append(st["raw_bits_per_param"])
+                layer_bits.append([L["N"] for L in st["layers"]])
+                decoded.append(codecs[r].decode(wire.send(parts), states[r], local))
+            else:
+                wire.bytes += local.numel() * 4
+                bits.append(32.0)
+                payload_bits.append(32.0)
+                raw_bits.append(32.0)
+                decoded.append(local)
+        w = torch.stack(decoded).mean(0)
+    res = model.evaluate(w, data)
+    mean = lambda v: sum(v) / len(v)
+    res.update(
+        epochs=epochs,
+        numel=w.numel(),
+        bits_per_param=mean(bits),
+        payload_bits_per_param=mean(payload_bits),
+        raw_bits_per_param=mean(raw_bits),
+        reduction=32.0 / mean(bits),
+        payload_reduction=32.0 / mean(payload_bits),
+        layer_bits_last=layer_bits[-k:] if layer_bits else [],
+        final_params=w,
+    )
+    return res
