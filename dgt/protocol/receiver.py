@@ -8,6 +8,7 @@ Reliable-lane payloads can be received zero-copy: :meth:`payload_target` returns
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -22,6 +23,17 @@ from dgt.protocol.stats import ReceiverCounters, RoundStats
 from dgt.wire import Flags, FrameType
 
 Key = tuple[int, int, int]  # (sender rank, bucket, round)
+# (key, numel, dtype) -> a caller-owned contiguous CPU tensor to reassemble into, or None for a fresh one
+Allocator = Callable[[Key, int, torch.dtype], "torch.Tensor | None"]
+
+
+def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A zero tensor backed by calloc'd pages: no memset pass over the bucket before its first byte arrives
+    (torch.zeros touches every page up front, which costs as much as receiving a large bucket over loopback)."""
+    if numel == 0:
+        return torch.zeros(0, dtype=dtype)
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)
 
 
 @dataclass
@@ -54,19 +66,40 @@ def _reencode(f: wire.Frame) -> bytes:
     return h.tobytes() + bytes(f.payload)
 
 
+def _group_by_round(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Distinct (rank, bucket, round) keys of a header batch and each header's key index; the common case of one
+    key skips the (slow) row-wise unique."""
+    keys = np.stack([h["rank"].astype(np.int64), h["bucket"].astype(np.int64), h["round"].astype(np.int64)], 1)
+    if (keys == keys[0]).all():
+        return keys[:1], np.zeros(len(keys), dtype=np.int64)
+    ukeys, inv = np.unique(keys, axis=0, return_inverse=True)
+    return ukeys, inv.reshape(-1)
+
+
 class _Round:
-    def __init__(self, key: Key, layout: BucketLayout, frag: int, dtype: wire.WireDType, codec: int) -> None:
+    def __init__(
+        self,
+        key: Key,
+        layout: BucketLayout,
+        frag: int,
+        dtype: wire.WireDType,
+        codec: int,
+        buffer: torch.Tensor | None = None,
+    ) -> None:
         self.key = key
         self.layout = layout
         self.geom = Geometry(layout, frag)
         self.dtype = dtype
         self.codec = codec
-        self.data = torch.zeros(layout.numel, dtype=wire.TORCH_OF[dtype])
+        self.fresh = buffer is None  # a fresh buffer is all zeros; a caller's buffer must have lost blocks zeroed
+        self.data = zeroed(layout.numel, wire.TORCH_OF[dtype]) if buffer is None else buffer
         self.raw = self.data.view(torch.uint8).numpy()
         self.isz = self.data.element_size()
         nb = layout.nblocks
         self.got = np.zeros((nb, self.geom.frags_per_block), dtype=bool)
         self.nfrag = np.zeros(nb, dtype=np.int64)
+        self.n_done = 0  # blocks with every fragment in (kept incrementally: no O(blocks) pass per frame)
+        self.n_imp_done = 0  # of those, blocks flagged important
         self.important = np.zeros(nb, dtype=bool)
         self.lane_of = np.zeros(nb, dtype=np.int8)
         self.stats = RoundStats(sender=key[0], bucket=key[1], round=key[2], blocks=nb)
@@ -83,11 +116,10 @@ class _Round:
     def important_complete(self) -> bool:
         if self.end is None:
             return False
-        done = self.important & (self.nfrag >= self.geom.frags_needed)
-        return int(done.sum()) >= self.end[0]
+        return self.n_imp_done >= self.end[0]
 
     def complete(self) -> bool:
-        return self.end is not None and int((self.nfrag >= self.geom.frags_needed).sum()) >= self.end[0] + self.end[1]
+        return self.end is not None and self.n_done >= self.end[0] + self.end[1]
 
 
 class RoundReceiver:
@@ -102,8 +134,10 @@ class RoundReceiver:
         deadline: DeadlinePolicy | None = None,
         early_bytes: int = 16 << 20,
         max_open_bytes: int = 4 << 30,
+        allocator: Allocator | None = None,
     ) -> None:
         self.token = token
+        self.allocator = allocator
         self.rank = rank
         self.limits = limits
         self.deadline = deadline or AdaptiveGrace()
@@ -112,7 +146,8 @@ class RoundReceiver:
         self.rounds: dict[Key, _Round] = {}
         self.closed: OrderedDict[Key, None] = OrderedDict()
         self.counters = ReceiverCounters()
-        self._early: list[tuple[Key, int, bytes]] = []
+        # (key, lane, bytes, datagram sizes or None for one frame): input for rounds not open yet, replayed in order
+        self._early: list[tuple[Key, int, bytes, np.ndarray | None]] = []
         self._early_size = 0
 
     # -- helpers
@@ -121,7 +156,7 @@ class RoundReceiver:
             self.counters.late += 1
             return
         if frame_bytes is not None and self._early_size + len(frame_bytes) <= self.early_bytes:
-            self._early.append((key, lane, frame_bytes))
+            self._early.append((key, lane, frame_bytes, None))
             self._early_size += len(frame_bytes)
             self.counters.early_buffered += 1
         else:
@@ -149,15 +184,32 @@ class RoundReceiver:
         if sum(r.nbytes for r in self.rounds.values()) + need > self.max_open_bytes:
             self.counters.reject("memory-budget")
             return []
-        self.rounds[key] = _Round(key, layout, frag, f.dtype, f.codec)
+        self.rounds[key] = _Round(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
         events: list = []
         if self._early:
             replay = [e for e in self._early if e[0] == key]
             self._early = [e for e in self._early if e[0] != key]
             self._early_size = sum(len(e[2]) for e in self._early)
-            for _, lane, data in replay:
-                events += self.receive_bytes(data, lane, now)
+            for _, lane, data, sizes in replay:
+                if sizes is None:
+                    events += self.receive_bytes(data, lane, now)
+                else:
+                    batch = wire.decode_datagrams(data, sizes, self.limits, self.token)
+                    events += self.receive_datagrams(batch, lane, now)
         return events
+
+    def _buffer(self, key: Key, numel: int, dtype: wire.WireDType) -> torch.Tensor | None:
+        """The allocator's buffer for a new round if it fits exactly (contiguous CPU, same size and dtype)."""
+        if self.allocator is None:
+            return None
+        tdt = wire.TORCH_OF[dtype]
+        buf = self.allocator(key, numel, tdt)
+        if buf is None:
+            return None
+        if buf.device.type != "cpu" or not buf.is_contiguous() or buf.numel() != numel or buf.dtype != tdt:
+            self.counters.reject("buffer-mismatch")
+            return None
+        return buf.view(-1)
 
     # -- frame input
     def receive_bytes(self, data: bytes | bytearray | memoryview, lane: int, now: float) -> list:
@@ -245,16 +297,97 @@ class RoundReceiver:
             return []
         return self._mark_run(r, h, lane, now)
 
+    def receive_runs(self, batch: wire.Batch, lane: int, now: float) -> list:
+        """A batch of reliable-lane DATA runs already in memory (small frames staged together by the channel):
+        validated, copied and marked in one vectorised pass, as :meth:`receive_datagrams` does for fragments."""
+        h = batch.headers
+        ok = batch.valid
+        if (~ok).any():
+            for code, n in zip(*np.unique(batch.reason[~ok], return_counts=True)):
+                self.counters.reject(wire.REASONS[int(code)], int(n))
+        is_run = ok & (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0)
+        if (ok & ~is_run).any():
+            self.counters.reject("not-a-run", int((ok & ~is_run).sum()))
+        idx = np.flatnonzero(is_run)
+        if len(idx) == 0:
+            return []
+        src = np.frombuffer(batch.buf, np.uint8)
+        ukeys, inv = _group_by_round(h[idx])
+        events: list = []
+        for j, kk in enumerate(ukeys.tolist()):
+            key = (kk[0], kk[1], kk[2])
+            sel = idx[inv == j]
+            r = self.rounds.get(key)
+            if r is None:
+                if key in self.closed:
+                    self.counters.late += len(sel)
+                else:
+                    self.counters.unknown += len(sel)
+                continue
+            events += self._runs(r, h[sel], src, batch.payload_pos[sel], lane, now)
+        return events
+
+    def _runs(self, r: _Round, h: np.ndarray, src: np.ndarray, pos: np.ndarray, lane: int, now: float) -> list:
+        """Check runs against the layout (start on a block start, end on a block end), copy them, mark their blocks."""
+        g, isz, nb = r.geom, r.isz, r.geom.nblocks
+        blk = h["block"].astype(np.int64)
+        off = h["offset"].astype(np.int64)
+        cnt = h["count"].astype(np.int64)
+        b = np.where(blk < nb, blk, 0)
+        last = np.searchsorted(g.block_end, off + cnt)
+        lastc = np.minimum(last, max(nb - 1, 0))
+        good = (
+            (blk < nb) & (h["dtype"] == r.dtype) & (cnt > 0) & (off == g.block_start[b]) & (last < nb)
+            & (g.block_end[lastc] == off + cnt)
+        )  # fmt: skip
+        r.stats.rejected += int((~good).sum())
+        h, b, last, off, cnt, pos = h[good], b[good], last[good], off[good], cnt[good], pos[good]
+        if len(b) == 0:
+            return []
+        nbytes = cnt * isz
+        if (nbytes == nbytes[0]).all():
+            n = int(nbytes[0])
+            dst = np.lib.stride_tricks.as_strided(r.raw, shape=(len(r.raw) - n + 1, n), strides=(1, 1))
+            srows = np.lib.stride_tricks.as_strided(src, shape=(len(src) - n + 1, n), strides=(1, 1))
+            dst[off * isz] = srows[pos]
+        else:  # runs of different lengths: one slice copy per frame
+            for o, p, n in zip(off.tolist(), pos.tolist(), nbytes.tolist()):
+                r.raw[o * isz : o * isz + n] = src[p : p + n]
+        per = last - b + 1  # blocks per run
+        first_of = np.repeat(np.cumsum(per) - per, per)
+        allb = np.repeat(b, per) + (np.arange(int(per.sum())) - first_of)
+        ub, first = np.unique(allb, return_index=True)
+        again = np.ones(len(allb), dtype=bool)
+        again[first] = False  # a block seen earlier in this batch
+        dup = again | (r.nfrag[allb] >= g.frags_needed[allb])
+        r.stats.duplicated += int(np.logical_or.reduceat(dup, np.cumsum(per) - per).sum())
+        done_before = r.nfrag[ub] >= g.frags_needed[ub]
+        imp_done_before = int((done_before & r.important[ub]).sum())
+        r.nfrag[ub] = g.frags_needed[ub]
+        imp = np.repeat((h["flags"] & Flags.IMPORTANT) != 0, per)
+        r.important[allb[imp]] = True
+        r.lane_of[allb] = lane
+        r.n_done += int((~done_before).sum())
+        r.n_imp_done += int(r.important[ub].sum()) - imp_done_before
+        ls = r.stats.lane(lane)
+        ls.frames += len(b)
+        ls.bytes += int((nbytes + wire.HEADER_SIZE).sum())
+        return self._progress(r, now)
+
     def _mark_run(self, r: _Round, h, lane: int, now: float) -> list:
         b0 = int(h["block"])
         off, cnt = int(h["offset"]), int(h["count"])
         b1 = int(np.searchsorted(r.geom.block_end, off + cnt)) + 1
         fresh = r.nfrag[b0:b1] < r.geom.frags_needed[b0:b1]
-        if not fresh.all():
+        n_fresh = int(fresh.sum())
+        if n_fresh < b1 - b0:
             r.stats.duplicated += 1
+        imp_done_before = int((r.important[b0:b1] & ~fresh).sum())
         r.nfrag[b0:b1] = r.geom.frags_needed[b0:b1]
         if int(h["flags"]) & Flags.IMPORTANT:
             r.important[b0:b1] = True
+        r.n_done += n_fresh  # every block of the run is complete now
+        r.n_imp_done += int(r.important[b0:b1].sum()) - imp_done_before
         r.lane_of[b0:b1] = lane
         ls = r.stats.lane(lane)
         ls.frames += 1
@@ -298,22 +431,40 @@ class RoundReceiver:
         if len(idx) == 0:
             return []
         src = np.frombuffer(batch.buf, np.uint8)
-        hk = h[idx]
-        keys = np.stack([hk["rank"].astype(np.int64), hk["bucket"].astype(np.int64), hk["round"].astype(np.int64)], 1)
-        ukeys, inv = np.unique(keys, axis=0, return_inverse=True)
-        inv = inv.reshape(-1)
+        ukeys, inv = _group_by_round(h[idx])
         events: list = []
         for j, kk in enumerate(ukeys.tolist()):
             key = (kk[0], kk[1], kk[2])
             sel = idx[inv == j]
             r = self.rounds.get(key)
             if r is None:
-                for i in sel.tolist():
-                    f = wire.frame_at(batch, i)
-                    self._late_or_unknown(key, lane, h[i : i + 1].tobytes() + bytes(f.payload))
+                self._early_datagrams(key, lane, batch, sel)
                 continue
             events += self._fragments(r, h[sel], src, batch.payload_pos[sel], lane, now)
         return events
+
+    def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray) -> None:
+        """Datagrams of a round that is not open (yet): late if it closed, else kept as one block that is replayed
+        through this vectorised path when its ROUND_BEGIN arrives (datagrams often overtake it)."""
+        if key in self.closed:
+            self.counters.late += len(sel)
+            return
+        sizes = batch.headers["length"][sel].astype(np.int64) + wire.HEADER_SIZE
+        total = int(sizes.sum())
+        if self._early_size + total > self.early_bytes:
+            self.counters.unknown += len(sel)
+            return
+        src = np.frombuffer(batch.buf, np.uint8)
+        starts = batch.payload_pos[sel] - wire.HEADER_SIZE
+        if (sizes == sizes[0]).all():
+            n = int(sizes[0])
+            rows = np.lib.stride_tricks.as_strided(src, shape=(len(src) - n + 1, n), strides=(1, 1))
+            data = rows[starts].tobytes()
+        else:  # odd-size tails mixed in: rare, a slice per datagram
+            data = b"".join(src[a : a + n].tobytes() for a, n in zip(starts.tolist(), sizes.tolist()))
+        self._early.append((key, lane, data, sizes))
+        self._early_size += total
+        self.counters.early_buffered += len(sel)
 
     def _fragments(self, r: _Round, h: np.ndarray, src: np.ndarray, pos: np.ndarray, lane: int, now: float) -> list:
         """Validate, de-duplicate and scatter fragments into the round buffer (vectorised over the fragments)."""
@@ -346,6 +497,9 @@ class RoundReceiver:
         r.stats.duplicated += int((~fresh).sum())
         b, fidx, off, cnt, pos = b[fresh], fidx[fresh], off[fresh], cnt[fresh], pos[fresh]
         if len(b):
+            touched = np.unique(b)
+            done_before = r.nfrag[touched] >= g.frags_needed[touched]
+            imp_done_before = int((done_before & r.important[touched]).sum())
             isz = r.isz
             full = cnt == g.frag
             fb = g.frag * isz
@@ -359,6 +513,9 @@ class RoundReceiver:
             np.add.at(r.nfrag, b, 1)
             r.lane_of[b] = lane
             r.important[b] |= (hs["flags"][fresh] & Flags.IMPORTANT) != 0
+            done_after = r.nfrag[touched] >= g.frags_needed[touched]
+            r.n_done += int(done_after.sum()) - int(done_before.sum())
+            r.n_imp_done += int((done_after & r.important[touched]).sum()) - imp_done_before
         ls = r.stats.lane(lane)
         ls.frames += len(hs)
         ls.bytes += int((hs["length"].astype(np.int64) + wire.HEADER_SIZE).sum())
@@ -392,15 +549,33 @@ class RoundReceiver:
         return out
 
     def abort(self, sender: int, now: float) -> list[RoundDone]:
-        """Finalise every open round of ``sender`` as it stands (the peer is gone)."""
-        return [self._finalise(r, now, "aborted") for k, r in list(self.rounds.items()) if k[0] == sender]
+        """Finalise every open round of ``sender`` as it stands (the peer is gone). A round whose important blocks
+        were all in is as good as one closed by its deadline and closes as "sender-gone"; the others as "aborted"."""
+        out = []
+        for k, r in list(self.rounds.items()):
+            if k[0] == sender:
+                out.append(self._finalise(r, now, "sender-gone" if r.imp_done_at is not None else "aborted"))
+        return out
+
+    def _zero_blocks(self, r: _Round, sel: np.ndarray) -> None:
+        """Zero the selected blocks in place: one strided scatter for full blocks, a slice per short tensor tail."""
+        blocks = np.flatnonzero(sel)
+        if len(blocks) == 0:
+            return
+        g, isz = r.geom, r.isz
+        full = g.block_len[blocks] == r.layout.block
+        fb = r.layout.block * isz
+        if full.any():
+            rows = np.lib.stride_tricks.as_strided(r.raw, shape=(len(r.raw) - fb + 1, fb), strides=(1, 1))
+            rows[g.block_start[blocks[full]] * isz] = 0
+        for b in blocks[~full].tolist():  # at most one short block per tensor
+            r.raw[g.block_start[b] * isz : g.block_end[b] * isz] = 0
 
     def _finalise(self, r: _Round, now: float, why: str) -> RoundDone:
         g = r.geom
         mask = r.nfrag >= g.frags_needed
         partial = (r.nfrag > 0) & ~mask
-        if partial.any():
-            r.data[r.layout.expand(torch.from_numpy(partial))] = 0
+        self._zero_blocks(r, partial if r.fresh else ~mask)
         st = r.stats
         st.important = int((mask & r.important).sum())
         st.unimportant_received = int((mask & ~r.important).sum())

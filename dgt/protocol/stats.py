@@ -28,7 +28,7 @@ class RoundStats:
     rejected: int = 0  # frames that failed validation against the round (bad offsets, counts)
     late: int = 0  # frames that arrived after the round was finalised
     deadline_wait: float = 0.0  # seconds from "all important in" to finalisation
-    closed_by: str = ""  # "complete" or "deadline"
+    closed_by: str = ""  # "complete", "deadline", "sender-gone" (important all in) or "aborted"
     lanes: dict[int, LaneStats] = field(default_factory=dict)
 
     def lane(self, lane: int) -> LaneStats:

@@ -1,0 +1,193 @@
+"""Reliable lane: a non-blocking TCP socket driven by trio's readiness waits.
+
+The socket is a plain stdlib socket in non-blocking mode: every call first tries the syscall and only waits when
+the kernel says EAGAIN, so a busy stream costs one syscall per chunk and no event-loop round trip. Connection loss
+becomes :class:`PeerClosed`.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+
+import trio
+
+from dgt.channels.lanes import LaneSpec
+from dgt.channels.sockopts import family_of, set_buffers, set_dscp, set_priority, tune_tcp
+from dgt.errors import PeerClosed, PeerTimeout
+
+_LOST = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+
+
+class TcpChannel:
+    """One connected TCP socket: scatter-gather sends, ``recv_into`` receives, byte counters, last-receive time."""
+
+    def __init__(self, sock: socket.socket, lane: LaneSpec, *, rcvbuf: int | None = None, sndbuf: int | None = None,
+                 user_timeout: float | None = None) -> None:
+        sock.setblocking(False)
+        self.sock = sock
+        self.lane = lane
+        tune_tcp(sock, user_timeout)
+        self.dscp_ok = set_dscp(sock, lane.dscp)
+        self.priority_ok = set_priority(sock, lane.so_priority)
+        self.rcvbuf, self.sndbuf = set_buffers(sock, rcvbuf, sndbuf)
+        self.closed = False
+        self.tx_bytes = 0
+        self.tx_calls = 0
+        self.rx_bytes = 0
+        self.rx_calls = 0
+        self.last_rx = trio.current_time()
+        self.label = "peer"
+
+    def _lost(self, exc: BaseException | None = None) -> PeerClosed:
+        why = "the connection was closed" if exc is None else f"the connection failed ({exc})"
+        return PeerClosed(f"{self.label}: {why}")
+
+    async def send_buffers(self, bufs: list) -> None:
+        """Send every byte of ``bufs`` in order (one sendmsg per kernel-accepted chunk, partial sends resumed)."""
+        views = [memoryview(b).cast("B") for b in bufs]
+        views = [v for v in views if len(v)]
+        while views:
+            try:
+                n = self.sock.sendmsg(views)
+            except BlockingIOError:
+                await self._wait(trio.lowlevel.wait_writable)
+                continue
+            except _LOST as exc:
+                raise self._lost(exc) from exc
+            except OSError as exc:
+                if self.closed or exc.errno == errno.EBADF:
+                    raise self._lost() from exc
+                raise
+            self.tx_calls += 1
+            self.tx_bytes += n
+            while n and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+
+    async def recv_into(self, buf: memoryview) -> int:
+        """Receive at least one byte into ``buf``; PeerClosed at end of stream."""
+        while True:
+            try:
+                n = self.sock.recv_into(buf)
+            except BlockingIOError:
+                await self._wait(trio.lowlevel.wait_readable)
+                continue
+            except _LOST as exc:
+                raise self._lost(exc) from exc
+            except OSError as exc:
+                if self.closed or exc.errno == errno.EBADF:
+                    raise self._lost() from exc
+                raise
+            if n == 0 and len(buf):
+                raise self._lost()
+            self.rx_calls += 1
+            self.rx_bytes += n
+            self.last_rx = trio.current_time()
+            return n
+
+    async def recv_exactly(self, buf: memoryview) -> None:
+        got = 0
+        while got < len(buf):
+            got += await self.recv_into(buf[got:])
+
+    async def _wait(self, waiter) -> None:
+        if self.closed:
+            raise self._lost()
+        try:
+            await waiter(self.sock)
+        except (trio.ClosedResourceError, OSError) as exc:
+            raise self._lost(exc) from exc
+
+    def close(self) -> None:
+        """Close the socket, waking any task blocked on it (they see PeerClosed)."""
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            trio.lowlevel.notify_closing(self.sock)
+        except (OSError, ValueError):
+            pass
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self.sock.close()
+
+
+class TcpListener:
+    """A listening socket bound to ``host`` (port 0 picks a free port), marked like the reliable lane so that
+    accepted connections inherit the marking from their first packet on."""
+
+    def __init__(self, host: str, lane: LaneSpec, port: int = 0, backlog: int = 128) -> None:
+        fam = family_of(host)
+        sock = socket.socket(fam, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            set_dscp(sock, lane.dscp)
+            set_priority(sock, lane.so_priority)
+            sock.bind((host, port))
+            sock.listen(backlog)
+            sock.setblocking(False)
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
+        self.lane = lane
+        self.closed = False
+
+    @property
+    def port(self) -> int:
+        return self.sock.getsockname()[1]
+
+    async def accept(self) -> socket.socket:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+                return conn
+            except BlockingIOError:
+                await trio.lowlevel.wait_readable(self.sock)
+            except (ConnectionAbortedError, InterruptedError):
+                continue
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            try:
+                trio.lowlevel.notify_closing(self.sock)
+            except (OSError, ValueError):
+                pass
+            self.sock.close()
+
+
+async def dial(host: str, port: int, lane: LaneSpec, timeout: float) -> socket.socket:
+    """Connect within ``timeout`` seconds, retrying refused connections (the peer may still be starting);
+    PeerTimeout when the peer never accepts. The socket is marked before connect so even the SYN carries the DSCP."""
+    fam = family_of(host)
+    delay = 0.01
+    with trio.move_on_after(timeout):
+        while True:
+            sock = socket.socket(fam, socket.SOCK_STREAM)
+            set_dscp(sock, lane.dscp)
+            set_priority(sock, lane.so_priority)
+            sock.setblocking(False)
+            try:
+                err = sock.connect_ex((host, port))
+                if err in (errno.EINPROGRESS, errno.EAGAIN):
+                    await trio.lowlevel.wait_writable(sock)
+                    err = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ERROR)
+                if err == 0:
+                    return sock
+            except BaseException:
+                sock.close()
+                raise
+            sock.close()
+            if err not in (errno.ECONNREFUSED, errno.ECONNRESET, errno.ETIMEDOUT, errno.EHOSTUNREACH):
+                raise OSError(err, f"connect to {host}:{port}: {errno.errorcode.get(err, err)}")
+            await trio.sleep(delay)
+            delay = min(delay * 2, 0.25)
+    raise PeerTimeout(f"could not connect to {host}:{port} within {timeout:g} s")

@@ -1,0 +1,85 @@
+"""Send order on the reliable lane: one writer task per connection, urgent frames (round openings, drop reports,
+control) ahead of bulk data, bulk data first-in first-out at frame granularity."""
+
+from __future__ import annotations
+
+from collections import deque
+
+import trio
+
+from dgt.channels.tcp import TcpChannel
+from dgt.errors import PeerClosed
+from dgt.scheduler.slot import Slot
+
+
+class ReliableWriter:
+    """Queues frames for one :class:`TcpChannel`. A queued item is a list of buffers sent back to back; its slot
+    (if any) is set once the kernel took its last byte. After a failure every queued and future slot fails."""
+
+    def __init__(self, chan: TcpChannel) -> None:
+        self.chan = chan
+        self._urgent: deque[tuple[list, Slot | None]] = deque()
+        self._bulk: deque[tuple[list, Slot | None]] = deque()
+        self._wake = trio.Event()
+        self._error: BaseException | None = None
+        self.frames = 0
+
+    def push(self, bufs: list, *, urgent: bool = False, slot: Slot | None = None) -> Slot | None:
+        if self._error is not None:
+            if slot is not None:
+                slot.fail(self._error)
+            return slot
+        (self._urgent if urgent else self._bulk).append((bufs, slot))
+        self._wake.set()
+        return slot
+
+    def push_frames(self, frames: list[tuple[bytes, memoryview]], *, urgent: bool = False) -> Slot:
+        """Queue (header, payload) frames; the returned slot completes when the last one is written."""
+        done = Slot()
+        if not frames:
+            done.set()
+            return done
+        for i, (hdr, payload) in enumerate(frames):
+            self.push([hdr, payload], urgent=urgent, slot=done if i == len(frames) - 1 else None)
+        return done
+
+    @property
+    def queued(self) -> int:
+        return len(self._urgent) + len(self._bulk)
+
+    def fail(self, error: BaseException) -> None:
+        """Fail every queued item and refuse new ones."""
+        if self._error is None:
+            self._error = error
+        for q in (self._urgent, self._bulk):
+            while q:
+                _, slot = q.popleft()
+                if slot is not None:
+                    slot.fail(error)
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Write queued items until failure (raises the channel's error after failing the queue)."""
+        try:
+            while self._error is None:
+                if self._urgent:
+                    bufs, slot = self._urgent.popleft()
+                elif self._bulk:
+                    bufs, slot = self._bulk.popleft()
+                else:
+                    await self._wake.wait()
+                    self._wake = trio.Event()
+                    continue
+                try:
+                    await self.chan.send_buffers(bufs)
+                except BaseException as exc:
+                    if slot is not None:
+                        slot.fail(exc if isinstance(exc, Exception) else PeerClosed("the connection writer stopped"))
+                    raise
+                self.frames += 1
+                if slot is not None:
+                    slot.set()
+                await trio.lowlevel.checkpoint()
+        except BaseException as exc:
+            self.fail(exc if isinstance(exc, Exception) else PeerClosed("the connection writer stopped"))
+            raise

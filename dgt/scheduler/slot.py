@@ -1,0 +1,42 @@
+"""A one-shot result that tasks can wait on: set once with a value or an exception (a trio Event plus payload)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import trio
+
+
+class Slot:
+    """Completed by :meth:`set` or :meth:`fail`; later completions are ignored, so racing paths need no checks."""
+
+    __slots__ = ("_event", "_value", "_error")
+
+    def __init__(self) -> None:
+        self._event = trio.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    @property
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    @property
+    def error(self) -> BaseException | None:
+        return self._error
+
+    def set(self, value: Any = None) -> None:
+        if not self._event.is_set():
+            self._value = value
+            self._event.set()
+
+    def fail(self, error: BaseException) -> None:
+        if not self._event.is_set():
+            self._error = error
+            self._event.set()
+
+    async def wait(self) -> Any:
+        await self._event.wait()
+        if self._error is not None:
+            raise self._error.with_traceback(None)  # shared by every waiter: do not pile up their tracebacks
+        return self._value

@@ -1,0 +1,102 @@
+"""Configuration of an endpoint and the address it publishes to its peers."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from dgt import wire
+from dgt.channels.lanes import LaneSpec, default_lanes, validate_lanes
+from dgt.protocol.deadline import DeadlinePolicy, make_deadline
+
+
+@dataclass(frozen=True)
+class PeerAddress:
+    """Where a peer listens: its TCP port and one UDP port per unreliable lane. Picklable and JSON-able, for a
+    rendezvous store."""
+
+    host: str
+    tcp_port: int
+    udp_ports: tuple[int, ...]
+    rank: int = -1
+
+    def to_dict(self) -> dict:
+        return {"host": self.host, "tcp_port": self.tcp_port, "udp_ports": list(self.udp_ports), "rank": self.rank}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict())
+
+    @classmethod
+    def from_dict(cls, d: dict) -> PeerAddress:
+        return cls(str(d["host"]), int(d["tcp_port"]), tuple(int(p) for p in d["udp_ports"]), int(d.get("rank", -1)))
+
+    @classmethod
+    def from_json(cls, text: str) -> PeerAddress:
+        return cls.from_dict(json.loads(text))
+
+
+@dataclass
+class TransportConfig:
+    """Everything an endpoint needs to know; every field has a default that works over loopback and LANs.
+
+    lanes: lane 0 the TCP lane, then UDP lanes in descending importance (block class k goes to lane k).
+    datagram_payload: UDP payload bytes per datagram (fits a 1500-byte MTU; raise it on loopback or jumbo links).
+    pace_rate: bytes/s per peer over all unreliable lanes (None: unpaced unless adaptive).
+    adaptive_pacing: move the rate with the loss that drop reports show, starting at pace_rate or pace_start.
+    deadline: "adaptive", "fixed:SECONDS", seconds, or a DeadlinePolicy.
+    peer_timeout: silence after which a peer counts as gone; pending operations then fail with PeerTimeout.
+    drop_fraction: test hook: the receiver discards this fraction of arriving datagrams (seeded by drop_seed).
+    check_source: drop datagrams not sent from a connected peer's lane socket.
+    """
+
+    lanes: list[LaneSpec] = field(default_factory=default_lanes)
+    datagram_payload: int = 1400
+    pace_rate: float | None = None
+    adaptive_pacing: bool = False
+    pace_start: float = 100e6
+    pace_min: float = 1e6
+    pace_max: float = 10e9
+    pace_burst: int = 256 << 10
+    deadline: str | float | DeadlinePolicy = "adaptive"
+    peer_timeout: float = 10.0
+    connect_timeout: float | None = None  # default: peer_timeout
+    heartbeat: float | None = None  # default: peer_timeout / 4
+    gso: bool = True
+    gro: bool = True
+    gso_segments: int = 64
+    error_feedback: bool = True
+    block: int = 1024
+    reliable_frame_bytes: int = 1 << 20
+    drop_fraction: float = 0.0
+    drop_seed: int | None = None
+    check_source: bool = True
+    udp_rcvbuf: int | None = 32 << 20
+    udp_sndbuf: int | None = 4 << 20
+    tcp_rcvbuf: int | None = None  # None: kernel autotuning
+    tcp_sndbuf: int | None = None
+    udp_batch_bytes: int = 4 << 20
+    max_buffered_results: int = 256
+    limits: wire.Limits = field(default_factory=lambda: wire.DEFAULT_LIMITS)
+
+    def __post_init__(self) -> None:
+        self.lanes = validate_lanes([ln if isinstance(ln, LaneSpec) else LaneSpec.parse(ln) for ln in self.lanes])
+        if not 0.0 <= self.drop_fraction <= 1.0:
+            raise ValueError("drop_fraction must be in [0, 1]")
+        if self.peer_timeout <= 0:
+            raise ValueError("peer_timeout must be positive")
+        if self.datagram_payload < 16 or self.datagram_payload > 65000:
+            raise ValueError("datagram_payload must be in [16, 65000] bytes")
+        make_deadline(self.deadline)  # fail early on a bad spec
+
+    @property
+    def unreliable_lanes(self) -> int:
+        return len(self.lanes) - 1
+
+    def deadline_policy(self) -> DeadlinePolicy:
+        return make_deadline(self.deadline)
+
+    def to_dict(self) -> dict:
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("lanes", "limits", "deadline")}
+        d["lanes"] = [ln.to_dict() for ln in self.lanes]
+        d["deadline"] = self.deadline if isinstance(self.deadline, (str, int, float)) else repr(self.deadline)
+        return d

@@ -1,0 +1,36 @@
+"""Session control messages on the reliable lane: CONTROL frames with a small JSON payload (hello, welcome, ping,
+bye). The header's session token authenticates the session; a wrong token fails header validation."""
+
+from __future__ import annotations
+
+import json
+
+from dgt import wire
+from dgt.errors import ProtocolError
+from dgt.wire import FrameType
+
+HELLO = "hello"  # dialer -> acceptor: rank, address, lanes
+WELCOME = "welcome"  # acceptor -> dialer: accepted
+REFUSE = "refuse"  # acceptor -> dialer: why not
+PING = "ping"
+BYE = "bye"  # the sender is closing its endpoint on purpose
+STALE = "stale"  # receiver -> sender: that round key was closed already; the round is ignored
+
+
+def control(token: int, rank: int, op: str, **fields) -> bytes:
+    payload = json.dumps({"op": op, **fields}, separators=(",", ":")).encode()
+    return wire.encode_frame(FrameType.CONTROL, payload, token=token, rank=rank)
+
+
+def parse(frame: memoryview | bytes, limits: wire.Limits = wire.DEFAULT_LIMITS) -> tuple[int, dict]:
+    """(sender rank, message) of one CONTROL frame; ProtocolError if it is anything else."""
+    h = wire.decode_header(frame[: wire.HEADER_SIZE], limits)
+    if int(h["ftype"]) != FrameType.CONTROL:
+        raise ProtocolError(f"expected a CONTROL frame, got frame type {int(h['ftype'])}")
+    try:
+        msg = json.loads(bytes(frame[wire.HEADER_SIZE :]))
+    except ValueError as exc:
+        raise ProtocolError(f"CONTROL payload is not JSON: {exc}") from None
+    if not isinstance(msg, dict) or not isinstance(msg.get("op"), str):
+        raise ProtocolError("CONTROL payload must be an object with an 'op'")
+    return int(h["rank"]), msg

@@ -1,0 +1,863 @@
+"""The endpoint: one rank's session with its peers over the DGT lanes.
+
+It owns a TCP listener, one UDP socket per unreliable lane, one TCP connection per peer (lower rank dials), the
+sans-IO receiver (shared by all peers) and one sans-IO sender per peer (error feedback is per destination). Tasks:
+accept, one reader and one writer per connection, one ingress per UDP lane, the datagram scheduler, the deadline
+timer and the liveness monitor. Every frame-level decision is made by dgt.protocol; this module moves bytes,
+feeds ``trio.current_time()`` and routes the events.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Mapping
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import trio
+
+from dgt import wire
+from dgt.channels.framing import KEEP, FrameReader
+from dgt.channels.pacing import AdaptiveRate, Pacer
+from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
+from dgt.channels.tcp import TcpChannel, TcpListener, dial
+from dgt.channels.udp import UdpChannel
+from dgt.errors import DgtError, PeerClosed, PeerTimeout, ProtocolError, WireError
+from dgt.layout import BucketLayout
+from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
+from dgt.protocol.sender import RoundSender
+from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
+from dgt.scheduler.deadline import DeadlineTimer
+from dgt.scheduler.reliable import ReliableWriter
+from dgt.scheduler.slot import Slot
+from dgt.transport import control
+from dgt.transport.config import PeerAddress, TransportConfig
+from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
+from dgt.wire import Flags, FrameType
+
+BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
+_BLOCK_FIELD = slice(28, 32)  # byte range of the big-endian block index inside a 48-byte header
+
+
+@dataclass
+class _Link:
+    """One connected peer."""
+
+    rank: int
+    address: PeerAddress
+    chan: TcpChannel
+    reader: FrameReader
+    writer: ReliableWriter
+    sender: RoundSender
+    pacer: Pacer | None
+    udp_addrs: list[tuple]
+    error: BaseException | None = None
+    scope: trio.CancelScope | None = None
+    last_ping: float = 0.0
+    said_bye: bool = False
+    dirty: set[int] = field(default_factory=set)  # buckets whose residual holds folded losses
+
+
+@dataclass
+class _SendTrack:
+    """A round on its way to a peer: the drop report slot and the datagram jobs (for the loss estimate)."""
+
+    report: Slot = field(default_factory=Slot)
+    jobs: list[DatagramJob] = field(default_factory=list)
+    detached: bool = False  # send_round returned without waiting for the report
+
+
+class Endpoint:
+    """A rank's DGT session. Create with :meth:`open`, join peers with :meth:`connect`, then send and receive
+    rounds concurrently from any number of tasks; :meth:`aclose` says goodbye and releases every socket."""
+
+    def __init__(self, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1") -> None:
+        self.rank = int(rank)
+        self.token = int(token)
+        self.cfg = cfg or TransportConfig()
+        self.host = host
+        c = self.cfg
+        self.receiver = RoundReceiver(
+            self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), allocator=self._allocate
+        )
+        self.listener = TcpListener(host, c.lanes[0])
+        self.udp: dict[int, UdpChannel] = {}
+        try:
+            for lane in range(1, len(c.lanes)):
+                self.udp[lane] = UdpChannel(
+                    host, c.lanes[lane], gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
+                    max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes,
+                )  # fmt: skip
+        except BaseException:
+            self._close_sockets()
+            raise
+        self._links: dict[int, _Link] = {}
+        self._link_ready: dict[int, Slot] = {}
+        self._sources: dict[tuple[str, int], int] = {}
+        self._recv_waiters: dict[tuple[int, int, int], Slot] = {}
+        self._results: OrderedDict[tuple[int, int, int], RoundResult] = OrderedDict()
+        self._out: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
+        self._sending: dict[tuple[int, int, int], _SendTrack] = {}
+        self._layouts: dict[int, BucketLayout] = {}
+        self._bytes_tx: dict[tuple[int, int], int] = {}
+        self._bytes_rx: dict[tuple[int, int], int] = {}
+        self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
+        self._rx_dropped_hook: dict[int, int] = dict.fromkeys(self.udp, 0)
+        self._tx_abandoned: dict[int, int] = dict.fromkeys(self.udp, 0)
+        self._stats = TransportStats(self.rank, [])
+        self._lane_delivered: dict[int, list[int]] = {}
+        self.scheduler = DatagramScheduler(self.udp, self._round_closed, self._pacer_of)
+        self.deadlines = DeadlineTimer(self.receiver, self._finished)
+        self._nursery: trio.Nursery | None = None
+        self._stop = trio.Event()
+        self._stopped = trio.Event()
+        self._closing = False
+        self._fatal: BaseException | None = None
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+    @classmethod
+    async def open(
+        cls,
+        rank: int,
+        token: int,
+        cfg: TransportConfig | None = None,
+        host: str = "127.0.0.1",
+        *,
+        nursery: trio.Nursery | None = None,
+    ) -> Endpoint:
+        """Bind the TCP listener and one UDP socket per unreliable lane (port 0) and start the background tasks
+        (in ``nursery`` if given, else as a trio system task that ends with the run)."""
+        ep = cls(rank, token, cfg, host)
+        started = trio.Event()
+        if nursery is None:
+            trio.lowlevel.spawn_system_task(ep._service, started, name=f"dgt-endpoint-{rank}")
+        else:
+            nursery.start_soon(ep._service, started)
+        await started.wait()
+        return ep
+
+    async def __aenter__(self) -> Endpoint:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    @property
+    def address(self) -> PeerAddress:
+        return PeerAddress(self.host, self.listener.port, tuple(ch.port for ch in self.udp.values()), self.rank)
+
+    @property
+    def peers(self) -> list[int]:
+        """Ranks with a live connection."""
+        return [r for r, ln in self._links.items() if ln.error is None]
+
+    async def _service(self, started: trio.Event) -> None:
+        try:
+            async with trio.open_nursery() as n:
+                self._nursery = n
+                n.start_soon(self._guard, self._accept_loop)
+                for lane, chan in self.udp.items():
+                    n.start_soon(self._guard, self._udp_ingress, lane, chan)
+                n.start_soon(self._guard, self.scheduler.run)
+                n.start_soon(self._guard, self.deadlines.run)
+                n.start_soon(self._guard, self._liveness)
+                started.set()
+                await self._stop.wait()
+                n.cancel_scope.cancel()
+        finally:
+            started.set()
+            self._teardown(self._fatal or PeerClosed(f"rank {self.rank}: the endpoint was closed"))
+            self._stopped.set()
+
+    async def _guard(self, fn, *args) -> None:
+        """Run a service task; an unexpected error ends the endpoint and fails every pending operation with it."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            if self._fatal is None and not self._closing:
+                self._fatal = exc
+            self._stop.set()
+
+    async def aclose(self) -> None:
+        """Say goodbye to every peer (after the frames already queued for it), then close all sockets. Pending
+        operations fail with PeerClosed."""
+        if self._closing:
+            await self._stopped.wait()
+            return
+        self._closing = True
+        links = [ln for ln in self._links.values() if ln.error is None]
+        with trio.move_on_after(min(2.0, self.cfg.peer_timeout)):
+            slots = [ln.writer.push([control.control(self.token, self.rank, control.BYE)], slot=Slot()) for ln in links]
+            for s in slots:
+                try:
+                    await s.wait()
+                except Exception:
+                    pass
+        self._stop.set()
+        await self._stopped.wait()
+
+    def _teardown(self, error: BaseException) -> None:
+        self._closing = True
+        for rank in list(self._links):
+            self._fail_peer(rank, error)
+        for slot in list(self._link_ready.values()):
+            slot.fail(error)
+        for slot in list(self._recv_waiters.values()):
+            slot.fail(error)
+        for track in list(self._sending.values()):
+            track.report.fail(error)
+        for job in list(self.scheduler.jobs):
+            job.done.fail(error)
+        self.scheduler.jobs.clear()
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        self.listener.close()
+        for ch in self.udp.values():
+            ch.close()
+
+    def _check_open(self) -> None:
+        if self._fatal is not None:
+            raise self._fatal.with_traceback(None)
+        if self._closing:
+            raise PeerClosed(f"rank {self.rank}: the endpoint is closed")
+
+    # ------------------------------------------------------------------------------------------------ connecting
+    async def connect(self, peers: Mapping[int, PeerAddress | dict], timeout: float | None = None) -> None:
+        """Connect to ``peers`` (rank -> address). Both sides of a pair call it; the lower rank dials, the higher
+        accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
+        within ``timeout`` (default: connect_timeout, else peer_timeout)."""
+        self._check_open()
+        timeout = timeout or self.cfg.connect_timeout or self.cfg.peer_timeout
+        wanted = {}
+        for rank, addr in peers.items():
+            rank = int(rank)
+            if rank == self.rank:
+                continue
+            addr = addr if isinstance(addr, PeerAddress) else PeerAddress.from_dict(addr)
+            if len(addr.udp_ports) != len(self.udp):
+                raise ValueError(f"rank {rank} has {len(addr.udp_ports)} UDP lanes, this endpoint {len(self.udp)}")
+            wanted[rank] = addr
+        async with trio.open_nursery() as n:
+            for rank, addr in wanted.items():
+                link = self._links.get(rank)
+                if link is not None and link.error is None:
+                    continue
+                if self.rank < rank:
+                    n.start_soon(self._dial, rank, addr, timeout)
+                else:
+                    n.start_soon(self._await_link, rank, timeout)
+
+    async def _dial(self, rank: int, addr: PeerAddress, timeout: float) -> None:
+        try:
+            with trio.fail_after(timeout):
+                sock = await dial(addr.host, addr.tcp_port, self.cfg.lanes[0], timeout)
+                chan = self._tcp_channel(sock, rank)
+                try:
+                    hello = control.control(
+                        self.token, self.rank, control.HELLO, address=self.address.to_dict(), lanes=len(self.udp)
+                    )
+                    await chan.send_buffers([hello])
+                    reader = FrameReader(chan, self.cfg.limits, self.token)
+                    rf = await reader.next(lambda h: KEEP)
+                    peer, msg = control.parse(rf.frame, self.cfg.limits)
+                    if msg["op"] != control.WELCOME or peer != rank:
+                        raise ProtocolError(f"rank {rank} refused the session: {msg.get('why', msg['op'])}")
+                except PeerClosed:
+                    chan.close()
+                    why = f"rank {self.rank}: rank {rank} hung up on our hello (another session token?)"
+                    raise PeerClosed(why) from None
+                except BaseException:
+                    chan.close()
+                    raise
+        except trio.TooSlowError:
+            raise PeerTimeout(f"rank {self.rank}: rank {rank} did not accept within {timeout:g} s") from None
+        self._register(rank, addr, chan, reader)
+
+    async def _await_link(self, rank: int, timeout: float) -> None:
+        slot = self._link_ready.setdefault(rank, Slot())
+        try:
+            with trio.fail_after(timeout):
+                await slot.wait()
+        except trio.TooSlowError:
+            raise PeerTimeout(f"rank {self.rank}: rank {rank} did not connect within {timeout:g} s") from None
+
+    async def _accept_loop(self) -> None:
+        while True:
+            sock = await self.listener.accept()
+            self._nursery.start_soon(self._guard, self._handshake_in, sock)
+
+    async def _handshake_in(self, sock) -> None:
+        """Validate a dialer's hello (token, rank, lanes) within the connect timeout; welcome or refuse it."""
+        chan = self._tcp_channel(sock, -1)
+        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        try:
+            with trio.fail_after(timeout):
+                reader = FrameReader(chan, self.cfg.limits, self.token)
+                rf = await reader.next(lambda h: KEEP)
+                rank, msg = control.parse(rf.frame, self.cfg.limits)
+                why = None
+                if msg["op"] != control.HELLO:
+                    why = "expected hello"
+                elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
+                    why = f"rank {rank} is already connected"
+                elif int(msg.get("lanes", -1)) != len(self.udp):
+                    why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+                if why is not None:
+                    await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
+                    chan.close()
+                    return
+                addr = PeerAddress.from_dict(msg["address"])
+                await chan.send_buffers([control.control(self.token, self.rank, control.WELCOME)])
+        except (trio.TooSlowError, DgtError, OSError, KeyError, ValueError, TypeError):
+            chan.close()  # wrong token, garbage, silence or a vanished dialer: not a peer of this session
+            return
+        chan.label = f"rank {self.rank} <- rank {rank}"
+        self._register(rank, addr, chan, reader)
+
+    def _tcp_channel(self, sock, rank: int) -> TcpChannel:
+        c = self.cfg
+        chan = TcpChannel(sock, c.lanes[0], rcvbuf=c.tcp_rcvbuf, sndbuf=c.tcp_sndbuf, user_timeout=c.peer_timeout)
+        chan.label = f"rank {self.rank} <-> rank {rank}"
+        return chan
+
+    def _register(self, rank: int, addr: PeerAddress, chan: TcpChannel, reader: FrameReader) -> None:
+        c = self.cfg
+        if self._closing:
+            chan.close()
+            return
+        host = canonical_host(addr.host)
+        udp_addrs = [(host, p) for p in addr.udp_ports]
+        for p in addr.udp_ports:
+            self._sources[(host, p)] = rank
+        pacer = None
+        now = trio.current_time()
+        if c.adaptive_pacing:
+            start = c.pace_rate or c.pace_start
+            pacer = Pacer(start, c.pace_burst, AdaptiveRate(start, c.pace_min, c.pace_max), now)
+        elif c.pace_rate:
+            pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
+        sender = RoundSender(
+            self.token, self.rank, block=c.block, datagram_payload=c.datagram_payload,
+            reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
+        )  # fmt: skip
+        link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
+        self._links[rank] = link
+        self._nursery.start_soon(self._run_link, link)
+        self._link_ready.setdefault(rank, Slot()).set()
+
+    async def _run_link(self, link: _Link) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                link.scope = scope
+                if link.error is not None:
+                    return
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._link_task, link, self._reader, link)
+                    n.start_soon(self._link_task, link, link.writer.run)
+        finally:
+            self._fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} ended"))
+
+    async def _link_task(self, link: _Link, fn, *args) -> None:
+        """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            self._fail_peer(link.rank, exc)
+
+    def _fail_peer(self, rank: int, error: BaseException) -> None:
+        """The peer is gone (or broke the protocol): fail everything pending on it, free its rounds."""
+        link = self._links.get(rank)
+        if link is None or link.error is not None:
+            return
+        if isinstance(error, PeerClosed) and link.said_bye:
+            error = PeerClosed(f"rank {rank} closed its endpoint")
+        link.error = error
+        link.writer.fail(error)
+        link.chan.close()
+        if link.scope is not None:
+            link.scope.cancel()
+        self.scheduler.drop_peer(rank, error)
+        for key in [k for k in self._recv_waiters if k[0] == rank]:
+            self._recv_waiters.pop(key).fail(error)
+        for key in [k for k in self._sending if k[0] == rank]:
+            track = self._sending[key]
+            track.report.fail(error)
+            if track.detached:
+                del self._sending[key]
+        self._finished(self.receiver.abort(rank, trio.current_time()))
+        self._link_ready.pop(rank, None)
+
+    def _link(self, peer: int) -> _Link:
+        self._check_open()
+        link = self._links.get(peer)
+        if link is None:
+            raise ValueError(f"rank {self.rank} is not connected to rank {peer}; call connect() first")
+        if link.error is not None:
+            raise link.error.with_traceback(None)
+        return link
+
+    # ------------------------------------------------------------------------------------------------ receiving
+    async def _reader(self, link: _Link) -> None:
+        recv = self.receiver
+        rank = link.rank
+
+        def place(h: np.void):
+            if int(h["rank"]) != rank:
+                return None  # a peer may only speak for itself
+            if int(h["ftype"]) == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+                return recv.payload_target(h, 0)
+            return KEEP
+
+        def batchable(h: np.ndarray) -> np.ndarray:
+            return (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0) & (h["rank"] == rank)
+
+        budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
+        while True:
+            staged = link.reader.take_staged(batchable)
+            if staged is not None:  # many small data frames already in memory: one vectorised pass
+                batch = wire.Batch(staged.headers, staged.payload_pos, np.zeros(len(staged), np.int8), staged.buf)
+                events = recv.receive_runs(batch, 0, trio.current_time())
+                if events:
+                    self._handle(events)
+                budget += int(staged.headers["length"].astype(np.int64).sum())
+                continue
+            if budget >= 1 << 20:
+                budget = 0
+                self.deadlines.poke()
+                await trio.lowlevel.checkpoint()
+            rf = await link.reader.next(place)
+            now = trio.current_time()
+            h = rf.header
+            ftype = int(h["ftype"])
+            if int(h["rank"]) != rank:
+                recv.counters.reject("rank-mismatch")
+                continue
+            if ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+                events = recv.commit(h, 0, now, rf.landed)
+            elif ftype == FrameType.CONTROL:
+                self._on_control(link, rf.frame)
+                continue
+            else:
+                if ftype == FrameType.ROUND_BEGIN:
+                    key = (rank, int(h["bucket"]), int(h["round"]))
+                    if key in recv.closed:  # a reused round key would wait forever: tell the sender at once
+                        link.writer.push([control.control(self.token, self.rank, control.STALE, bucket=key[1],
+                                                          round=key[2])], urgent=True)  # fmt: skip
+                    self._opened[key] = now
+                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds:
+                        self._opened.popitem(last=False)
+                events = recv.receive_bytes(rf.frame, 0, now)
+            if events:
+                self._handle(events)
+            budget += 4096 + int(h["length"])
+            if rf.idle:
+                budget = 0
+                self.deadlines.poke()
+                await trio.lowlevel.checkpoint()
+
+    def _on_control(self, link: _Link, frame: memoryview) -> None:
+        try:
+            _, msg = control.parse(frame, self.cfg.limits)
+        except ProtocolError:
+            self.receiver.counters.reject("control")
+            return
+        if msg["op"] == control.BYE:
+            link.said_bye = True  # the connection's end follows; pending operations fail as "closed its endpoint"
+        elif msg["op"] == control.STALE:
+            key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
+            track = self._sending.get(key)
+            if track is not None:
+                track.report.fail(ProtocolError(
+                    f"round {key[2]} of bucket {key[1]} was already closed at rank {link.rank}: round keys must not "
+                    "be reused (the receiver ignores it)"
+                ))  # fmt: skip
+                for job in track.jobs:
+                    if job in self.scheduler.jobs:
+                        self.scheduler.jobs.remove(job)
+                    job.done.set(job)
+
+    async def _udp_ingress(self, lane: int, chan: UdpChannel) -> None:
+        accept = self._accept_source if self.cfg.check_source else None
+        frac = self.cfg.drop_fraction
+        while True:
+            try:
+                mv, sizes = await chan.recv_batch(accept)
+            except trio.ClosedResourceError:
+                return
+            if len(sizes) == 0:
+                continue
+            batch = wire.decode_datagrams(mv, sizes, self.cfg.limits, self.token)
+            if self._drop_rng is not None:
+                keep = self._drop_rng.random(len(sizes)) >= frac
+                self._rx_dropped_hook[lane] += int((~keep).sum())
+                batch = wire.Batch(batch.headers[keep], batch.payload_pos[keep], batch.reason[keep], batch.buf)
+            events = self.receiver.receive_datagrams(batch, lane, trio.current_time())
+            if events:
+                self._handle(events)
+            self.deadlines.poke()
+
+    def _accept_source(self, addr: tuple) -> bool:
+        return (addr[0], addr[1]) in self._sources
+
+    def _allocate(self, key: tuple[int, int, int], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+        out = self._out.get(key)
+        if out is not None and out.numel() == numel and out.dtype == dtype and out.is_contiguous():
+            return out.view(-1)
+        return None
+
+    def _handle(self, events: list) -> None:
+        done = []
+        for ev in events:
+            if isinstance(ev, RoundDone):
+                done.append(ev)
+            elif isinstance(ev, DropReportIn):
+                self._on_drop_report(ev.frame)
+        if done:
+            self._finished(done)
+
+    def _finished(self, done: list[RoundDone]) -> None:
+        """Rounds the receiver closed: report back to their senders, account, deliver or buffer the results."""
+        now = trio.current_time()
+        st = self._stats
+        for d in done:
+            key = (d.sender, d.bucket, d.round)
+            opened = self._opened.pop(key, None)
+            elapsed = max(now - opened, 0.0) if opened is not None else 0.0
+            why = d.stats.closed_by
+            link = self._links.get(d.sender)
+            if link is not None and link.error is None and why not in ("aborted", "sender-gone"):
+                link.writer.push([d.report], urgent=True)
+            st.closed_by[why] = st.closed_by.get(why, 0) + 1
+            if why == "aborted":
+                waiter = self._recv_waiters.pop(key, None)
+                if waiter is not None:
+                    err = link.error if link is not None and link.error is not None else PeerClosed("round aborted")
+                    waiter.fail(err)
+                continue
+            st.rounds_received += 1
+            st.blocks_received += int(d.mask.sum())
+            st.blocks_dropped += d.stats.dropped
+            st.deadline_wait_total += d.stats.deadline_wait
+            st.deadline_wait_max = max(st.deadline_wait_max, d.stats.deadline_wait)
+            st.receive_seconds += elapsed
+            for lane, ls in d.stats.lanes.items():
+                acc = self._lane_delivered.setdefault(lane, [0, 0])
+                acc[0] += ls.blocks
+                acc[1] += ls.bytes
+            res = RoundResult(d.data, d.mask, d.stats, d.layout, d.sender, d.bucket, d.round, elapsed)
+            waiter = self._recv_waiters.pop(key, None)
+            if waiter is not None:
+                waiter.set(res)
+            else:
+                self._results[key] = res
+                while len(self._results) > self.cfg.max_buffered_results:
+                    self._results.popitem(last=False)
+                    st.results_evicted += 1
+
+    def _on_drop_report(self, frame: wire.Frame) -> None:
+        """A receiver closed one of our rounds: fold its losses into error feedback, steer pacing, stop sending."""
+        peer = frame.rank
+        link = self._links.get(peer)
+        if link is None:
+            self.receiver.counters.reject("report-from-stranger")
+            return
+        try:
+            info = link.sender.on_drop_report(frame)
+        except WireError:
+            self.receiver.counters.reject("drop-report")
+            return
+        track = self._sending.get((peer, frame.bucket, frame.round))
+        if track is not None:
+            if link.pacer is not None and track.jobs:
+                sent, lost = self._loss_of(track, frame)
+                link.pacer.on_report(sent, lost)
+            track.report.set(info)
+            if track.detached:
+                del self._sending[(peer, frame.bucket, frame.round)]
+        if info.folded_elems:
+            link.dirty.add(frame.bucket)
+        self.scheduler.poke()
+
+    @staticmethod
+    def _loss_of(track: _SendTrack, frame: wire.Frame) -> tuple[int, int]:
+        """Unimportant blocks wholly sent before the report, and how many of those the receiver missed."""
+        nb = frame.count
+        if len(frame.payload) * 8 < nb:
+            return 0, 0
+        got = np.unpackbits(np.frombuffer(frame.payload, np.uint8), count=nb).astype(bool)
+        sent_blocks = []
+        for job in track.jobs:
+            rows = job.rows[: job.pos]
+            if len(rows) == 0:
+                continue
+            blk = np.ascontiguousarray(rows[:, _BLOCK_FIELD]).view(">u4").reshape(-1).astype(np.int64)
+            if job.pos < len(job.rows):  # the block being sent when the report came is not wholly sent
+                cut = int(np.ascontiguousarray(job.rows[job.pos, _BLOCK_FIELD]).view(">u4")[0])
+                blk = blk[blk != cut]
+            sent_blocks.append(blk)
+        if not sent_blocks:
+            return 0, 0
+        blocks = np.unique(np.concatenate(sent_blocks))
+        blocks = blocks[blocks < nb]
+        return len(blocks), int((~got[blocks]).sum())
+
+    # ------------------------------------------------------------------------------------------------ sending
+    def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
+        link = self._links.get(peer)
+        return link is None or link.error is not None or link.sender.closed(bucket, round)
+
+    def _pacer_of(self, peer: int) -> Pacer | None:
+        link = self._links.get(peer)
+        return None if link is None else link.pacer
+
+    def _layout(self, numel: int) -> BucketLayout:
+        lay = self._layouts.get(numel)
+        if lay is None:
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            lay = self._layouts[numel] = BucketLayout.flat(numel, self.cfg.block)
+        return lay
+
+    async def send_round(
+        self,
+        peer: int,
+        bucket: int,
+        round: int,
+        flat: torch.Tensor,
+        layout: BucketLayout | None = None,
+        cls: torch.Tensor | int = 0,
+        order: torch.Tensor | None = None,
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+    ) -> SendStats:
+        """Send one round of ``bucket`` to ``peer``: blocks of class 0 over TCP (with the round's opening and
+        closing frames), class k >= 1 over UDP lane k in ``order`` (most important first). ``cls=0`` sends
+        everything reliably (lossless). With ``wait`` (default) returns once the receiver's drop report is in,
+        so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
+        was handed to the kernel (the bucket is then copied, since error feedback needs it later)."""
+        if not 0 <= bucket < BYTES_BUCKET:
+            raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
+        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout)
+
+    async def _send(self, peer, bucket, round, flat, layout, cls, order, wait, timeout) -> SendStats:
+        link = self._link(peer)
+        t0 = trio.current_time()
+        flat = flat.detach().reshape(-1)
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            flat = flat.to("cpu").contiguous()
+        layout = layout or self._layout(flat.numel())
+        if layout.block != self.cfg.block:
+            raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
+        key = (peer, bucket, round)
+        if key in self._sending and not self._sending[key].detached:
+            raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
+        lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
+        # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
+        copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
+        link.dirty.discard(bucket)
+        data = link.sender.prepare(bucket, flat) if copy else flat
+        plan = link.sender.plan(bucket, round, data, layout, cls, order)
+        stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
+                          len(plan.reliable), plan.reliable_bytes, copied=copy)  # fmt: skip
+        track = self._sending[key] = _SendTrack()
+        finished = False
+        try:
+            with trio.fail_after(timeout) if timeout else nullcontext():
+                begin = link.writer.push_frames(plan.reliable[:1], urgent=True)
+                rest = link.writer.push_frames(plan.reliable[1:])
+                await begin.wait()  # datagrams only after the round's opening frame is on the wire
+                for lane in sorted(set(plan.datagrams) | set(plan.odd)):
+                    rows = plan.datagrams.get(lane, np.zeros((0, 1), np.uint8))
+                    job = DatagramJob(peer, lane, bucket, round, rows, plan.odd.get(lane, []), link.udp_addrs[lane - 1])
+                    track.jobs.append(job)
+                    self.scheduler.submit(job)
+                await rest.wait()
+                for job in track.jobs:
+                    try:
+                        await job.done.wait()
+                    except OSError:
+                        pass  # the lane could not send: those datagrams are lost, the deadline covers them
+                if wait:
+                    info = await track.report.wait()
+                    stats.report = True
+                    stats.lost_blocks, stats.folded_elems = info.missing_blocks, info.folded_elems
+            finished = True
+        except trio.TooSlowError:
+            raise PeerTimeout(f"round {round} of bucket {bucket} to rank {peer}: not done in {timeout} s") from None
+        finally:
+            for job in track.jobs:
+                lane = job.lane
+                stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
+                stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
+                stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
+                self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
+                if not job.done.done:  # cancelled mid-round: stop its datagrams
+                    if job in self.scheduler.jobs:
+                        self.scheduler.jobs.remove(job)
+                    job.done.fail(PeerClosed("send cancelled"))
+            if wait or not finished or track.report.done:
+                if self._sending.get(key) is track:
+                    del self._sending[key]
+            else:
+                track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
+        self._stats.rounds_sent += 1
+        stats.elapsed = trio.current_time() - t0
+        stats.pace_rate = None if link.pacer is None else link.pacer.rate
+        return stats
+
+    async def recv_round(
+        self,
+        peer: int,
+        bucket: int,
+        round: int,
+        *,
+        out: torch.Tensor | None = None,
+        timeout: float | None = None,
+    ) -> RoundResult:
+        """The round ``round`` of ``bucket`` from ``peer`` once it closed (complete, or by its deadline once all
+        important blocks were in). Rounds that closed before the call are buffered and returned at once. With
+        ``out`` (called before the round opens), the data is reassembled straight into ``out``; otherwise it is
+        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``."""
+        key = (peer, bucket, round)
+        res = self._results.pop(key, None)
+        if res is None:
+            link = self._link(peer)
+            if key in self._recv_waiters:
+                raise ValueError(f"round {round} of bucket {bucket} from rank {peer} is already awaited")
+            slot = self._recv_waiters[key] = Slot()
+            if out is not None:
+                self._out[key] = out
+            try:
+                with trio.fail_after(timeout) if timeout else nullcontext():
+                    res = await slot.wait()
+            except trio.TooSlowError:
+                raise PeerTimeout(f"round {round} of bucket {bucket} from rank {link.rank}: "
+                                  f"nothing within {timeout} s") from None  # fmt: skip
+            finally:
+                if self._recv_waiters.get(key) is slot:
+                    del self._recv_waiters[key]
+                self._out.pop(key, None)
+        if out is not None and res.data.data_ptr() == out.data_ptr():
+            res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
+        elif out is not None:
+            if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
+                raise ValueError(f"out has {out.numel()} x {out.dtype}, the round {res.data.numel()} x "
+                                 f"{res.data.dtype}")  # fmt: skip
+            out.view(-1).copy_(res.data)
+            res.data = out
+        return res
+
+    # ------------------------------------------------------------------------------------------------ bytes
+    async def send_bytes(self, peer: int, data: bytes | bytearray | memoryview, tag: int = 0) -> None:
+        """Send a message losslessly (all TCP); messages with the same tag arrive in order at recv_bytes."""
+        if not 0 <= tag < 1 << 16:
+            raise ValueError("tag must be in [0, 65536)")
+        seq = self._bytes_tx.get((peer, tag), 0)
+        self._bytes_tx[(peer, tag)] = seq + 1
+        buf = bytearray(data)
+        t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.zeros(0, dtype=torch.uint8)
+        await self._send(peer, BYTES_BUCKET | tag, seq & 0xFFFFFFFF, t, None, 0, None, True, None)
+
+    async def recv_bytes(self, peer: int, tag: int = 0, timeout: float | None = None) -> bytes:
+        """The next message from ``peer`` with ``tag``."""
+        seq = self._bytes_rx.get((peer, tag), 0)
+        self._bytes_rx[(peer, tag)] = seq + 1
+        res = await self.recv_round(peer, BYTES_BUCKET | tag, seq & 0xFFFFFFFF, timeout=timeout)
+        return res.data.numpy().tobytes()
+
+    async def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
+        """Lossless send of a small tensor with its shape and dtype (e.g. a model broadcast)."""
+        meta = f"{wire.wire_dtype(tensor.dtype).value}:{','.join(map(str, tensor.shape))}".encode()
+        await self.send_bytes(peer, meta, tag)
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        await self.send_bytes(peer, flat.view(torch.uint8).numpy().tobytes(), tag)
+
+    async def recv_tensor(self, peer: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor:
+        meta = (await self.recv_bytes(peer, tag, timeout)).decode()
+        dt, _, shape = meta.partition(":")
+        dims = [int(s) for s in shape.split(",") if s]
+        raw = bytearray(await self.recv_bytes(peer, tag, timeout))
+        dtype = wire.TORCH_OF[wire.WireDType(int(dt))]
+        if not raw:
+            return torch.zeros(dims, dtype=dtype)
+        return torch.frombuffer(raw, dtype=torch.uint8).view(dtype).reshape(dims)
+
+    # ------------------------------------------------------------------------------------------------ liveness
+    async def _liveness(self) -> None:
+        """Ping idle links; declare a peer gone after peer_timeout without any byte from it."""
+        c = self.cfg
+        beat = c.heartbeat or c.peer_timeout / 4
+        tick = min(beat, c.peer_timeout / 10)
+        while True:
+            await trio.sleep(tick)
+            now = trio.current_time()
+            for link in list(self._links.values()):
+                if link.error is not None:
+                    continue
+                silent = now - link.chan.last_rx
+                if silent >= c.peer_timeout - tick:
+                    why = f"rank {self.rank}: rank {link.rank} silent for {silent:.2f} s (timeout {c.peer_timeout:g} s)"
+                    self._fail_peer(link.rank, PeerTimeout(why))
+                elif now - link.last_ping >= beat:
+                    link.last_ping = now
+                    link.writer.push([control.control(self.token, self.rank, control.PING)], urgent=True)
+
+    # ------------------------------------------------------------------------------------------------ stats
+    def stats(self) -> TransportStats:
+        """A snapshot of the endpoint's counters (per lane both directions, rounds, losses, deadline waits)."""
+        st = self._stats
+        rc = self.receiver.counters
+        lanes = []
+        l0 = self.cfg.lanes[0]
+        tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)
+        for link in self._links.values():
+            tcp.tx_bytes += link.chan.tx_bytes
+            tcp.tx_calls += link.chan.tx_calls
+            tcp.tx_frames += link.writer.frames
+            tcp.rx_bytes += link.chan.rx_bytes
+            tcp.rx_calls += link.chan.rx_calls
+            tcp.rx_frames += link.reader.frames
+        lanes.append(tcp)
+        for lane, ch in self.udp.items():
+            spec, cc = self.cfg.lanes[lane], ch.counters
+            lanes.append(LaneStats(
+                lane, spec.name, spec.kind, spec.dscp, spec.so_priority,
+                tx_bytes=cc.tx_bytes, tx_frames=cc.tx_datagrams, tx_calls=cc.tx_calls, tx_gso_calls=cc.tx_gso_calls,
+                tx_abandoned=self._tx_abandoned.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
+                rx_frames=cc.rx_datagrams, rx_calls=cc.rx_calls, rx_gro_reads=cc.rx_gro_reads,
+                rx_dropped_hook=self._rx_dropped_hook.get(lane, 0), rx_unknown_source=cc.rx_unknown_source,
+                rx_truncated=cc.rx_truncated, rx_kernel_drops=cc.rx_kernel_drops, gso=ch.gso, gro=ch.gro,
+                rcvbuf=ch.rcvbuf, sndbuf=ch.sndbuf,
+            ))  # fmt: skip
+        for ls in lanes:
+            blocks, nbytes = self._lane_delivered.get(ls.lane, (0, 0))
+            ls.delivered_blocks, ls.delivered_bytes = blocks, nbytes
+            ls.goodput = nbytes / st.receive_seconds if st.receive_seconds > 0 else 0.0
+        return TransportStats(
+            self.rank, lanes, st.rounds_sent, st.rounds_received, st.blocks_received, st.blocks_dropped,
+            late_frames=rc.late, rejected=rc.rejected, reject_reasons=dict(rc.reasons), closed_by=dict(st.closed_by),
+            deadline_wait_total=st.deadline_wait_total, deadline_wait_max=st.deadline_wait_max,
+            receive_seconds=st.receive_seconds, results_evicted=st.results_evicted,
+            pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
+        )  # fmt: skip
+
+    def socket_info(self) -> dict:
+        """DSCP and SO_PRIORITY read back from the kernel for every socket (listener, connections, UDP lanes)."""
+        info: dict = {"listener": {"dscp": get_dscp(self.listener.sock), "priority": get_priority(self.listener.sock)}}
+        info["tcp"] = {
+            r: {"dscp": get_dscp(ln.chan.sock), "priority": get_priority(ln.chan.sock)}
+            for r, ln in self._links.items()
+            if not ln.chan.closed
+        }
+        info["udp"] = {
+            lane: {"dscp": get_dscp(ch.sock), "priority": get_priority(ch.sock), "gso": ch.gso, "gro": ch.gro,
+                   "rcvbuf": ch.rcvbuf}  # fmt: skip
+            for lane, ch in self.udp.items()
+            if not ch.closed
+        }
+        return info

@@ -1,0 +1,441 @@
+"""The endpoint over loopback inside one trio run: lossless and lossy rounds, deadlines, drop reports, error
+feedback, several lanes, concurrency, hostile datagrams, failures, statistics and the blocking wrapper."""
+
+import json
+import socket
+
+import numpy as np
+import pytest
+import torch
+import trio
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dgt import wire
+from dgt.endpoint import (
+    BlockingEndpoint,
+    Endpoint,
+    LaneSpec,
+    PeerAddress,
+    PeerClosed,
+    PeerTimeout,
+    RoundResult,
+    TransportConfig,
+    three_lanes,
+)
+from dgt.errors import ProtocolError
+from dgt.estimator import ContributionEstimator
+from dgt.layout import BucketLayout
+
+TOKEN = 0x5EED_0001
+SIZES = [30000, 1024, 7, 20000, 777]
+
+
+async def pair(cfg_a=None, cfg_b=None, host="127.0.0.1", token_b=TOKEN):
+    a = await Endpoint.open(0, TOKEN, cfg_a or TransportConfig(peer_timeout=5), host=host)
+    b = await Endpoint.open(1, token_b, cfg_b or cfg_a or TransportConfig(peer_timeout=5), host=host)
+    async with trio.open_nursery() as n:
+        n.start_soon(a.connect, {1: b.address})
+        n.start_soon(b.connect, {0: a.address})
+    return a, b
+
+
+def classified(x, layout, p, classes=2):
+    est = ContributionEstimator(layout, classes=classes)
+    est.update(x)
+    return est.classify(p)
+
+
+async def send_and_recv(a, b, bucket, rnd, x, layout=None, cls=0, order=None, **kw):
+    out = {}
+
+    async def send():
+        out["send"] = await a.send_round(1, bucket, rnd, x, layout, cls, order, **kw)
+
+    async with trio.open_nursery() as n:
+        n.start_soon(send)
+        out["recv"] = await b.recv_round(0, bucket, rnd)
+    return out["send"], out["recv"]
+
+
+async def test_lossless_round_is_bit_identical_and_dscp_reads_back():
+    a, b = await pair()
+    try:
+        layout = BucketLayout(SIZES)
+        for rnd, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
+            x = torch.randn(layout.numel).to(dtype)
+            sent, res = await send_and_recv(a, b, 3, rnd, x, layout)
+            assert isinstance(res, RoundResult)
+            assert res.data.dtype == dtype and torch.equal(res.data, x)
+            assert res.mask.all() and res.stats.closed_by == "complete" and res.stats.dropped == 0
+            assert sent.report and sent.lost_blocks == 0 and not sent.datagrams
+        for ep in (a, b):
+            info = ep.socket_info()
+            assert info["listener"]["dscp"] == 46
+            assert all(v["dscp"] == 46 and v["priority"] == 6 for v in info["tcp"].values())
+            assert info["udp"][1]["dscp"] == 1 and info["udp"][1]["priority"] == 1
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_lossy_round_keeps_important_blocks_closes_by_deadline_and_feeds_errors_back():
+    cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.2, drop_seed=7, deadline="fixed:0.05")
+    a, b = await pair(TransportConfig(peer_timeout=5, deadline="fixed:0.05"), cfg_b)
+    try:
+        layout = BucketLayout(SIZES)
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.3)
+        sent, res = await send_and_recv(a, b, 1, 0, x, layout, c.cls, c.order)
+        imp = c.important
+        assert res.mask[imp].all(), "every important block arrives"
+        assert torch.equal(res.data[layout.expand(imp)], x[layout.expand(imp)])
+        got = layout.expand(res.mask)
+        assert torch.equal(res.data[got], x[got]) and (res.data[~got] == 0).all()
+        assert res.stats.closed_by == "deadline" and res.stats.dropped > 0
+        assert 0.04 <= res.stats.deadline_wait < 1.0
+        # the drop report told the sender exactly what was missing, and error feedback kept it
+        assert sent.report and sent.lost_blocks == res.stats.dropped == int((~res.mask).sum())
+        residual = a._links[1].sender.residual(1).clone()
+        lost = layout.expand(~res.mask)
+        assert torch.equal(residual[lost], x[lost]) and (residual[~lost] == 0).all()
+        assert b.stats().lanes[1].rx_dropped_hook > 0
+        # the next round (sent losslessly) carries the lost values on top of its own gradient
+        y = torch.randn(layout.numel)
+        sent2, res2 = await send_and_recv(a, b, 1, 1, y)
+        assert sent2.copied and res2.mask.all()
+        assert torch.equal(res2.data, y + residual) and torch.allclose(res.data + res2.data, x + y)
+        assert a._links[1].sender.residual(1).abs().sum() == 0
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_reusing_a_closed_round_fails_fast_instead_of_hanging():
+    a, b = await pair()
+    try:
+        x = torch.randn(5000)
+        await send_and_recv(a, b, 0, 0, x)
+        with trio.fail_after(5):
+            with pytest.raises(ProtocolError, match="already closed"):
+                await a.send_round(1, 0, 0, x)
+        _, res = await send_and_recv(a, b, 0, 1, x)  # the session is fine afterwards
+        assert torch.equal(res.data, x)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_three_lanes_map_classes_to_dscp_and_reassemble():
+    cfg = TransportConfig(lanes=three_lanes(), peer_timeout=5)
+    a, b = await pair(cfg)
+    try:
+        assert [v["dscp"] for v in a.socket_info()["udp"].values()] == [18, 1]
+        layout = BucketLayout(SIZES)
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.2, classes=3)
+        sent, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        assert torch.equal(res.data, x) and res.mask.all()
+        assert set(sent.datagrams) == {1, 2} and all(v > 0 for v in sent.datagrams.values())
+        lanes = res.stats.lanes
+        assert lanes[0].blocks == int((c.cls == 0).sum())
+        assert lanes[1].blocks == int((c.cls == 1).sum()) and lanes[2].blocks == int((c.cls == 2).sum())
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_concurrent_buckets_both_directions_and_buffered_results():
+    a, b = await pair()
+    try:
+        layout = BucketLayout([5000, 3000])
+        xs = {(s, k): torch.randn(layout.numel) for s in (0, 1) for k in range(4)}
+        results = {}
+
+        async def send(src, dst, k):
+            ep = (a, b)[src]
+            x = xs[(src, k)]
+            c = classified(x, layout, 0.5)
+            await ep.send_round(dst, 10 + k, 0, x, layout, c.cls if k % 2 else 0, c.order)
+
+        async def recv(dst, src, k):
+            results[(src, k)] = await (a, b)[dst].recv_round(src, 10 + k, 0)
+
+        async with trio.open_nursery() as n:
+            for k in range(4):
+                n.start_soon(send, 0, 1, k)
+                n.start_soon(send, 1, 0, k)
+                n.start_soon(recv, 1, 0, k)
+                n.start_soon(recv, 0, 1, k)
+        for key, res in results.items():
+            assert torch.equal(res.data, xs[key]), key
+        # a round that completed before recv_round was called is still delivered
+        await a.send_round(1, 99, 5, xs[(0, 0)])
+        res = await b.recv_round(0, 99, 5)
+        assert torch.equal(res.data, xs[(0, 0)])
+        # and recv_round can reassemble straight into a caller's buffer
+        out = torch.empty(layout.numel)
+        async with trio.open_nursery() as n:
+            n.start_soon(a.send_round, 1, 98, 0, xs[(0, 1)])
+            res = await b.recv_round(0, 98, 0, out=out)
+        assert res.data is out and torch.equal(out, xs[(0, 1)])
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_bytes_and_tensors_lossless_in_order():
+    a, b = await pair()
+    try:
+        msgs = [b"", b"x", bytes(range(256)) * 40, b"last"]
+        async with trio.open_nursery() as n:
+            for m in msgs:
+                n.start_soon(a.send_bytes, 1, m, 3)
+            got = [await b.recv_bytes(0, 3) for _ in msgs]
+        assert sorted(got) == sorted(msgs)
+        t = torch.arange(24, dtype=torch.float64).reshape(2, 3, 4)
+        async with trio.open_nursery() as n:
+            n.start_soon(b.send_tensor, 0, t)
+            r = await a.recv_tensor(1)
+        assert r.shape == t.shape and torch.equal(r, t)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
+    """A paced sender is still sending a round's unimportant datagrams when the receiver closes it at its
+    deadline: the rest is abandoned and the next round goes out without waiting behind it."""
+    cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10)
+    a, b = await pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02"))
+    try:
+        layout = BucketLayout([200_000])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.1)
+        t0 = trio.current_time()
+        sent, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        elapsed = trio.current_time() - t0
+        assert res.stats.closed_by == "deadline" and res.mask[c.important].all()
+        assert sent.abandoned[1] > sent.datagrams[1]  # most of the round was never sent
+        assert elapsed < 0.5 * 720_000 / 1e6  # sending all unimportant bytes at 1 MB/s would take 0.72 s
+        residual = a._links[1].sender.residual(0).clone()  # what was abandoned or lost, for the next round
+        lost = layout.expand(~res.mask)
+        assert torch.equal(residual[lost], x[lost])
+        t1 = trio.current_time()
+        sent2, res2 = await send_and_recv(a, b, 0, 1, x, layout, 0)
+        assert trio.current_time() - t1 < 0.2 and res2.mask.all() and torch.equal(res2.data, x + residual)
+        assert a.stats().lanes[1].tx_abandoned == sent.abandoned[1]
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_adaptive_pacing_backs_off_on_loss_and_probes_up_without():
+    cfg_a = TransportConfig(peer_timeout=5, adaptive_pacing=True, pace_start=50e6)
+    a, b = await pair(cfg_a, TransportConfig(peer_timeout=5, drop_fraction=0.3, drop_seed=1))
+    try:
+        layout = BucketLayout([50_000])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.3)
+        r0 = a.stats().pace_rates[1]
+        await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        r1 = a.stats().pace_rates[1]
+        assert r1 < r0
+        b.cfg.drop_fraction = 0.0
+        b._drop_rng = None
+        await send_and_recv(a, b, 0, 1, x, layout, c.cls, c.order)
+        assert a.stats().pace_rates[1] > r1
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_small_receive_buffer_drops_for_real_and_accounting_matches():
+    """A tiny UDP receive buffer and an unpaced burst: the kernel drops datagrams, important blocks still arrive,
+    the round closes by its deadline and the drop report matches the mask."""
+    cfg_b = TransportConfig(peer_timeout=5, udp_rcvbuf=4096, deadline="fixed:0.05", gro=False)
+    a, b = await pair(TransportConfig(peer_timeout=5), cfg_b)
+    try:
+        layout = BucketLayout([300_000])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.2)
+        sent, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        assert res.mask[c.important].all()
+        assert res.stats.dropped > 0 and sent.lost_blocks == res.stats.dropped
+        assert b.stats().lanes[1].rx_kernel_drops > 0
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_unknown_sources_and_wrong_tokens_are_dropped_and_counted():
+    a, b = await pair()
+    try:
+        port = b.address.udp_ports[0]
+        stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        good = wire.encode_frame(wire.FrameType.DATA, b"\0" * 16, token=TOKEN, rank=0, count=4, flags=2)
+        for _ in range(5):
+            stranger.sendto(good, ("127.0.0.1", port))
+        stranger.close()
+        # from the peer's own lane socket, but with the wrong session token
+        bad = wire.encode_frame(wire.FrameType.DATA, b"\0" * 16, token=TOKEN + 1, rank=0, count=4, flags=2)
+        for _ in range(3):
+            a.udp[1].sock.sendto(bad, ("127.0.0.1", port))
+        with trio.fail_after(5):
+            while b.stats().lanes[1].rx_unknown_source < 5 or b.stats().reject_reasons.get("token", 0) < 3:
+                await trio.sleep(0.01)
+        # a TCP client with the wrong token is refused and the endpoint keeps working
+        s = socket.create_connection(("127.0.0.1", b.address.tcp_port))
+        s.sendall(wire.encode_frame(wire.FrameType.CONTROL, b'{"op":"hello"}', token=1, rank=7))
+        s.settimeout(5)
+        assert await trio.to_thread.run_sync(s.recv, 100) == b""  # refused: closed without a word
+        s.close()
+        x = torch.randn(5000)
+        _, res = await send_and_recv(a, b, 0, 0, x)
+        assert torch.equal(res.data, x)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.lists(st.binary(min_size=0, max_size=300), min_size=1, max_size=20), st.integers(0, 2**32 - 1))
+def test_fuzzed_datagrams_never_crash_the_receiver(blobs, seed):
+    async def main():
+        a, b = await pair(TransportConfig(peer_timeout=5, check_source=False))
+        try:
+            rng = np.random.default_rng(seed)
+            port = b.address.udp_ports[0]
+            fuzz = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+            hdr = wire.encode_header(wire.FrameType.DATA, token=TOKEN, rank=0, flags=2, count=256, length=1024)
+            for blob in blobs:
+                fuzz.sendto(blob, ("127.0.0.1", port))
+                mutated = bytearray(hdr + blob)  # a valid-looking header with random fields flipped
+                for i in rng.integers(0, len(mutated), 3):
+                    mutated[i] ^= int(rng.integers(1, 256))
+                fuzz.sendto(bytes(mutated), ("127.0.0.1", port))
+            fuzz.close()
+            x = torch.randn(3000)
+            _, res = await send_and_recv(a, b, 0, 0, x)
+            assert torch.equal(res.data, x)
+            assert b._fatal is None
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
+
+
+async def test_closed_peer_fails_pending_operations_with_peer_closed():
+    a, b = await pair()
+    try:
+        with trio.fail_after(5):
+            async with trio.open_nursery() as n:
+
+                async def waiter():
+                    with pytest.raises(PeerClosed, match="rank 1"):
+                        await a.recv_round(1, 0, 0)
+
+                n.start_soon(waiter)
+                await trio.sleep(0.05)
+                await b.aclose()
+        with pytest.raises(PeerClosed):
+            await a.send_round(1, 0, 0, torch.zeros(10))
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_silent_peer_times_out_within_peer_timeout():
+    """A peer whose connection stays open but says nothing (no pings): PeerTimeout within peer_timeout."""
+    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=0.6))
+    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=60, heartbeat=100))
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(a.connect, {1: b.address})
+            n.start_soon(b.connect, {0: a.address})
+        t0 = trio.current_time()
+        with pytest.raises(PeerTimeout, match="silent"):
+            await a.recv_round(1, 0, 0)
+        assert trio.current_time() - t0 <= 0.65
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_connect_times_out_on_a_missing_peer_and_on_a_wrong_token():
+    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=0.5))
+    try:
+        ghost = PeerAddress("127.0.0.1", 1, (2,), 1)
+        with pytest.raises(PeerTimeout):
+            await a.connect({1: ghost})
+        with pytest.raises(PeerTimeout):
+            await a.connect({2: PeerAddress("127.0.0.1", 1, (2,), 2)})  # rank 2 would dial us: nobody does
+        other = await Endpoint.open(1, TOKEN + 1, TransportConfig(peer_timeout=0.5))
+        try:
+            with pytest.raises(PeerClosed, match="session token"):
+                await a.connect({1: other.address})
+            assert other.peers == [] and a.peers == []
+        finally:
+            await other.aclose()
+    finally:
+        await a.aclose()
+
+
+async def test_ipv6_loopback_marks_traffic_class():
+    try:
+        a, b = await pair(host="::1")
+    except OSError:
+        pytest.skip("no IPv6 loopback")
+    try:
+        assert a.socket_info()["tcp"][1]["dscp"] == 46 and a.socket_info()["udp"][1]["dscp"] == 1
+        layout = BucketLayout([40000])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.3)
+        _, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        assert torch.equal(res.data, x)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_statistics_are_dataclasses_that_turn_into_json():
+    a, b = await pair(TransportConfig(peer_timeout=5, datagram_payload=8000))
+    try:
+        layout = BucketLayout([60000])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.3)
+        sent, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        sa, sb = a.stats(), b.stats()
+        d = json.loads(sb.to_json())
+        assert d["rounds_received"] == 1 and d["blocks_received"] == layout.nblocks
+        lanes = {ln["lane"]: ln for ln in d["lanes"]}
+        assert lanes[0]["dscp"] == 46 and lanes[1]["dscp"] == 1
+        assert lanes[1]["rx_frames"] == sent.datagrams[1] and lanes[1]["goodput"] > 0
+        assert sa.lanes[1].tx_frames == sent.datagrams[1] and sa.lanes[1].tx_gso_calls > 0
+        assert sb.lanes[1].rx_gro_reads > 0
+        assert json.loads(sent.to_json())["datagrams"]["1"] == sent.datagrams[1]
+        assert res.goodput > 0 and json.loads(json.dumps(res.to_dict()))["stats"]["blocks"] == layout.nblocks
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+def test_blocking_endpoint_and_futures():
+    with BlockingEndpoint.open(0, TOKEN, TransportConfig(peer_timeout=5)) as a:
+        with BlockingEndpoint.open(1, TOKEN, TransportConfig(peer_timeout=5)) as b:
+            fa = a.submit(a.endpoint.connect, {1: b.address})
+            b.connect({0: a.address})
+            fa.result(10)
+            x = torch.randn(20000)
+            fut = b.submit(b.endpoint.recv_round, 0, 7, 0)
+            stats = a.send_round(1, 7, 0, x)
+            res = fut.result(10)
+            assert torch.equal(res.data, x) and stats.report
+            a.send_bytes(1, b"ping")
+            assert b.recv_bytes(0) == b"ping"
+            assert b.stats().rounds_received == 2
+            pending = a.submit(a.endpoint.recv_round, 1, 0, 0)
+        with pytest.raises(PeerClosed):
+            pending.result(10)
+    assert LaneSpec.parse("udp:AF21").dscp == 18
