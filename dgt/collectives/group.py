@@ -13,8 +13,9 @@ from dgt.collectives.rendezvous import Rendezvous
 class Group:
     """What every collective runs on: this rank's endpoint, the world size, per-bucket round counters."""
 
-    def __init__(self, endpoint: Any, rank: int, world: int, token: int) -> None:
+    def __init__(self, endpoint: Any, rank: int, world: int, token: int, store: dist.Store | None = None) -> None:
         self.endpoint = endpoint
+        self.store = store  # rank 0 may host it: it must live as long as the group, or late ranks lose it
         self.rank = rank
         self.world = world
         self.token = token
@@ -45,12 +46,12 @@ class Group:
             addrs = await trio.to_thread.run_sync(rv.exchange, addr)
             peers = {r: PeerAddress(**a) for r, a in addrs.items() if r != rank}
             if peers:
-                with trio.fail_after(timeout):
-                    await ep.connect(peers)
+                with trio.fail_after(timeout + 5):
+                    await ep.connect(peers, timeout=timeout)
         except BaseException:
             await ep.aclose()
             raise
-        return cls(ep, rank, world, token)
+        return cls(ep, rank, world, token, rv.store)
 
     def next_round(self, collective: str, bucket: int) -> int:
         """Round numbers advance per (collective, bucket); every rank calls collectives in the same order."""
