@@ -233,6 +233,40 @@ def validate(h: np.ndarray, limits: Limits = DEFAULT_LIMITS, token: int | None =
     return reason
 
 
+_HEADER = struct.Struct(">HBBBBBBQIIIIQII")  # HEADER_DTYPE as a struct, for one header at a time
+_FTYPES = range(FrameType.DATA, FrameType.CONTROL + 1)
+
+
+def validate_one(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, token: int | None = None) -> int:
+    """:func:`validate` for a single header (``buf`` holds at least HEADER_SIZE bytes) without numpy's per-call cost:
+    the reliable lane checks one header per large frame. Same reason codes, same order of checks."""
+    magic, version, ftype, _flags, dtype, _codec, _lane, tok, rank, _rnd, _bkt, _blk, offset, count, length = (
+        _HEADER.unpack_from(buf)
+    )
+    if magic != MAGIC:
+        return 1
+    if version != VERSION:
+        return 2
+    if ftype not in _FTYPES:
+        return 3
+    if dtype >= len(ITEMSIZE):
+        return 4
+    if length > limits.max_payload:
+        return 5
+    if ftype == FrameType.DATA:
+        if count * int(ITEMSIZE[dtype]) != length:
+            return 6
+        if (offset + count) % (1 << 64) > limits.max_bucket_elems or offset > limits.max_bucket_elems:
+            return 6
+    if ftype == FrameType.CONTROL and length > limits.max_control:
+        return 5
+    if token is not None and tok != token:
+        return 7
+    if rank >= limits.max_rank:
+        return 8
+    return 0
+
+
 def _frame(h: np.void, payload: memoryview) -> Frame:
     return Frame(
         FrameType(int(h["ftype"])),

@@ -126,6 +126,26 @@ async def test_reusing_a_closed_round_fails_fast_instead_of_hanging():
         await b.aclose()
 
 
+async def test_round_refused_by_receiver_limits_fails_fast():
+    """The receiver refuses a round beyond its open-round limit: the sender hears so at once instead of waiting."""
+    from dgt import wire as w
+
+    tight = TransportConfig(peer_timeout=5, limits=w.Limits(max_open_rounds=1), drop_fraction=1.0, deadline=2.0)
+    a, b = await pair(TransportConfig(peer_timeout=5), tight)
+    try:
+        layout = BucketLayout([20000])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.5)
+        await a.send_round(1, 0, 0, x, layout, c.cls, c.order, wait=False)  # stays open: its datagrams are lost
+        with trio.fail_after(1.5):
+            with pytest.raises(ProtocolError, match="refused .*too-many-rounds"):
+                await a.send_round(1, 1, 0, x)
+        assert b.receiver.open_rounds() == [(0, 0, 0)]
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
 async def test_three_lanes_map_classes_to_dscp_and_reassemble():
     cfg = TransportConfig(lanes=three_lanes(), peer_timeout=5)
     a, b = await pair(cfg)
@@ -184,6 +204,34 @@ async def test_concurrent_buckets_both_directions_and_buffered_results():
         await b.aclose()
 
 
+async def test_three_endpoints_connect_all_to_all_and_exchange_concurrently():
+    cfg = TransportConfig(peer_timeout=5)
+    eps = [await Endpoint.open(r, TOKEN, cfg) for r in range(3)]
+    try:
+        addrs = {ep.rank: ep.address for ep in eps}
+        async with trio.open_nursery() as n:
+            for ep in eps:
+                n.start_soon(ep.connect, addrs)
+        assert [sorted(ep.peers) for ep in eps] == [[1, 2], [0, 2], [0, 1]]
+        layout = BucketLayout([8000, 3000])
+        xs = {(s, d): torch.randn(layout.numel) for s in range(3) for d in range(3) if s != d}
+        got = {}
+
+        async def recv(d, s):
+            got[(s, d)] = await eps[d].recv_round(s, s * 10 + d, 0)
+
+        async with trio.open_nursery() as n:
+            for (s, d), x in xs.items():
+                c = classified(x, layout, 0.5)
+                n.start_soon(eps[s].send_round, d, s * 10 + d, 0, x, layout, c.cls, c.order)
+                n.start_soon(recv, d, s)
+        for key, x in xs.items():
+            assert torch.equal(got[key].data, x), key
+    finally:
+        for ep in eps:
+            await ep.aclose()
+
+
 async def test_bytes_and_tensors_lossless_in_order():
     a, b = await pair()
     try:
@@ -217,13 +265,13 @@ async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
         elapsed = trio.current_time() - t0
         assert res.stats.closed_by == "deadline" and res.mask[c.important].all()
         assert sent.abandoned[1] > sent.datagrams[1]  # most of the round was never sent
-        assert elapsed < 0.5 * 720_000 / 1e6  # sending all unimportant bytes at 1 MB/s would take 0.72 s
+        assert elapsed < 0.6  # sending all unimportant bytes at 1 MB/s would take 0.72 s
         residual = a._links[1].sender.residual(0).clone()  # what was abandoned or lost, for the next round
         lost = layout.expand(~res.mask)
         assert torch.equal(residual[lost], x[lost])
         t1 = trio.current_time()
         sent2, res2 = await send_and_recv(a, b, 0, 1, x, layout, 0)
-        assert trio.current_time() - t1 < 0.2 and res2.mask.all() and torch.equal(res2.data, x + residual)
+        assert trio.current_time() - t1 < 0.5 and res2.mask.all() and torch.equal(res2.data, x + residual)
         assert a.stats().lanes[1].tx_abandoned == sent.abandoned[1]
     finally:
         await a.aclose()
@@ -232,7 +280,8 @@ async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
 
 async def test_adaptive_pacing_backs_off_on_loss_and_probes_up_without():
     cfg_a = TransportConfig(peer_timeout=5, adaptive_pacing=True, pace_start=50e6)
-    a, b = await pair(cfg_a, TransportConfig(peer_timeout=5, drop_fraction=0.3, drop_seed=1))
+    cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.3, drop_seed=1, deadline="fixed:0.3")
+    a, b = await pair(cfg_a, cfg_b)
     try:
         layout = BucketLayout([50_000])
         x = torch.randn(layout.numel)
@@ -357,7 +406,7 @@ async def test_silent_peer_times_out_within_peer_timeout():
         t0 = trio.current_time()
         with pytest.raises(PeerTimeout, match="silent"):
             await a.recv_round(1, 0, 0)
-        assert trio.current_time() - t0 <= 0.65
+        assert trio.current_time() - t0 <= 0.6 + 0.3  # within peer_timeout, plus slack for a loaded CI box
     finally:
         await a.aclose()
         await b.aclose()

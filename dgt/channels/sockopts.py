@@ -16,6 +16,8 @@ UDP_GRO = getattr(socket, "UDP_GRO", 104)
 SO_SNDBUFFORCE = getattr(socket, "SO_SNDBUFFORCE", 32)
 SO_RCVBUFFORCE = getattr(socket, "SO_RCVBUFFORCE", 33)
 SO_RXQ_OVFL = getattr(socket, "SO_RXQ_OVFL", 40)
+SO_MEMINFO = getattr(socket, "SO_MEMINFO", 55)
+_MEMINFO = struct.Struct("=9I")  # sk_meminfo: ..., index 8 = datagrams dropped by the socket
 TCP_USER_TIMEOUT = getattr(socket, "TCP_USER_TIMEOUT", 18)
 SOL_UDP = getattr(socket, "SOL_UDP", 17)
 
@@ -158,6 +160,15 @@ def enable_rxq_ovfl(sock: socket.socket) -> bool:
         return True
     except OSError:
         return False
+
+
+def socket_drops(sock: socket.socket) -> int | None:
+    """Datagrams the kernel dropped on this socket so far (SO_MEMINFO), readable at any time unlike the
+    SO_RXQ_OVFL cmsg, which only arrives with the next datagram; None where unsupported."""
+    try:
+        return _MEMINFO.unpack(sock.getsockopt(socket.SOL_SOCKET, SO_MEMINFO, _MEMINFO.size))[8]
+    except (OSError, struct.error):
+        return None
 
 
 GSO_UNSUPPORTED = {errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP}

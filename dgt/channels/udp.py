@@ -32,6 +32,7 @@ from dgt.channels.sockopts import (
     set_buffers,
     set_dscp,
     set_priority,
+    socket_drops,
 )
 
 SLOT = 1 << 16  # room for one read: a GRO run is at most 64 KiB, a plain datagram at most 65507 bytes
@@ -83,6 +84,13 @@ class UdpChannel:
     @property
     def port(self) -> int:
         return self.sock.getsockname()[1]
+
+    def kernel_drops(self) -> int:
+        """Datagrams dropped by the kernel for a full receive buffer, as of now."""
+        now = None if self.closed else socket_drops(self.sock)
+        if now is not None:
+            self.counters.rx_kernel_drops = max(self.counters.rx_kernel_drops, now)
+        return self.counters.rx_kernel_drops
 
     def segments_per_send(self, segment: int) -> int:
         """How many datagrams of ``segment`` bytes one send call carries."""

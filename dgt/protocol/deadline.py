@@ -13,6 +13,7 @@ class DeadlineState:
     last_arrival: float | None
     mean_gap: float | None  # EWMA of inter-arrival times of unimportant frames
     remaining_frames: int | None  # unimportant frames announced but not yet in (None = unknown)
+    batch_gap: float | None = None  # EWMA of the time between arrival batches (a GRO read, a drained socket)
 
 
 class DeadlinePolicy:
@@ -48,6 +49,8 @@ class AdaptiveGrace(DeadlinePolicy):
         quiet = st.last_arrival + self.k * st.mean_gap
         if st.remaining_frames:
             quiet = max(quiet, st.last_arrival + st.remaining_frames * st.mean_gap * 1.5)
+            if st.batch_gap is not None:  # bursty arrivals: the per-frame gap underestimates the wait for the next
+                quiet = max(quiet, st.last_arrival + 2 * st.batch_gap)
         return min(hard, max(t0 + self.floor, quiet))
 
 

@@ -107,6 +107,7 @@ class _Round:
         self.imp_done_at: float | None = None
         self.last_arrival: float | None = None
         self.mean_gap: float | None = None
+        self.batch_gap: float | None = None  # EWMA of the time between batches (GSO/GRO make arrivals bursty)
         self.unimp_frames = 0
 
     @property
@@ -523,6 +524,8 @@ class RoundReceiver:
         if r.last_arrival is not None:
             gap = max(now - r.last_arrival, 0.0) / k
             r.mean_gap = gap if r.mean_gap is None else 0.8 * r.mean_gap + 0.2 * gap
+            span = max(now - r.last_arrival, 0.0)
+            r.batch_gap = span if r.batch_gap is None else 0.8 * r.batch_gap + 0.2 * span
         r.last_arrival = now
         r.unimp_frames += k
         return self._progress(r, now)
@@ -532,7 +535,9 @@ class RoundReceiver:
         if r.imp_done_at is None:
             return None
         remaining = None if r.end is None else max(r.end[3] - r.unimp_frames, 0)
-        return self.deadline.deadline(DeadlineState(r.imp_done_at, r.last_arrival, r.mean_gap, remaining))
+        return self.deadline.deadline(
+            DeadlineState(r.imp_done_at, r.last_arrival, r.mean_gap, remaining, r.batch_gap)
+        )
 
     def next_deadline(self) -> float | None:
         """The earliest time at which :meth:`on_time` will finalise a round (None: nothing is waiting on time)."""

@@ -149,13 +149,18 @@ class RoundSender:
         n_missing = int(missing.sum())
         folded = 0
         if n_missing and self.error_feedback:
-            emask = layout.expand(missing)
             res = self._residual.get(frame.bucket)
             if res is None or res.numel() != sent.numel() or res.dtype != sent.dtype:
                 res = torch.zeros_like(sent)
                 self._residual[frame.bucket] = res
-            res[emask] += sent[emask]
-            folded = int(emask.sum())
+            # indices of the missing blocks' elements only: the work follows the loss, not the bucket size
+            blocks = torch.nonzero(missing).flatten()
+            lens = layout.block_len[blocks]
+            folded = int(lens.sum())
+            first = torch.cumsum(lens, 0) - lens
+            idx = torch.repeat_interleave(layout.block_start[blocks] - first, lens, output_size=folded)
+            idx += torch.arange(folded)
+            res.index_add_(0, idx, sent[idx])
         return DropInfo(frame.bucket, frame.round, n_missing, folded)
 
     def closed(self, bucket: int, round: int) -> bool:

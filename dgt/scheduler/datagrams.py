@@ -53,11 +53,13 @@ class DatagramScheduler:
         channels: dict[int, UdpChannel],
         is_closed: Callable[[int, int, int], bool],
         pacer_of: Callable[[int], Pacer | None],
+        step_bytes: int = 1 << 20,
     ) -> None:
         self.channels = channels
         self.is_closed = is_closed
         self.pacer_of = pacer_of
         self.jobs: list[DatagramJob] = []
+        self.step_bytes = step_bytes
         self._wake = trio.Event()
         self._seq = 0
         self.abandoned_jobs = 0
@@ -115,19 +117,25 @@ class DatagramScheduler:
                     await self._wake.wait()
                 self._wake = trio.Event()
                 continue
-            try:
-                await self._send_chunk(job, now)
-            except OSError as exc:  # this lane cannot send to that peer: fail the job, keep serving the others
-                if job in self.jobs:
+            budget = self.step_bytes  # several sends per scheduling step: a trio round trip costs ~GSO send
+            while job is not None and budget > 0:
+                try:
+                    budget -= await self._send_chunk(job, now)
+                except OSError as exc:  # this lane cannot send to that peer: fail the job, keep serving the others
+                    if job in self.jobs:
+                        self.jobs.remove(job)
+                    job.done.fail(exc)
+                if job.finished and job in self.jobs:
                     self.jobs.remove(job)
-                job.done.fail(exc)
-                continue
-            if job.finished and job in self.jobs:
-                self.jobs.remove(job)
-                job.done.set(job)
+                    job.done.set(job)
+                now = trio.current_time()
+                job, _ = self._pick(now)  # priorities, closed rounds and pacing are re-checked every send
             await trio.lowlevel.checkpoint()
 
-    async def _send_chunk(self, job: DatagramJob, now: float) -> None:
+    async def _send_chunk(self, job: DatagramJob, now: float) -> int:
+        """One GSO send of rows; with the last rows also the odd-size tails (a handful), so a round's final
+        datagrams leave together instead of one scheduling step later. Returns the bytes sent."""
+        before = job.sent_bytes
         chan = self.channels[job.lane]
         pacer = self.pacer_of(job.peer)
         if job.pos < len(job.rows):
@@ -139,7 +147,9 @@ class DatagramScheduler:
             job.pos += len(rows)
             job.sent += len(rows)
             job.sent_bytes += rows.size
-        else:
+            if job.pos < len(job.rows):
+                return job.sent_bytes - before
+        while job.odd_pos < len(job.odd):
             dgram = job.odd[job.odd_pos]
             if pacer is not None:
                 pacer.consume(len(dgram), now)
@@ -147,3 +157,4 @@ class DatagramScheduler:
             job.odd_pos += 1
             job.sent += 1
             job.sent_bytes += len(dgram)
+        return job.sent_bytes - before

@@ -75,6 +75,9 @@ class BlockingEndpoint:
         """Run ``fn(*args, **kwargs)`` (an async function, e.g. ``self.endpoint.recv_round``) on the endpoint's
         thread; returns at once with a Future for its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
+        if threading.current_thread() is self._thread:
+            raise RuntimeError("BlockingEndpoint methods block: call them from another thread, or await the async "
+                               "endpoint (self.endpoint) directly on this one")  # fmt: skip
         if self._token is None or self._nursery is None:
             fut.set_exception(PeerClosed("the endpoint is not running"))
             return fut

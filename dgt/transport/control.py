@@ -14,7 +14,7 @@ WELCOME = "welcome"  # acceptor -> dialer: accepted
 REFUSE = "refuse"  # acceptor -> dialer: why not
 PING = "ping"
 BYE = "bye"  # the sender is closing its endpoint on purpose
-STALE = "stale"  # receiver -> sender: that round key was closed already; the round is ignored
+STALE = "stale"  # receiver -> sender: that round is ignored (key closed already, or refused by the limits)
 
 
 def control(token: int, rank: int, op: str, **fields) -> bytes:

@@ -24,7 +24,7 @@ from dgt.channels.pacing import AdaptiveRate, Pacer
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
-from dgt.errors import DgtError, PeerClosed, PeerTimeout, ProtocolError, WireError
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
@@ -252,6 +252,7 @@ class Endpoint:
                     n.start_soon(self._await_link, rank, timeout)
 
     async def _dial(self, rank: int, addr: PeerAddress, timeout: float) -> None:
+        host = canonical_host(addr.host)
         try:
             with trio.fail_after(timeout):
                 sock = await dial(addr.host, addr.tcp_port, self.cfg.lanes[0], timeout)
@@ -275,7 +276,7 @@ class Endpoint:
                     raise
         except trio.TooSlowError:
             raise PeerTimeout(f"rank {self.rank}: rank {rank} did not accept within {timeout:g} s") from None
-        self._register(rank, addr, chan, reader)
+        self._register(rank, addr, host, chan, reader)
 
     async def _await_link(self, rank: int, timeout: float) -> None:
         slot = self._link_ready.setdefault(rank, Slot())
@@ -288,7 +289,7 @@ class Endpoint:
     async def _accept_loop(self) -> None:
         while True:
             sock = await self.listener.accept()
-            self._nursery.start_soon(self._guard, self._handshake_in, sock)
+            self._nursery.start_soon(self._handshake_in, sock)
 
     async def _handshake_in(self, sock) -> None:
         """Validate a dialer's hello (token, rank, lanes) within the connect timeout; welcome or refuse it."""
@@ -306,17 +307,21 @@ class Endpoint:
                     why = f"rank {rank} is already connected"
                 elif int(msg.get("lanes", -1)) != len(self.udp):
                     why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+                addr = PeerAddress.from_dict(msg["address"])
+                if why is None and len(addr.udp_ports) != len(self.udp):
+                    why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
                 if why is not None:
                     await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
                     chan.close()
                     return
-                addr = PeerAddress.from_dict(msg["address"])
+                host = canonical_host(addr.host)
                 await chan.send_buffers([control.control(self.token, self.rank, control.WELCOME)])
-        except (trio.TooSlowError, DgtError, OSError, KeyError, ValueError, TypeError):
-            chan.close()  # wrong token, garbage, silence or a vanished dialer: not a peer of this session
+        except Exception:  # wrong token, garbage, silence or a vanished dialer: not a peer of this session
+            chan.close()
+            self.receiver.counters.reject("handshake")
             return
         chan.label = f"rank {self.rank} <- rank {rank}"
-        self._register(rank, addr, chan, reader)
+        self._register(rank, addr, host, chan, reader)
 
     def _tcp_channel(self, sock, rank: int) -> TcpChannel:
         c = self.cfg
@@ -324,12 +329,12 @@ class Endpoint:
         chan.label = f"rank {self.rank} <-> rank {rank}"
         return chan
 
-    def _register(self, rank: int, addr: PeerAddress, chan: TcpChannel, reader: FrameReader) -> None:
+    def _register(self, rank: int, addr: PeerAddress, host: str, chan: TcpChannel, reader: FrameReader) -> None:
         c = self.cfg
-        if self._closing:
+        old = self._links.get(rank)
+        if self._closing or (old is not None and old.error is None):  # closing, or a racing second connection
             chan.close()
             return
-        host = canonical_host(addr.host)
         udp_addrs = [(host, p) for p in addr.udp_ports]
         for p in addr.udp_ports:
             self._sources[(host, p)] = rank
@@ -442,15 +447,21 @@ class Endpoint:
                 self._on_control(link, rf.frame)
                 continue
             else:
-                if ftype == FrameType.ROUND_BEGIN:
-                    key = (rank, int(h["bucket"]), int(h["round"]))
-                    if key in recv.closed:  # a reused round key would wait forever: tell the sender at once
-                        link.writer.push([control.control(self.token, self.rank, control.STALE, bucket=key[1],
-                                                          round=key[2])], urgent=True)  # fmt: skip
+                key = (rank, int(h["bucket"]), int(h["round"]))
+                begin = ftype == FrameType.ROUND_BEGIN
+                if begin:
+                    why = "already closed" if key in recv.closed else None
                     self._opened[key] = now
                     while len(self._opened) > 4 * self.cfg.limits.max_open_rounds:
                         self._opened.popitem(last=False)
+                    before = dict(recv.counters.reasons)
                 events = recv.receive_bytes(rf.frame, 0, now)
+                if begin and why is None and key not in recv.rounds and key not in recv.closed:
+                    grew = [r for r, n in recv.counters.reasons.items() if n > before.get(r, 0)]
+                    why = f"refused ({', '.join(grew) or 'rejected'})"  # limits: too many rounds, memory budget
+                if begin and why is not None:  # the sender would wait forever for this round: tell it now
+                    link.writer.push([control.control(self.token, self.rank, control.STALE, bucket=key[1],
+                                                      round=key[2], why=why)], urgent=True)  # fmt: skip
             if events:
                 self._handle(events)
             budget += 4096 + int(h["length"])
@@ -471,10 +482,10 @@ class Endpoint:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
             if track is not None:
-                track.report.fail(ProtocolError(
-                    f"round {key[2]} of bucket {key[1]} was already closed at rank {link.rank}: round keys must not "
-                    "be reused (the receiver ignores it)"
-                ))  # fmt: skip
+                why = str(msg.get("why", "already closed"))
+                hint = ": round keys must not be reused" if why == "already closed" else ""
+                what = f"round {key[2]} of bucket {key[1]} was {why} at rank {link.rank}{hint}"
+                track.report.fail(ProtocolError(what))
                 for job in track.jobs:
                     if job in self.scheduler.jobs:
                         self.scheduler.jobs.remove(job)
@@ -831,7 +842,7 @@ class Endpoint:
                 tx_abandoned=self._tx_abandoned.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
                 rx_frames=cc.rx_datagrams, rx_calls=cc.rx_calls, rx_gro_reads=cc.rx_gro_reads,
                 rx_dropped_hook=self._rx_dropped_hook.get(lane, 0), rx_unknown_source=cc.rx_unknown_source,
-                rx_truncated=cc.rx_truncated, rx_kernel_drops=cc.rx_kernel_drops, gso=ch.gso, gro=ch.gro,
+                rx_truncated=cc.rx_truncated, rx_kernel_drops=ch.kernel_drops(), gso=ch.gso, gro=ch.gro,
                 rcvbuf=ch.rcvbuf, sndbuf=ch.sndbuf,
             ))  # fmt: skip
         for ls in lanes:
