@@ -71,16 +71,20 @@ def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
 
 
 async def _send_one(ep, peer, key, rnd, data, layout, cls, order) -> None:
-    await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order)
+    # a lossless round has nothing to learn from its drop report: do not spend a round trip waiting for it
+    lossless = cls == 0 if isinstance(cls, int) else not bool((cls != 0).any())
+    await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order, wait=not lossless)
 
 
 async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],
-                     stats: CollectiveStats) -> list[Received]:
-    """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry)."""
+                     stats: CollectiveStats, into: list[torch.Tensor | None] | None = None) -> list[Received]:
+    """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry).
+    ``into``: per part, a contiguous CPU tensor to reassemble straight into (no extra buffer, no copy)."""
     out: list[Received | None] = [None] * len(like)
 
     async def one(i: int, part: Part) -> None:
-        res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd)
+        dst = into[i] if into else None
+        res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
         out[i] = Received(res.data, res.mask, part.block_elems, part.segments)
 
@@ -96,7 +100,7 @@ def like_parts(template: list[Part], segments: list[int], codec, data: torch.Ten
     if data.numel() == 0:
         return []
     if template and all(p.data.numel() == sum(p.segments or [p.data.numel()]) for p in template):
-        return [Part(torch.empty(0), 0, p.block_elems, p.name, list(segments)) for p in template]
+        return [Part(torch.empty(0, dtype=p.data.dtype), 0, p.block_elems, p.name, list(segments)) for p in template]
     return codec.encode(data, codec.state_for(-1, data, segments))
 
 

@@ -23,6 +23,10 @@ class RingAllReduce(Collective):
     name = "ring all-reduce"
     needs_summable = True
 
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0,
                         segments: list[int] | None = None) -> CollectiveResult:
         g = self.group
@@ -62,10 +66,11 @@ class RingAllReduce(Collective):
         if keep_own and parts:  # the owner keeps exactly what the others will decode
             out.copy_(self.codec.decode([as_received(p) for p in parts], self.state(state_key, out, None), out))
         like = like_parts(parts, ch.segments[recv_c], self.codec, mine)
+        into = self._landing(like, mine, in_place=reliable)
         got: list[Received] = []
 
         async def recv() -> None:
-            got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats))
+            got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into))
 
         async with trio.open_nursery() as nursery:
             if parts:
@@ -75,4 +80,20 @@ class RingAllReduce(Collective):
                 nursery.start_soon(recv)
         if not like:
             return None
+        if into is not None and into[0] is mine:
+            return mine  # already reassembled in place
         return self.codec.decode(got, self.state(-state_key - 1, mine, ch.segments[recv_c]), mine)
+
+    def _landing(self, like, mine: torch.Tensor, in_place: bool) -> list[torch.Tensor] | None:
+        """Where a dense single-part chunk can be received without an extra buffer: the chunk itself when it is
+        overwritten (all-gather), else a scratch tensor reused across rounds (reduce-scatter adds it in)."""
+        dense_codec = self.codec.name in ("dense", "dgt")
+        if not dense_codec or len(like) != 1 or like[0].data.dtype != mine.dtype or mine.device.type != "cpu":
+            return None
+        if in_place:
+            return [mine]
+        key = (mine.numel(), mine.dtype)
+        buf = self._scratch.get(key)
+        if buf is None:
+            buf = self._scratch[key] = torch.empty(mine.numel(), dtype=mine.dtype)
+        return [buf]
