@@ -10,10 +10,10 @@ import numpy as np
 import torch
 import trio
 
-from dgt.codecs.base import Codec, Received
+from dgt.codecs.base import Codec, Part, Received
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import like_parts, recv_parts, send_parts
+from dgt.collectives.parts import recv_parts, send_parts
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 
 
@@ -45,26 +45,32 @@ class Gossip(Collective):
         if sorted(senders) != sorted(self.neighbours):
             raise ValueError("mixing matrix must have a symmetric sparsity pattern (neighbours exchange both ways)")
 
-    async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
-                       segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
-        """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
+    async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
+                             ) -> tuple[dict[int, list[Received]], CollectiveStats]:
+        """Send ``parts`` to every neighbour and return the parts each neighbour sent (as they arrived). Algorithms
+        that keep their own per-neighbour state (DCD/ECD-PSGD nodes) drive the exchange with this."""
         g = self.group
-        flat = x.detach().reshape(-1)
         stats = CollectiveStats()
         rnd = g.next_round("gossip", bucket_id)
-        segs = segments or [flat.numel()]
-        parts = self.codec.encode(flat, self.state(bucket_id, flat, segs))
         got: dict[int, list[Received]] = {}
 
         async def recv(j: int) -> None:
-            like = like_parts(parts, segs, self.codec, flat)
-            got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, like, stats)
+            got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
 
         with self.phase(stats, "exchange"):
             async with trio.open_nursery() as nursery:
                 for j in self.neighbours:
                     nursery.start_soon(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
                     nursery.start_soon(recv, j)
+        return got, stats
+
+    async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
+                       segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
+        """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
+        flat = x.detach().reshape(-1)
+        segs = segments or [flat.numel()]
+        parts = self.codec.encode(flat, self.state(bucket_id, flat, segs))
+        got, stats = await self.exchange_parts(parts, bucket_id)
         out = {}
         for j in self.neighbours:
             st = self.state((1 << 30) | (bucket_id * 1024 + j), flat, segs)
