@@ -1,0 +1,108 @@
+"""What the user sees in the terminal: a rich progress bar per run and the Table 1 comparison."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+PAPER: dict[str, dict[str, dict[str, float]]] = {
+    # Table 1 of the paper (6 GPUs, 1 Gbps, Fashion-MNIST, target accuracy 0.8)
+    "alexnet": {"baseline": {"bct": 36.72, "iters": 1300, "time": 47494},
+                "dgt": {"bct": 23.71, "iters": 1700, "time": 40314}},
+    "vgg11": {"baseline": {"bct": 105.34, "iters": 420, "time": 44246},
+              "dgt": {"bct": 73.75, "iters": 490, "time": 36141}},
+}
+MODEL_NAMES = {"alexnet": "AlexNet", "vgg11": "VGG-11"}
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= div:
+            return f"{n / div:.1f} {unit}"
+    return f"{n:.0f} B"
+
+
+class Reporter:
+    """Progress bars while runs train, then the results table. ``quiet`` prints nothing (tests)."""
+
+    def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
+        self.console = console or Console()
+        self.quiet = quiet
+        self.progress: Progress | None = None
+        self.task: Any = None
+
+    def note(self, text: str) -> None:
+        if not self.quiet:
+            self.console.print(text)
+
+    def start_run(self, model: str, protocol: str, max_iters: int) -> None:
+        if self.quiet:
+            return
+        self.progress = Progress(
+            TextColumn(f"[bold]{MODEL_NAMES.get(model, model)} {protocol:<8}"), BarColumn(), MofNCompleteColumn(),
+            TextColumn("it  acc {task.fields[acc]}  BCT {task.fields[bct]}  p {task.fields[p]}  "
+                       "train {task.fields[train]}"),
+            TimeElapsedColumn(), console=self.console, transient=False,
+        )
+        self.progress.start()
+        self.task = self.progress.add_task("run", total=max_iters, acc="-", bct="-", p="-", train="-")
+
+    def update(self, rec: dict[str, Any]) -> None:
+        if self.progress is None:
+            return
+        fields = {"bct": f"{rec['bct']:.3f}s", "p": f"{rec['p']:.2f}", "train": f"{rec['train_time']:.0f}s"}
+        if "acc" in rec:
+            fields["acc"] = f"{rec['acc']:.3f}"
+        self.progress.update(self.task, completed=rec["it"], **fields)
+
+    def end_run(self, summary: dict[str, Any] | None = None, error: str | None = None) -> None:
+        if self.progress is not None:
+            if summary is not None:
+                self.progress.update(self.task, total=summary["iterations_run"], completed=summary["iterations_run"])
+            self.progress.stop()
+            self.progress = None
+        if error and not self.quiet:
+            self.console.print(f"[red]run failed:[/red] {error}")
+
+    def table(self, results: dict[str, Any]) -> None:
+        if not self.quiet:
+            self.console.print(results_table(results))
+
+
+def results_table(results: dict[str, Any]) -> Table:
+    """The paper's Table 1 columns (BCT, total iterations, total time to the target accuracy) and what DGT changed,
+    with the traffic per lane and the drops."""
+    target = results["config"]["target"]
+    t = Table(title=f"Time to test accuracy {target:g} — {results['network']['mode']} network, "
+                    f"{results['config']['workers']} workers ({results['config']['dataset']})")
+    for col in ("Model", "Protocol", "BCT (s)", "Total Iters", "Total Time (s)", "TCP bytes", "UDP bytes",
+                "Dropped blocks", "Mean p", "Reached"):
+        t.add_column(col, justify="left" if col in ("Model", "Protocol") else "right")
+    for model in results["config"]["models"]:
+        runs = [r for r in results["runs"] if r["model"] == model]
+        for r in runs:
+            s = r.get("summary")
+            if s is None:
+                t.add_row(MODEL_NAMES.get(model, model), r["protocol"], *["-"] * 7, "[red]failed")
+                continue
+            lanes = s["bytes_per_lane"]
+            t.add_row(
+                MODEL_NAMES.get(model, model), r["protocol"], f"{s['bct_mean']:.3f}", str(s["iterations"]),
+                f"{s['time_to_target']:.1f}" if s["reached"] else f">{s['train_time']:.1f}",
+                fmt_bytes(lanes.get("0", 0)), fmt_bytes(lanes.get("1", 0)),
+                f"{s['dropped_blocks']} ({pct(s['drop_rate'])})", f"{s['p_mean']:.2f}",
+                "yes" if s["reached"] else "[red]no",
+            )
+        cmp = results["comparisons"].get(model)
+        if cmp:
+            t.add_row("", "[bold]DGT vs baseline", f"[bold]-{pct(cmp['bct_reduction'])}",
+                      "-" if cmp["iteration_increase"] is None else f"{100 * cmp['iteration_increase']:+.0f}%",
+                      f"[bold]-{pct(cmp['time_reduction'])}", "", "", "", "", "", end_section=True)
+    return t

@@ -1,0 +1,88 @@
+"""From the ranks' per-iteration records to one run's Table 1 row (BCT, iterations and time to the target
+accuracy) and the comparison of two runs."""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    if not xs:
+        return 0.0
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
+
+
+def _sum_lanes(rows: list[dict[str, int]]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for row in rows:
+        for lane, n in row.items():
+            out[lane] = out.get(lane, 0) + int(n)
+    return out
+
+
+def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """One run: rank 0's clock is the run's clock (it is the evaluator and, as the server, the last to finish an
+    iteration). Time to target = training time (sum of BCTs, evaluation pauses excluded) at the first evaluation
+    whose accuracy reached ``target``; the paper's Total Time. Traffic sums every rank's sent bytes per lane
+    (0 = reliable TCP, 1 = unreliable UDP), what the receivers took in per lane (frame headers included), and every
+    receiver's dropped blocks."""
+    r0 = ranks[0]
+    recs = r0["records"]
+    evals = r0["evals"]
+    hit = next((e for e in evals if e["acc"] >= target), None)
+    n = hit["it"] if hit else len(recs)
+    upto = recs[:n]
+    bcts = [r["bct"] for r in upto]
+    sent_all = _sum_lanes([rec["sent"] for rk in ranks for rec in rk["records"]])
+    sent_upto = _sum_lanes([rec["sent"] for rk in ranks for rec in rk["records"][:n]])
+    recv_upto = _sum_lanes([rec["recv"] for rk in ranks for rec in rk["records"][:n]])
+    dropped = sum(rec["dropped"] for rk in ranks for rec in rk["records"][:n])
+    blocks = sum(rec["blocks"] for rk in ranks for rec in rk["records"][:n])
+    return {
+        "reached": hit is not None,
+        "target": target,
+        "iterations": n,
+        "time_to_target": hit["train_time"] if hit else None,
+        "train_time": upto[-1]["train_time"] if upto else 0.0,
+        "bct_mean": statistics.fmean(bcts) if bcts else 0.0,
+        "bct_median": statistics.median(bcts) if bcts else 0.0,
+        "bct_p95": _quantile(bcts, 0.95),
+        "compute_mean": statistics.fmean(r["compute"] for r in upto) if upto else 0.0,
+        "comm_mean": statistics.fmean(r["comm"] for r in upto) if upto else 0.0,
+        "p_mean": statistics.fmean(r["p"] for r in upto) if upto else 1.0,
+        "final_acc": evals[-1]["acc"] if evals else None,
+        "best_acc": max((e["acc"] for e in evals), default=None),
+        "bytes_per_lane": sent_upto,
+        "bytes_per_lane_run": sent_all,
+        "bytes_delivered_per_lane": recv_upto,
+        "bytes_per_iteration": sum(sent_upto.values()) / n if n else 0.0,
+        "delivered_per_iteration": sum(recv_upto.values()) / n if n else 0.0,
+        "dropped_blocks": dropped,
+        "received_blocks": blocks,
+        "drop_rate": dropped / blocks if blocks else 0.0,
+        "iterations_run": len(recs),
+        "stop_reason": r0["stop_reason"],
+        "eval_time": r0["eval_time"],
+        "wall_time": r0["wall_time"],
+    }
+
+
+def reduction(base: float | None, new: float | None) -> float | None:
+    """Relative reduction (base - new) / base, None when either side is missing."""
+    if base is None or new is None or base <= 0:
+        return None
+    return (base - new) / base
+
+
+def compare(baseline: dict[str, Any], dgt: dict[str, Any]) -> dict[str, Any]:
+    """The reductions the paper quotes: BCT and total time to the same target accuracy."""
+    return {
+        "bct_reduction": reduction(baseline["bct_mean"], dgt["bct_mean"]),
+        "time_reduction": reduction(baseline["time_to_target"], dgt["time_to_target"]),
+        "iteration_increase": (dgt["iterations"] / baseline["iterations"] - 1.0)
+        if baseline["reached"] and dgt["reached"] else None,
+        "delivered_reduction": reduction(baseline["delivered_per_iteration"], dgt["delivered_per_iteration"]),
+        "both_reached": bool(baseline["reached"] and dgt["reached"]),
+    }

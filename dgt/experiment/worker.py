@@ -1,0 +1,263 @@
+"""One rank of one training run: compute the gradient, all-reduce it through the parameter server, step.
+
+Run as ``python -m dgt.experiment.worker SPEC.json`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT (and
+DGT_BIND, the address to bind inside a namespace) in the environment. Every rank writes ``rank{R}.json`` with its
+per-iteration records; rank 0 also prints one ``@@ {json}`` progress line per iteration on stdout.
+
+Timing: the batch completion time (BCT) of an iteration is the wall time from the start of the forward pass until
+the optimizer step is done (compute + communication). Every ``eval_every`` iterations rank 0 measures test accuracy
+while the others wait; that pause is outside every BCT, so training time = sum of BCTs. Rank 0 decides when to stop
+(target reached, iteration or time budget spent) and publishes the decision through the rendezvous store, so all
+ranks stop at the same iteration.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dgt.experiment.config import RunSpec
+from dgt.experiment.data import Dataset, ShardSampler, load_dataset
+from dgt.experiment.models import build_model
+
+PROGRESS = "@@ "
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
+
+
+def evaluate(model: torch.nn.Module, data: Dataset, batch: int = 1000) -> float:
+    """Test accuracy (eval mode, no gradients)."""
+    model.eval()
+    correct = 0
+    with torch.no_grad():
+        for i in range(0, len(data.y_test), batch):
+            correct += int((model(data.x_test[i : i + batch]).argmax(1) == data.y_test[i : i + batch]).sum())
+    model.train()
+    return correct / len(data.y_test)
+
+
+def pace_tcp(endpoint: Any, rate: float) -> int:
+    """Loopback mode: cap every TCP connection of the endpoint at ``rate`` bytes/s (SO_MAX_PACING_RATE makes the
+    kernel pace TCP itself). The transport paces its UDP lanes on its own (TransportConfig.pace_rate). Returns
+    how many sockets were paced."""
+    n = 0
+    for link in getattr(endpoint, "_links", {}).values():  # the endpoint exposes no socket list; read its links
+        sock = getattr(getattr(link, "chan", None), "sock", None)
+        if sock is not None:
+            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate))
+            n += 1
+    return n
+
+
+NUDGE_INTERVAL = 0.005
+
+
+async def _nudged(call: Any, endpoint: Any) -> Any:
+    """Await ``call`` while waking the endpoint's deadline timer every few milliseconds.
+
+    Work-around for a transport bug seen here: the TCP reader re-arms the deadline timer only after a frame that
+    leaves its buffer empty, and skips that for CONTROL frames, so when a heartbeat PING lands right behind a
+    round's ROUND_END the receiver never starts that round's deadline and the all-reduce waits forever. A poke
+    is a no-op unless a deadline moved earlier.
+    """
+    import trio
+
+    timer = getattr(endpoint, "deadlines", None)
+    out: list[Any] = []
+
+    async def run(cancel: trio.CancelScope) -> None:
+        out.append(await call)
+        cancel.cancel()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(run, nursery.cancel_scope)
+        while timer is not None and hasattr(timer, "poke"):
+            await trio.sleep(NUDGE_INTERVAL)
+            timer.poke()
+    return out[0]
+
+
+def transport_state(endpoint: Any) -> dict[str, Any]:
+    """What a stuck all-reduce waits for (rounds awaited, rounds in flight, rounds open at the receiver): the
+    endpoint's bookkeeping, read for the error message only."""
+    out: dict[str, Any] = {}
+    for name in ("_recv_waiters", "_sending", "_results"):
+        d = getattr(endpoint, name, None)
+        if d is not None:
+            out[name.strip("_")] = [list(k) for k in list(d)[:20]]
+    recv = getattr(endpoint, "receiver", None)
+    for key, r in list(getattr(recv, "rounds", {}).items())[:20]:
+        out.setdefault("open_rounds", []).append({
+            "key": list(key), "end": getattr(r, "end", None), "important_done": getattr(r, "n_imp_done", None),
+            "blocks_done": getattr(r, "n_done", None), "important_done_at": getattr(r, "imp_done_at", None),
+        })
+    return out
+
+
+def _lane_dict(d: dict) -> dict[str, int]:
+    return {str(k): int(v) for k, v in d.items()}
+
+
+async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> dict[str, Any]:
+    import trio
+
+    from dgt.collectives import Group, ParameterServer
+    from dgt.collectives.rendezvous import store_from_env
+    from dgt.endpoint import TransportConfig
+
+    data = load_dataset(spec.dataset, spec.data_dir, spec.seed, spec.limit_train, spec.limit_test)
+    model = build_model(spec.model, data.shape, data.num_classes, spec.width, seed=spec.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    segments = [p.numel() for p in params]
+    opt = torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
+
+    store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
+    cfg = TransportConfig(deadline=spec.deadline, peer_timeout=spec.peer_timeout, gso=spec.gso,
+                          pace_rate=spec.pace_rate)
+    group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp")
+    paced = pace_tcp(group.endpoint, spec.pace_rate) if spec.pace_rate else 0
+    server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
+    ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)
+    codec = ps.codec
+    schedule = getattr(codec, "schedule", None)
+
+    records: list[dict[str, Any]] = []
+    evals: list[dict[str, Any]] = []
+    train_time = 0.0
+    eval_time = 0.0
+    smoothed: float | None = None
+    stop_reason = "max_iters"
+    grad = torch.empty(sum(segments))
+    t_start = time.perf_counter()
+    try:
+        for it in range(1, spec.max_iters + 1):
+            t0 = time.perf_counter()
+            idx = sampler.next()
+            loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+            opt.zero_grad(set_to_none=False)
+            loss.backward()
+            torch.cat([p.grad.reshape(-1) for p in params], out=grad)
+            loss_v = float(loss.detach())
+            if not math.isfinite(loss_v):
+                raise FloatingPointError(f"rank {rank}: training loss is {loss_v} at iteration {it}")
+            s = spec.loss_smoothing
+            smoothed = loss_v if smoothed is None else s * smoothed + (1 - s) * loss_v
+            if hasattr(codec, "observe_loss"):
+                codec.observe_loss(smoothed)
+            p = schedule.p() if schedule is not None else 1.0
+            t1 = time.perf_counter()
+            try:
+                with trio.fail_after(spec.round_timeout):
+                    res = await _nudged(ps.allreduce(grad, 0, segments), group.endpoint)
+            except trio.TooSlowError:
+                raise TimeoutError(f"rank {rank}: all-reduce of iteration {it} not done in {spec.round_timeout} s; "
+                                   f"transport state: {transport_state(group.endpoint)}") from None
+            t2 = time.perf_counter()
+            off = 0
+            for prm in params:
+                prm.grad.copy_(res.tensor[off : off + prm.numel()].view_as(prm))
+                off += prm.numel()
+            opt.step()
+            t3 = time.perf_counter()
+            bct = t3 - t0
+            train_time += bct
+            st = res.stats
+            rec = {"it": it, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
+                   "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
+                   "blocks": st.blocks, "dropped": st.dropped,
+                   "phases": {k: round(v, 6) for k, v in st.phases.items()}}
+            records.append(rec)
+            decision = None
+            if it % spec.eval_every == 0 or it == spec.max_iters:  # every rank pauses at the same iterations
+                te = time.perf_counter()
+                decision = await _decide(store, rank, it, spec, model, data, train_time)
+                eval_time += time.perf_counter() - te
+                evals.append({"it": it, "train_time": train_time, "acc": decision["acc"]})
+            if emit:
+                out = {"it": it, "bct": bct, "loss": loss_v, "p": p, "train_time": train_time,
+                       "dropped": st.dropped, "blocks": st.blocks}
+                if decision is not None:
+                    out["acc"] = decision["acc"]
+                print(PROGRESS + json.dumps(out), flush=True)
+            if decision is not None and decision["stop"]:
+                stop_reason = decision["reason"]
+                break
+        await trio.to_thread.run_sync(_leave, store, rank, world)
+    finally:
+        with trio.move_on_after(5):
+            await group.aclose()
+    tstats = group.endpoint.stats()
+    return {
+        "rank": rank, "world": world, "protocol": spec.protocol, "codec": spec.codec, "model": spec.model,
+        "records": records, "evals": evals, "train_time": train_time, "eval_time": eval_time,
+        "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "paced_tcp_sockets": paced,
+        "transport": {"late_frames": tstats.late_frames, "closed_by": dict(tstats.closed_by),
+                      "deadline_wait_total": tstats.deadline_wait_total,
+                      "lanes": [{"lane": ls.lane, "name": ls.name, "kind": ls.kind, "dscp": ls.dscp,
+                                 "tx_bytes": ls.tx_bytes, "rx_bytes": ls.rx_bytes,
+                                 "tx_abandoned": getattr(ls, "tx_abandoned", 0)} for ls in tstats.lanes]},
+    }
+
+
+def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:
+    """Rank 0 hosts the store: it stays until every rank has read the last decision (or ``timeout``)."""
+    if rank != 0:
+        store.add("dgtexp/left", 1)
+        return
+    end = time.monotonic() + timeout
+    while store.add("dgtexp/left", 0) < world - 1 and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+async def _decide(store: Any, rank: int, it: int, spec: RunSpec, model: torch.nn.Module, data: Dataset,
+                  train_time: float) -> dict[str, Any]:
+    """Rank 0 evaluates and publishes {acc, stop, reason}; the others wait for it (this is the evaluation pause)."""
+    import trio
+
+    key = f"dgtexp/eval/{it}"
+    if rank == 0:
+        acc = evaluate(model, data)
+        reason = ""
+        if acc >= spec.target:
+            reason = "target"
+        elif it >= spec.max_iters:
+            reason = "max_iters"
+        elif train_time >= spec.max_time:
+            reason = "max_time"
+        decision = {"acc": acc, "stop": bool(reason), "reason": reason or None}
+        await trio.to_thread.run_sync(store.set, key, json.dumps(decision))
+        return decision
+    raw = await trio.to_thread.run_sync(store.get, key)
+    return json.loads(raw)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import trio
+
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m dgt.experiment.worker SPEC.json", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    with open(argv[0]) as f:
+        spec = RunSpec.from_json(f.read())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    bind = os.environ.get("DGT_BIND", "127.0.0.1")
+    result = trio.run(train, spec, rank, world, bind, rank == 0)
+    path = os.path.join(spec.out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
