@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 from rich.table import Table
 
 PAPER: dict[str, dict[str, dict[str, float]]] = {
@@ -46,10 +46,10 @@ class Reporter:
         if self.quiet:
             return
         self.progress = Progress(
-            TextColumn(f"[bold]{MODEL_NAMES.get(model, model)} {protocol:<8}"), BarColumn(), MofNCompleteColumn(),
-            TextColumn("it  acc {task.fields[acc]}  BCT {task.fields[bct]}  p {task.fields[p]}  "
-                       "train {task.fields[train]}"),
-            TimeElapsedColumn(), console=self.console, transient=False,
+            TextColumn(f"[bold]{MODEL_NAMES.get(model, model)} {protocol:<8}"), BarColumn(bar_width=15),
+            MofNCompleteColumn(),
+            TextColumn("acc {task.fields[acc]}  BCT {task.fields[bct]}  p {task.fields[p]}  {task.fields[train]}"),
+            console=self.console, transient=False,
         )
         self.progress.start()
         self.task = self.progress.add_task("run", total=max_iters, acc="-", bct="-", p="-", train="-")
@@ -57,7 +57,7 @@ class Reporter:
     def update(self, rec: dict[str, Any]) -> None:
         if self.progress is None:
             return
-        fields = {"bct": f"{rec['bct']:.3f}s", "p": f"{rec['p']:.2f}", "train": f"{rec['train_time']:.0f}s"}
+        fields = {"bct": f"{rec['bct']:.2f}s", "p": f"{rec['p']:.2f}", "train": f"{rec['train_time']:.0f}s trained"}
         if "acc" in rec:
             fields["acc"] = f"{rec['acc']:.3f}"
         self.progress.update(self.task, completed=rec["it"], **fields)
@@ -78,31 +78,32 @@ class Reporter:
 
 def results_table(results: dict[str, Any]) -> Table:
     """The paper's Table 1 columns (BCT, total iterations, total time to the target accuracy) and what DGT changed,
-    with the traffic per lane and the drops."""
-    target = results["config"]["target"]
-    t = Table(title=f"Time to test accuracy {target:g} — {results['network']['mode']} network, "
-                    f"{results['config']['workers']} workers ({results['config']['dataset']})")
-    for col in ("Model", "Protocol", "BCT (s)", "Total Iters", "Total Time (s)", "TCP bytes", "UDP bytes",
-                "Dropped blocks", "Mean p", "Reached"):
+    with the megabytes each lane carried and the share of blocks dropped (narrow enough for 80 columns)."""
+    cfg = results["config"]
+    t = Table(title=f"Time to test accuracy {cfg['target']:g}: {results['network']['mode']} network, "
+                    f"{cfg['workers']} workers, {cfg['dataset']}")
+    for col in ("Model", "Protocol", "BCT s", "Iters", "Time s", "TCP/UDP MB", "Dropped", "p"):
         t.add_column(col, justify="left" if col in ("Model", "Protocol") else "right")
-    for model in results["config"]["models"]:
-        runs = [r for r in results["runs"] if r["model"] == model]
-        for r in runs:
+    for model in cfg["models"]:
+        for r in (r for r in results["runs"] if r["model"] == model):
             s = r.get("summary")
             if s is None:
-                t.add_row(MODEL_NAMES.get(model, model), r["protocol"], *["-"] * 7, "[red]failed")
+                t.add_row(MODEL_NAMES.get(model, model), r["protocol"], "[red]failed", *[""] * 5)
                 continue
             lanes = s["bytes_per_lane"]
             t.add_row(
                 MODEL_NAMES.get(model, model), r["protocol"], f"{s['bct_mean']:.3f}", str(s["iterations"]),
-                f"{s['time_to_target']:.1f}" if s["reached"] else f">{s['train_time']:.1f}",
-                fmt_bytes(lanes.get("0", 0)), fmt_bytes(lanes.get("1", 0)),
-                f"{s['dropped_blocks']} ({pct(s['drop_rate'])})", f"{s['p_mean']:.2f}",
-                "yes" if s["reached"] else "[red]no",
+                f"{s['time_to_target']:.1f}" if s["reached"] else f"[red]>{s['train_time']:.1f}",
+                f"{lanes.get('0', 0) / 1e6:.0f}/{lanes.get('1', 0) / 1e6:.0f}", pct(s["drop_rate"]),
+                f"{s['p_mean']:.2f}",
             )
         cmp = results["comparisons"].get(model)
         if cmp:
-            t.add_row("", "[bold]DGT vs baseline", f"[bold]-{pct(cmp['bct_reduction'])}",
-                      "-" if cmp["iteration_increase"] is None else f"{100 * cmp['iteration_increase']:+.0f}%",
-                      f"[bold]-{pct(cmp['time_reduction'])}", "", "", "", "", "", end_section=True)
+            inc = "" if cmp["iteration_increase"] is None else f"{100 * cmp['iteration_increase']:+.0f}%"
+            t.add_row("", "[bold]DGT change", f"[bold]{_signed(cmp['bct_reduction'])}", inc,
+                      f"[bold]{_signed(cmp['time_reduction'])}", "", "", "", end_section=True)
     return t
+
+
+def _signed(reduction: float | None) -> str:
+    return "-" if reduction is None else f"{-100 * reduction:+.1f}%"

@@ -7,9 +7,10 @@ bottleneck (K-1 workers push into it, it sends K-1 pulls out of it) and importan
 unimportant ones (UDP, LE) in its queues. Optional cross traffic: an extra host sends best-effort UDP into the
 server's link.
 
-loopback: all ranks on 127.0.0.1; every TCP connection is capped at the rate with SO_MAX_PACING_RATE and the UDP
-lanes with the transport's pacer. There is no shared queue and no priority, so the server's incoming pushes are not
-throttled together: a weaker emulation, and the report says so.
+loopback: all ranks on 127.0.0.1; every TCP connection is capped with SO_MAX_PACING_RATE and every peer's UDP lanes
+with the transport's pacer, each to rate / (K - 1): what one flow gets when a host's K - 1 flows share a link of the
+configured rate. There is no shared queue and no priority (the UDP lanes have their own budget beside TCP's): a
+weaker emulation, and the report says so.
 """
 
 from __future__ import annotations
@@ -102,8 +103,9 @@ class Network:
 
     @property
     def pace_rate(self) -> float | None:
-        """Bytes/s every socket is paced to (loopback mode only; netem shapes the links instead)."""
-        return rate_bytes(self.cfg.rate) if self.mode == "loopback" else None
+        """Bytes/s every connection is paced to (loopback mode only; netem shapes the links instead): the fair share
+        of one of the K - 1 flows a host has."""
+        return rate_bytes(self.cfg.rate) / (self.workers - 1) if self.mode == "loopback" else None
 
     def popen(self, rank: int, argv: Sequence[str], env: dict[str, str], **kwargs: Any) -> subprocess.Popen:
         if self.topo is not None:
@@ -127,8 +129,10 @@ class Network:
             return (f"netem: {self.workers} hosts in network namespaces on one switch, every link shaped to "
                     f"{self.cfg.rate} each way (HTB, DSCP classes EF > AF > BE > LE, {self.cfg.queue_limit}-packet "
                     f"queue per class){cross}")
-        return (f"loopback: every TCP connection and UDP lane paced to {self.cfg.rate} per peer; no shared "
-                f"bottleneck queue and no DSCP priority (run as root for the netem emulation)")
+        share = self.pace_rate or 0.0
+        return (f"loopback: every TCP connection and every peer's UDP lanes paced to {self.cfg.rate} / "
+                f"{self.workers - 1} = {share * 8 / 1e6:.3g} Mbit/s; no shared bottleneck queue and no DSCP priority "
+                f"(run as root for the netem emulation)")
 
     def counters(self) -> dict[str, Any] | None:
         """Per priority class bytes/packets/drops on the server's link, both directions (netem only)."""
