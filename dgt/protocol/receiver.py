@@ -298,18 +298,24 @@ class RoundReceiver:
             return []
         return self._mark_run(r, h, lane, now)
 
+    def _screen(self, batch: wire.Batch, fragments: bool) -> np.ndarray:
+        """Count invalid headers (by reason) and DATA frames of the other kind; the indices of the wanted frames:
+        fragments on unreliable lanes, whole-block runs on the reliable lane."""
+        h, ok = batch.headers, batch.valid
+        if (~ok).any():
+            for code, n in zip(*np.unique(batch.reason[~ok], return_counts=True)):
+                self.counters.reject(wire.REASONS[int(code)], int(n))
+        frag = (h["flags"] & Flags.FRAGMENT) != 0
+        wanted = ok & (h["ftype"] == FrameType.DATA) & (frag if fragments else ~frag)
+        if (ok & ~wanted).any():
+            self.counters.reject("not-a-fragment" if fragments else "not-a-run", int((ok & ~wanted).sum()))
+        return np.flatnonzero(wanted)
+
     def receive_runs(self, batch: wire.Batch, lane: int, now: float) -> list:
         """A batch of reliable-lane DATA runs already in memory (small frames staged together by the channel):
         validated, copied and marked in one vectorised pass, as :meth:`receive_datagrams` does for fragments."""
         h = batch.headers
-        ok = batch.valid
-        if (~ok).any():
-            for code, n in zip(*np.unique(batch.reason[~ok], return_counts=True)):
-                self.counters.reject(wire.REASONS[int(code)], int(n))
-        is_run = ok & (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0)
-        if (ok & ~is_run).any():
-            self.counters.reject("not-a-run", int((ok & ~is_run).sum()))
-        idx = np.flatnonzero(is_run)
+        idx = self._screen(batch, fragments=False)
         if len(idx) == 0:
             return []
         src = np.frombuffer(batch.buf, np.uint8)
@@ -420,15 +426,7 @@ class RoundReceiver:
     def receive_datagrams(self, batch: wire.Batch, lane: int, now: float) -> list:
         """A batch of datagrams (one GRO read or several reads) from an unreliable lane."""
         h = batch.headers
-        ok = batch.valid
-        bad = ~ok
-        if bad.any():
-            for code, n in zip(*np.unique(batch.reason[bad], return_counts=True)):
-                self.counters.reject(wire.REASONS[int(code)], int(n))
-        is_data = ok & (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) != 0)
-        if (ok & ~is_data).any():
-            self.counters.reject("not-a-fragment", int((ok & ~is_data).sum()))
-        idx = np.flatnonzero(is_data)
+        idx = self._screen(batch, fragments=True)
         if len(idx) == 0:
             return []
         src = np.frombuffer(batch.buf, np.uint8)
