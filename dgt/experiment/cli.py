@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import shlex
+import signal
 import sys
 from typing import Any
 
@@ -68,8 +70,16 @@ def _run(cfg: ExperimentConfig, print_json: bool = False) -> int:
     from dgt.experiment.runner import run_experiment
 
     ui = Reporter()
-    command = "dgt " + " ".join(shlex.quote(a) for a in sys.argv[1:])
-    results = run_experiment(cfg, ui, command=command)
+    via_dgt = os.path.basename(sys.argv[0]) in ("dgt", "__main__.py")  # not when called as a library (tests)
+    command = shlex.join(["dgt", *sys.argv[1:]]) if via_dgt else None
+    # SIGTERM unwinds like Ctrl-C, so rank processes are killed and namespaces removed on the way out; a process
+    # forked from this one (pyroute2 forks helpers to enter namespaces) just exits, as it would by default
+    me = os.getpid()
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143) if os.getpid() == me else os._exit(143))
+    try:
+        results = run_experiment(cfg, ui, command=command)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     ui.table(results)
     ui.note(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md"
             + (", plots: " + ", ".join(f"{cfg.out_dir}/{p}" for p in results.get("plots", {}).values())

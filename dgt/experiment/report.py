@@ -45,22 +45,33 @@ def render(results: dict[str, Any]) -> str:
                      f"{fmt_bytes(d['gradient_bytes'])} of gradient per worker per iteration.")
     lines += ["", "## Results", "",
               _row(["Model", "Protocol", "BCT (s)", "Total Iters", "Total Time (s)", "TCP bytes", "UDP bytes",
-                    "Dropped blocks", "Mean p", "Reached"]),
-              _row(["---"] * 2 + ["---:"] * 8)]
+                    "Dropped blocks", "Mean p", "BCT p95 (s)", "Compute (s)", "Reached"]),
+              _row(["---"] * 2 + ["---:"] * 10)]
     for r in results["runs"]:
         s = r.get("summary")
         name = MODEL_NAMES.get(r["model"], r["model"])
         if s is None:
-            lines.append(_row([name, r["protocol"], "failed: " + r.get("error", "?").splitlines()[0]] + [""] * 7))
+            lines.append(_row([name, r["protocol"], "failed: " + r.get("error", "?").splitlines()[0]] + [""] * 9))
             continue
         lanes = s["bytes_per_lane"]
         lines.append(_row([
             name, r["protocol"], f"{s['bct_mean']:.3f}", str(s["iterations"]),
             f"{s['time_to_target']:.1f}" if s["reached"] else f"not reached (>{s['train_time']:.1f})",
             fmt_bytes(lanes.get("0", 0)), fmt_bytes(lanes.get("1", 0)),
-            f"{s['dropped_blocks']} ({pct(s['drop_rate'])})", f"{s['p_mean']:.2f}", "yes" if s["reached"] else "no",
+            f"{s['dropped_blocks']} ({pct(s['drop_rate'])})", f"{s['p_mean']:.2f}", f"{s['bct_p95']:.3f}",
+            f"{s['compute_mean']:.3f}", "yes" if s["reached"] else "no",
         ]))
-    lines += ["", "Bytes are what all ranks handed to each lane (push and pull) until the target was reached; dropped "
+    loads = [(r, r["load"]) for r in results["runs"] if r.get("load") and r["load"].get("other_cores") is not None]
+    if loads:
+        lines += ["", "Other load on the machine during each run (average cores busy with processes outside the "
+                  "experiment, kernel network work included; the machine has "
+                  f"{results['machine']['cpus']} cores): "
+                  + ", ".join(f"{MODEL_NAMES.get(r['model'], r['model'])} {r['protocol']} {ld['other_cores']:.2f}"
+                              for r, ld in loads) + "."]
+    lines += ["", "BCT and Compute are rank 0's means per iteration until the target (Compute: forward, backward and "
+              "optimizer step; the rest of the BCT is communication). A compute time well above the other runs' "
+              "means the machine was busy with something else during that run.", "",
+              "Bytes are what all ranks handed to each lane (push and pull) until the target was reached; dropped "
               "blocks are 1024-element blocks the receivers gave up on at the deadline (error feedback re-sends "
               "them in a later round).", "", "Traffic until the target, sent -> delivered (frame headers included "
               "in delivered):", "", _row(["Model", "Protocol", "TCP sent", "TCP delivered", "UDP sent",

@@ -15,6 +15,7 @@ from dgt.experiment.config import ExperimentConfig
 from dgt.experiment.console import Reporter
 from dgt.experiment.data import load_dataset
 from dgt.experiment.launch import RunFailed, launch
+from dgt.experiment.load import LoadMeter
 from dgt.experiment.metrics import compare, summarize
 from dgt.experiment.models import build_model, describe
 from dgt.experiment.network import Network, resolve_mode
@@ -74,11 +75,13 @@ def _one_run(cfg: ExperimentConfig, model: str, protocol: str, mode: str, index:
     entry: dict[str, Any] = {"model": model, "protocol": protocol, "codec": spec.codec, "run_dir": run_dir}
     ui.start_run(model, protocol, cfg.max_iters)
     started = time.monotonic()
+    meter = LoadMeter()
     try:
         with Network(cfg.network, cfg.workers, mode, tag=str(index)) as net:
             net.start_cross_traffic(hard_timeout(cfg))
             ranks = launch(net, spec, run_dir, ui.update, hard_timeout(cfg))
             entry["queues"] = net.counters()
+            entry["load"] = meter.stop()
     except (RunFailed, OSError, RuntimeError) as exc:
         entry["error"] = str(exc)
         ui.end_run(error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
