@@ -488,3 +488,39 @@ def test_blocking_endpoint_and_futures():
         with pytest.raises(PeerClosed):
             pending.result(10)
     assert LaneSpec.parse("udp:AF21").dscp == 18
+
+
+async def test_deadline_starts_when_a_control_frame_follows_round_end_in_the_same_read():
+    """Regression: a heartbeat PING right behind ROUND_END (one TCP read) left the round's deadline unarmed, so the
+    round waited for the next frame that happened to empty the buffer (up to a heartbeat period)."""
+    from dgt.transport import control
+
+    slow_beat = TransportConfig(peer_timeout=30, deadline="fixed:0.01")
+    a, b = await pair(slow_beat, TransportConfig(peer_timeout=30, deadline="fixed:0.01", drop_fraction=1.0))
+    try:
+        writer = a._links[1].writer
+        plain = writer.push_frames
+        ping = control.control(TOKEN, 0, control.PING)
+
+        def with_ping_behind(frames, *, urgent=False):
+            if urgent or not frames:
+                return plain(frames, urgent=urgent)
+            plain(frames[:-1])
+            last = plain([frames[-1]])
+            hdr, payload = frames[-1]
+            writer._bulk[-1] = ([hdr, payload, ping], writer._bulk[-1][1])  # ROUND_END and PING in one write
+            return last
+
+        writer.push_frames = with_ping_behind
+        layout = BucketLayout(SIZES)
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.3)
+        t0 = trio.current_time()
+        with trio.fail_after(5):
+            _, res = await send_and_recv(a, b, 1, 0, x, layout, c.cls, c.order, wait=False)
+        assert res.stats.closed_by == "deadline" and res.stats.dropped > 0
+        assert res.stats.deadline_wait < 0.5, res.stats.deadline_wait
+        assert trio.current_time() - t0 < 2.0  # the heartbeat period is 7.5 s: a hang would show here
+    finally:
+        await a.aclose()
+        await b.aclose()

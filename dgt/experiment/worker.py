@@ -56,34 +56,6 @@ def pace_tcp(endpoint: Any, rate: float) -> int:
     return n
 
 
-NUDGE_INTERVAL = 0.005
-
-
-async def _nudged(call: Any, endpoint: Any) -> Any:
-    """Await ``call`` while waking the endpoint's deadline timer every few milliseconds.
-
-    Work-around for a transport bug seen here: the TCP reader re-arms the deadline timer only after a frame that
-    leaves its buffer empty, and skips that for CONTROL frames, so when a heartbeat PING lands right behind a
-    round's ROUND_END the receiver never starts that round's deadline and the all-reduce waits forever. A poke
-    is a no-op unless a deadline moved earlier.
-    """
-    import trio
-
-    timer = getattr(endpoint, "deadlines", None)
-    out: list[Any] = []
-
-    async def run(cancel: trio.CancelScope) -> None:
-        out.append(await call)
-        cancel.cancel()
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(run, nursery.cancel_scope)
-        while timer is not None and hasattr(timer, "poke"):
-            await trio.sleep(NUDGE_INTERVAL)
-            timer.poke()
-    return out[0]
-
-
 def transport_state(endpoint: Any) -> dict[str, Any]:
     """What a stuck all-reduce waits for (rounds awaited, rounds in flight, rounds open at the receiver): the
     endpoint's bookkeeping, read for the error message only."""
@@ -156,7 +128,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
             t1 = time.perf_counter()
             try:
                 with trio.fail_after(spec.round_timeout):
-                    res = await _nudged(ps.allreduce(grad, 0, segments), group.endpoint)
+                    res = await ps.allreduce(grad, 0, segments)
             except trio.TooSlowError:
                 raise TimeoutError(f"rank {rank}: all-reduce of iteration {it} not done in {spec.round_timeout} s; "
                                    f"transport state: {transport_state(group.endpoint)}") from None

@@ -429,6 +429,7 @@ class Endpoint:
                 if events:
                     self._handle(events)
                 budget += int(staged.headers["length"].astype(np.int64).sum())
+                self.deadlines.poke()  # cheap (one look at the open rounds); the next read may block
                 continue
             if budget >= 1 << 20:
                 budget = 0
@@ -438,14 +439,13 @@ class Endpoint:
             now = trio.current_time()
             h = rf.header
             ftype = int(h["ftype"])
+            events = None
             if int(h["rank"]) != rank:
                 recv.counters.reject("rank-mismatch")
-                continue
-            if ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+            elif ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
                 events = recv.commit(h, 0, now, rf.landed)
             elif ftype == FrameType.CONTROL:
                 self._on_control(link, rf.frame)
-                continue
             else:
                 key = (rank, int(h["bucket"]), int(h["round"]))
                 begin = ftype == FrameType.ROUND_BEGIN
@@ -465,6 +465,8 @@ class Endpoint:
             if events:
                 self._handle(events)
             budget += 4096 + int(h["length"])
+            # every path reaches this check (a CONTROL frame right behind a ROUND_END must not skip it): a round whose
+            # deadline just started would otherwise wait for the next frame that happens to leave the buffer empty
             if rf.idle:
                 budget = 0
                 self.deadlines.poke()
