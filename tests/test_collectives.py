@@ -40,8 +40,12 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
                 x = data(rank, rnd)
                 if kind == "gossip":
                     res = await coll.mix(x, 0, SEGMENTS)
+                elif rnd % 2:  # every other round in place, like torch.distributed.all_reduce
+                    res = await coll.allreduce(x, 0, SEGMENTS, out=x)
+                    assert res.tensor.data_ptr() == x.data_ptr()
                 else:
                     res = await coll.allreduce(x, 0, SEGMENTS)
+                    assert torch.equal(x, data(rank, rnd))  # the input is left alone
                 outs.append((res.tensor, res.stats.to_dict()))
             return outs
         finally:
@@ -53,6 +57,7 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["ring", "ps:0", "ps:sharded"])
 def test_lossless_equals_dense_mean(world, kind):
+    """Round 0 into a new tensor, round 1 in place (``out=`` the input)."""
     res = run_ranks(_worker, world, kind, "dense", {}, 2, timeout=90)
     for rnd in range(2):
         ref = torch.stack([data(r, rnd) for r in range(world)]).mean(0)

@@ -524,3 +524,26 @@ async def test_deadline_starts_when_a_control_frame_follows_round_end_in_the_sam
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_posted_receive_lands_in_place_even_when_the_round_opens_first():
+    """post_recv names the landing buffer before recv_round is called: a round that opens (and even closes) before
+    its receiver asks for it is reassembled straight into that buffer, with no copy at the end."""
+    a, b = await pair()
+    try:
+        x = torch.randn(300_000)
+        posted, late = torch.empty_like(x), torch.empty_like(x)
+        b.post_recv(0, 5, 0, posted)
+        await a.send_round(1, 5, 0, x)  # lossless: returns once the kernel took it; the receiver is not waiting yet
+        await a.send_round(1, 6, 0, x)  # the same without a post
+        with trio.fail_after(5):
+            while len(b._results) < 2:
+                await trio.sleep(0.01)
+            res = await b.recv_round(0, 5, 0)
+            res_late = await b.recv_round(0, 6, 0, out=late)
+        assert res.data.data_ptr() == posted.data_ptr() and torch.equal(posted, x)
+        assert torch.equal(late, x) and res_late.data is late
+        assert b.stats().rounds_copied == 1  # only the unposted round needed the copy
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -9,6 +9,7 @@ import torch
 
 from dgt.codecs.base import BucketState, Codec
 from dgt.codecs.registry import make_codec
+from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import CodecMismatch
@@ -42,9 +43,35 @@ class Collective:
         finally:
             stats.phases[name] = stats.phases.get(name, 0.0) + time.perf_counter() - t0
 
-    def finish(self, total: torch.Tensor, count: torch.Tensor | int | None = None) -> torch.Tensor:
+    def finish(self, total: torch.Tensor, count: torch.Tensor | int | None = None,
+               inplace: bool = False) -> torch.Tensor:
         if self.op == "sum":
             return total
         if count is None:
             count = self.group.world
-        return total / count
+        return total.div_(count) if inplace else total / count
+
+    @staticmethod
+    def working_copy(bucket: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """The flat tensor a collective reduces in: a fresh copy of ``bucket``, or ``out`` (``bucket`` itself for an
+        in-place all-reduce, like ``torch.distributed.all_reduce``), which saves allocating and faulting in a new
+        bucket every call."""
+        if out is None:
+            return bucket.detach().reshape(-1).clone()
+        if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
+        flat = out.detach().view(-1)
+        if out.data_ptr() != bucket.data_ptr():
+            flat.copy_(bucket.detach().reshape(-1))
+        return flat
+
+    def chunking(self, segments: list[int], block: int, k: int) -> Chunking:
+        """Block-aligned chunks of a bucket, cached per geometry (a bucket keeps its shape from step to step)."""
+        cache = self.__dict__.setdefault("_chunkings", {})
+        key = (tuple(segments), block, k)
+        ch = cache.get(key)
+        if ch is None:
+            if len(cache) >= 64:
+                cache.clear()
+            ch = cache[key] = Chunking(list(segments), block, k)
+        return ch

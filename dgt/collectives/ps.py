@@ -19,7 +19,6 @@ import trio
 
 from dgt.codecs.base import Codec, Received
 from dgt.collectives.base import Collective
-from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -42,9 +41,15 @@ class ParameterServer(Collective):
         self.normalize = normalize
         self.lossy_pull = lossy_pull
 
-    async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0,
-                        segments: list[int] | None = None) -> CollectiveResult:
+    async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
+                        out: torch.Tensor | None = None) -> CollectiveResult:
+        """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
+        goes (``bucket`` itself for an in-place all-reduce); by default a new tensor."""
         g = self.group
+        if out is not None:
+            res = await self.allreduce(bucket, bucket_id, segments)
+            self.working_copy(res.tensor, out)
+            return CollectiveResult(out.view_as(bucket), res.stats)
         flat = bucket.detach().reshape(-1).clone()
         stats = CollectiveStats()
         if g.world == 1:
@@ -53,10 +58,10 @@ class ParameterServer(Collective):
         segs = segments or [flat.numel()]
         block = getattr(self.codec, "block", 1024)
         if self.server == "sharded":
-            ch = Chunking(segs, block, g.world)
+            ch = self.chunking(segs, block, g.world)
             owners = list(range(g.world))
         else:
-            ch = Chunking(segs, block, 1)
+            ch = self.chunking(segs, block, 1)
             owners = [self.server]
         out = flat.clone()
 

@@ -15,7 +15,7 @@ import trio
 from dgt.codecs.base import Received
 from dgt.collectives.base import Collective
 from dgt.collectives.chunks import Chunking
-from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts
+from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 
 
@@ -25,48 +25,65 @@ class RingAllReduce(Collective):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self._scratch: dict[tuple[int, torch.dtype], torch.Tensor] = {}
+        self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
-    async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0,
-                        segments: list[int] | None = None) -> CollectiveResult:
+    async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
+                        out: torch.Tensor | None = None) -> CollectiveResult:
+        """Sum (or mean) of ``bucket`` over the group. ``out``: where the result goes (``bucket`` itself for an
+        in-place all-reduce); by default a new tensor."""
         g = self.group
         W, r = g.world, g.rank
-        flat = bucket.detach().reshape(-1).clone()
+        flat = self.working_copy(bucket, out)
         stats = CollectiveStats()
         if W == 1:
-            return CollectiveResult(self.finish(flat).view_as(bucket), stats)
+            return CollectiveResult(self.finish(flat, inplace=out is not None).view_as(bucket), stats)
         rnd = g.next_round("ring", bucket_id)
-        ch = Chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
+        ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
+        own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
+        direct = self._direct(flat)
+        rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
+        ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
+        if direct:
+            # post every step's landing now: a neighbour running ahead must not find its round without a buffer
+            self._post(rs_land, bucket_id, "rs", rnd)
+            if not self.codec.capabilities.lossy_tolerant:
+                # the all-gather targets are chunks this rank no longer reads once it sent them; with a lossy codec a
+                # drop report may still read them (error feedback), so those are posted only after reduce-scatter
+                self._post(ag_land, bucket_id, "ag", rnd)
         with self.phase(stats, "reduce_scatter"):
             for s in range(W - 1):
                 # codec state follows (bucket, step): the same chunk travels at the same step every round
+                into = [rs_land[s]] if direct else None
                 dec = await self._hop(ch, flat, (r - s) % W, (r - s - 1) % W, bucket_id, "rs", s, rnd, stats,
-                                      state_key=bucket_id * 4096 + s)
+                                      state_key=bucket_id * 4096 + s, into=into)
                 if dec is not None:
                     mine = ch.chunk(flat, (r - s - 1) % W)
                     mine += dec.to(mine.dtype)
+        if direct and self.codec.capabilities.lossy_tolerant:
+            self._post(ag_land, bucket_id, "ag", rnd)
         with self.phase(stats, "all_gather"):
-            own = (r + 1) % W  # after W-1 steps this rank holds the full sum of chunk r+1
             for s in range(W - 1):
+                into = [ag_land[s]] if direct else None
                 dec = await self._hop(ch, flat, (own - s) % W, (own - s - 1) % W, bucket_id, "ag", s, rnd, stats,
-                                      state_key=(1 << 30) | bucket_id, reliable=True, keep_own=(s == 0))
-                if dec is not None:
+                                      state_key=(1 << 30) | bucket_id, reliable=True, keep_own=(s == 0), into=into)
+                if dec is not None and not direct:
                     ch.chunk(flat, (own - s - 1) % W).copy_(dec)
-        return CollectiveResult(self.finish(flat).view_as(bucket), stats)
+        return CollectiveResult(self.finish(flat, inplace=out is not None).view_as(bucket), stats)
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,
                    step: int, rnd: int, stats: CollectiveStats, state_key: int, reliable: bool = False,
-                   keep_own: bool = False) -> torch.Tensor | None:
+                   keep_own: bool = False, into: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Send chunk ``send_c`` to the next rank while receiving chunk ``recv_c`` from the previous one; returns the
-        decoded received chunk (None when that chunk is empty)."""
+        decoded received chunk (None when that chunk is empty). ``into``: the received chunk lands there whole."""
         g = self.group
         ep = g.endpoint
         out, mine = ch.chunk(flat, send_c), ch.chunk(flat, recv_c)
         parts = self.codec.encode(out, self.state(state_key, out, ch.segments[send_c])) if out.numel() else []
         if keep_own and parts:  # the owner keeps exactly what the others will decode
             out.copy_(self.codec.decode([as_received(p) for p in parts], self.state(state_key, out, None), out))
-        like = like_parts(parts, ch.segments[recv_c], self.codec, mine)
-        into = self._landing(like, mine, in_place=reliable)
+        if mine.numel() == 0:
+            into = None
+        like = [] if mine.numel() == 0 else like_parts(parts, ch.segments[recv_c], self.codec, mine)
         got: list[Received] = []
 
         async def recv() -> None:
@@ -80,20 +97,27 @@ class RingAllReduce(Collective):
                 nursery.start_soon(recv)
         if not like:
             return None
-        if into is not None and into[0] is mine:
-            return mine  # already reassembled in place
+        if into is not None:
+            return into[0]  # reassembled in place (a dense chunk: the decoded value is the data itself)
         return self.codec.decode(got, self.state(-state_key - 1, mine, ch.segments[recv_c]), mine)
 
-    def _landing(self, like, mine: torch.Tensor, in_place: bool) -> list[torch.Tensor] | None:
-        """Where a dense single-part chunk can be received without an extra buffer: the chunk itself when it is
-        overwritten (all-gather), else a scratch tensor reused across rounds (reduce-scatter adds it in)."""
-        dense_codec = self.codec.name in ("dense", "dgt")
-        if not dense_codec or len(like) != 1 or like[0].data.dtype != mine.dtype or mine.device.type != "cpu":
-            return None
-        if in_place:
-            return [mine]
-        key = (mine.numel(), mine.dtype)
+    def _direct(self, flat: torch.Tensor) -> bool:
+        """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
+        instead of being decoded from a fresh buffer."""
+        wire = getattr(self.codec, "wire_dtype", flat.dtype)
+        return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
+
+    def _post(self, landings: list[torch.Tensor], bucket_id: int, phase: str, rnd: int) -> None:
+        g = self.group
+        for s, buf in enumerate(landings):
+            if buf.numel():
+                g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf)
+
+    def _scratch_for(self, mine: torch.Tensor, step: int) -> torch.Tensor:
+        """Where reduce-scatter step ``step`` receives (then adds from): one buffer per step, reused across rounds,
+        so every step can be posted before the first one runs."""
+        key = (mine.numel(), mine.dtype, step)
         buf = self._scratch.get(key)
         if buf is None:
             buf = self._scratch[key] = torch.empty(mine.numel(), dtype=mine.dtype)
-        return [buf]
+        return buf

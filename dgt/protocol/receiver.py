@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 import torch
@@ -34,6 +35,12 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
         return torch.zeros(0, dtype=dtype)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
     return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)
+
+
+@lru_cache(maxsize=64)
+def _layout(sizes: tuple[int, ...], block: int) -> BucketLayout:
+    """Layouts by geometry: a bucket keeps its shape round after round (bounded: sizes come off the wire)."""
+    return BucketLayout(list(sizes), block)
 
 
 @dataclass
@@ -169,7 +176,7 @@ class RoundReceiver:
     def _open(self, f: wire.Frame, now: float) -> list:
         key = (f.rank, f.bucket, f.round)
         numel, block, frag, sizes = wire.decode_round_begin(f.payload, self.limits)
-        layout = BucketLayout(sizes, block)
+        layout = _layout(tuple(sizes), block)
         if key in self.closed:
             self.counters.late += 1
             return []

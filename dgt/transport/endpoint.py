@@ -98,7 +98,7 @@ class Endpoint:
         self._sources: dict[tuple[str, int], int] = {}
         self._recv_waiters: dict[tuple[int, int, int], Slot] = {}
         self._results: OrderedDict[tuple[int, int, int], RoundResult] = OrderedDict()
-        self._out: dict[tuple[int, int, int], torch.Tensor] = {}
+        self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
         self._sending: dict[tuple[int, int, int], _SendTrack] = {}
         self._layouts: dict[int, BucketLayout] = {}
@@ -517,7 +517,7 @@ class Endpoint:
         return (addr[0], addr[1]) in self._sources
 
     def _allocate(self, key: tuple[int, int, int], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        out = self._out.get(key)
+        out = self._out.pop(key, None)  # the round opened: the receiver holds its buffer from now on
         if out is not None and out.numel() == numel and out.dtype == dtype and out.is_contiguous():
             return out.view(-1)
         return None
@@ -723,6 +723,20 @@ class Endpoint:
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
 
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor) -> None:
+        """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
+
+        A round that opens before its receiver is ready would otherwise be reassembled into a fresh buffer and copied
+        at the end; a collective that knows its next rounds (ring steps) posts them up front. ``recv_round`` for the
+        round must then pass the same ``out`` (or none: the data is in ``out`` either way). At most a bounded number
+        of posts are kept (the oldest are forgotten, which only costs that copy)."""
+        key = (peer, bucket, round)
+        if key in self._results or key in self.receiver.rounds or key in self.receiver.closed:
+            return  # already open or done: too late to land in place
+        self._out[key] = out
+        while len(self._out) > 4 * self.cfg.limits.max_open_rounds:
+            self._out.popitem(last=False)
+
     async def recv_round(
         self,
         peer: int,
@@ -743,7 +757,7 @@ class Endpoint:
             if key in self._recv_waiters:
                 raise ValueError(f"round {round} of bucket {bucket} from rank {peer} is already awaited")
             slot = self._recv_waiters[key] = Slot()
-            if out is not None:
+            if out is not None and key not in self.receiver.rounds:
                 self._out[key] = out
             try:
                 with trio.fail_after(timeout) if timeout else nullcontext():
@@ -763,6 +777,7 @@ class Endpoint:
                                  f"{res.data.dtype}")  # fmt: skip
             out.view(-1).copy_(res.data)
             res.data = out
+            self._stats.rounds_copied += 1
         return res
 
     # ------------------------------------------------------------------------------------------------ bytes
@@ -855,7 +870,7 @@ class Endpoint:
             self.rank, lanes, st.rounds_sent, st.rounds_received, st.blocks_received, st.blocks_dropped,
             late_frames=rc.late, rejected=rc.rejected, reject_reasons=dict(rc.reasons), closed_by=dict(st.closed_by),
             deadline_wait_total=st.deadline_wait_total, deadline_wait_max=st.deadline_wait_max,
-            receive_seconds=st.receive_seconds, results_evicted=st.results_evicted,
+            receive_seconds=st.receive_seconds, results_evicted=st.results_evicted, rounds_copied=st.rounds_copied,
             pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
         )  # fmt: skip
 

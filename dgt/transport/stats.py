@@ -122,6 +122,7 @@ class TransportStats:
     deadline_wait_max: float = 0.0
     receive_seconds: float = 0.0  # sum of round durations (opening frame to close)
     results_evicted: int = 0  # finished rounds nobody collected, evicted from the buffer
+    rounds_copied: int = 0  # rounds given an ``out`` they could not land in (opened before it was posted): one copy
     pace_rates: dict[int, float] = field(default_factory=dict)  # peer -> bytes/s
 
     def to_dict(self) -> dict:
