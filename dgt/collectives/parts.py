@@ -47,16 +47,21 @@ def host(t: torch.Tensor) -> torch.Tensor:
 async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
                      stats: CollectiveStats, reliable: bool = False) -> None:
     """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane."""
+    jobs = []
+    for i, part in enumerate(parts):
+        cls = 0 if reliable else part.lane_class
+        if isinstance(cls, torch.Tensor):
+            cls = cls.detach().to("cpu")
+        order = None if part.order is None else part.order.detach().to("cpu")
+        jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), layout_of(part), cls,
+                     order))
+        _count_sent(stats, part, cls)
+    if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
+        await _send_one(*jobs[0])
+        return
     async with trio.open_nursery() as nursery:
-        for i, part in enumerate(parts):
-            cls = 0 if reliable else part.lane_class
-            if isinstance(cls, torch.Tensor):
-                cls = cls.detach().to("cpu")
-            order = None if part.order is None else part.order.detach().to("cpu")
-            data = host(part.data)
-            nursery.start_soon(_send_one, ep, peer, transport_key(bucket, phase, step, i), rnd, data,
-                               layout_of(part), cls, order)
-            _count_sent(stats, part, cls)
+        for job in jobs:
+            nursery.start_soon(_send_one, *job)
 
 
 def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
@@ -88,9 +93,12 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         stats.add_round(res.stats)
         out[i] = Received(res.data, res.mask, part.block_elems, part.segments)
 
-    async with trio.open_nursery() as nursery:
-        for i, part in enumerate(like):
-            nursery.start_soon(one, i, part)
+    if len(like) == 1:
+        await one(0, like[0])
+    else:
+        async with trio.open_nursery() as nursery:
+            for i, part in enumerate(like):
+                nursery.start_soon(one, i, part)
     return out  # type: ignore[return-value]
 
 

@@ -251,6 +251,11 @@ class RoundSender:
         by one vectorised gather, so the Python work is per long run, never per block."""
         if len(blocks) == 0:
             return []
+        if len(blocks) >= LONG_RUN and len(blocks) == len(geom.block_len) and blocks[-1] == len(blocks) - 1:
+            return self._whole(raw, isz, dt, geom, len(blocks), common)  # a lossless round: one long run
+        return self._run_frames(raw, isz, dt, geom, blocks, common)
+
+    def _run_frames(self, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> list[tuple[bytes, memoryview]]:
         brk = np.ones(len(blocks), dtype=bool)
         brk[1:] = np.diff(blocks) != 1
         run_id = np.cumsum(brk) - 1
@@ -289,6 +294,20 @@ class RoundSender:
                 for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
             ]
         return out
+
+    def _whole(self, raw, isz, dt, geom: Geometry, nb: int, common) -> list[tuple[bytes, memoryview]]:
+        """Every block important (the frames :meth:`_runs` would cut from one long run, without its run finding)."""
+        per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
+        first = np.arange(0, nb, per_frame)
+        last = np.minimum(first + per_frame - 1, nb - 1)
+        off = geom.block_start[first]
+        cnt = geom.block_end[last] - off
+        hb = self._data_headers(len(first), Flags.IMPORTANT, 0, dt, common, first, off, cnt, isz).tobytes()
+        mv, hs = memoryview(raw), wire.HEADER_SIZE
+        return [
+            (hb[i * hs : (i + 1) * hs], mv[o * isz : (o + c) * isz])
+            for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
+        ]
 
     def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
         """One fragment per datagram: equal-size ones packed into a [k, seg] array with one vectorised gather."""
