@@ -88,7 +88,7 @@ def test_state_pickles_with_codec_state_and_without_the_worker():
 def test_worker_runs_jobs_in_order_and_fails_later_jobs_after_an_error():
     import trio
 
-    from dgt.shim.worker import TrioWorker, WorkerClosed
+    from dgt.collectives.worker import TrioWorker, WorkerClosed
 
     async def connect():
         return "group"

@@ -7,10 +7,10 @@ One line switches a DDP trainer::
 and ``import dgt.shim`` makes ``dist.init_process_group(backend="dgt")`` available. See docs/shim.md.
 """
 
+from dgt.collectives.worker import TrioWorker, WorkerClosed
 from dgt.shim.backend import DGTBackendOptions, DGTProcessGroup, register_backend
 from dgt.shim.hook import hook, submit
 from dgt.shim.state import DGTState
-from dgt.shim.worker import TrioWorker, WorkerClosed
 
 register_backend()
 

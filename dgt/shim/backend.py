@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 
 from dgt.codecs.registry import make_codec
+from dgt.collectives.worker import TrioWorker, for_cpp
 from dgt.shim.net import group_connector
-from dgt.shim.worker import TrioWorker, for_cpp
 
 BACKEND = "dgt"
 _DGT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)

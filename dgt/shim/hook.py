@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dgt.collectives.worker import for_cpp
 from dgt.shim.state import DGTState
-from dgt.shim.worker import for_cpp
 
 
 def hook(state: DGTState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

@@ -37,8 +37,8 @@ def local_host(master: str | None = None) -> str:
 
 def group_connector(rank: int, world: int, *, store: Any, config: Any = None, host: str | None = None,
                     timeout: float = 60.0, prefix: str = "dgt") -> Callable[[], Awaitable[Any]]:
-    """The async factory a :class:`~dgt.shim.worker.TrioWorker` calls in its thread to build its group (``config``:
-    anything :func:`transport_config` takes)."""
+    """The async factory a :class:`~dgt.collectives.worker.TrioWorker` calls in its thread to build its group
+    (``config``: anything :func:`transport_config` takes)."""
 
     async def connect() -> Any:
         from dgt.collectives import Group

@@ -19,8 +19,8 @@ import torch.distributed as dist
 from dgt.codecs.base import Codec
 from dgt.codecs.registry import make_codec
 from dgt.collectives.stats import CollectiveStats
+from dgt.collectives.worker import TrioWorker
 from dgt.shim.net import group_connector
-from dgt.shim.worker import TrioWorker
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The background trio thread behind the hook and the backend.
+"""The background trio thread behind the blocking collectives, the DDP hook and the backend.
 
 DDP calls communication hooks on its autograd threads and expects a ``torch.futures.Future`` back at once; the DGT
 transport is trio code. A :class:`TrioWorker` owns one daemon thread running ``trio.run``: it connects the
