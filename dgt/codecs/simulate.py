@@ -263,6 +263,8 @@ def train_ps(
         push_ratio=4.0 * n / (wire_up.bytes / (rounds * k)),
         blocks_lost=wire_up.blocks_lost + wire_down.blocks_lost,
         history=history,
+        final_params=w,
+        local_models=local,
     )
     return res
 

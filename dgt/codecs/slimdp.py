@@ -162,6 +162,9 @@ class SlimDPCodec(Codec):
 
     name = "slimdp"
     capabilities = Capabilities(summable=False, lossy_tolerant=True, stateful_server=True)
+    transport_feedback = False
+    """The transport must not fold lost blocks into the next round (its error feedback): explorer blocks are
+    (key, value) byte records, and the paper drops what was not delivered."""
 
     def __init__(
         self,
@@ -284,6 +287,34 @@ class SlimDPCodec(Codec):
             "k_core": float(k_core),
             "k_explorer": float(k_exp),
         }
+        return parts
+
+    # -- wire geometry -----------------------------------------------------------------------------------------
+    def wire_parts(self, header: torch.Tensor, like: torch.Tensor) -> list[Part]:
+        """Every part of a message, data on the meta device, from its header part alone.
+
+        A receiver over a transport reads the header first: a refresh round carries one more part (the core keys),
+        and the sizes and block geometry of the others follow from k_core, k_explorer and N.
+        """
+        flags, _, _, k_core, k_exp, n = (int(v) for v in header.reshape(-1).tolist())
+        if flags >> 8 != VERSION:
+            raise ValueError(f"Slim-DP message version {flags >> 8}, expected {VERSION}")
+        dtype = like.dtype
+        es = like.element_size()
+
+        def meta(numel: int, dt: torch.dtype) -> torch.Tensor:
+            return torch.empty(numel, dtype=dt, device="meta")
+
+        parts = [Part(meta(HEADER_INTS, torch.int32), RELIABLE, HEADER_INTS, "header"),
+                 Part(meta(k_core, dtype), RELIABLE, self.block, "core")]
+        if flags & FLAG_REFRESH:
+            parts.append(Part(meta(-(-n // 8), torch.uint8), RELIABLE, self.block, "core_keys"))
+        if flags & FLAG_SHARED_SEED:
+            parts.append(Part(meta(k_exp, dtype), self.explorer_lane, self.block, "explorer"))
+        else:
+            rec = 4 + es
+            parts.append(Part(meta(k_exp * rec, torch.uint8), self.explorer_lane, rec * _EXPLORER_RECORDS_PER_BLOCK,
+                              "explorer"))
         return parts
 
     # -- decode ------------------------------------------------------------------------------------------------

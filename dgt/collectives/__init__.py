@@ -1,11 +1,14 @@
-"""Collectives over the DGT transport: parameter server, ring all-reduce, gossip; rendezvous via the c10d store."""
+"""Collectives over the DGT transport: parameter server (gradient all-reduce, or holding the model), ring
+all-reduce, gossip; rendezvous via the c10d store."""
 
+from dgt.collectives.blocking import BlockingCollective
 from dgt.collectives.gossip import Gossip, ring_matrix
 from dgt.collectives.group import Group
+from dgt.collectives.model_server import ModelServer, ModelServerStats
 from dgt.collectives.ps import ParameterServer
 from dgt.collectives.rendezvous import Rendezvous, rendezvous
 from dgt.collectives.ring import RingAllReduce
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 
-__all__ = ["CollectiveResult", "CollectiveStats", "Gossip", "Group", "ParameterServer", "Rendezvous",
-           "RingAllReduce", "rendezvous", "ring_matrix"]
+__all__ = ["BlockingCollective", "CollectiveResult", "CollectiveStats", "Gossip", "Group", "ModelServer",
+           "ModelServerStats", "ParameterServer", "Rendezvous", "RingAllReduce", "rendezvous", "ring_matrix"]

@@ -1,0 +1,268 @@
+"""A parameter server that holds the model (the Slim-DP setting, Sun et al. 2018) over the DGT transport.
+
+Why a second parameter server: :class:`~dgt.collectives.ps.ParameterServer` all-reduces gradients (the server hands
+back the aggregate and keeps nothing). Slim-DP needs a server that *owns* the model ``w``: every round each worker
+pushes its delta, the server applies ``w <- w - lr * sum_k decode(push_k)`` (a sum, not a mean) and answers every
+worker with an encoding of the fresh ``w`` that the worker merges into its own replica (Slim-DP: pulled coordinates
+overwrite, the rest keep the local values; dense: the whole model is replaced).
+
+Codec state lives where the paper puts it: the server keeps one receive state per worker (each worker has its own
+cached core) and one send state for the pull (one encoding of ``w``, the same parts to every worker); every worker
+keeps a send state for its pushes and a receive state for the pulls. Parts ride the lanes their ``lane_class``
+names (Slim-DP: header, core and core keys on lane 0 = TCP, the explorer on lane 1 = UDP). A receiver reads a
+message's header part first when the codec can describe the rest from it (``wire_parts``: Slim-DP refresh rounds
+carry one more part); other codecs have a fixed part geometry, taken once from an encoding of zeros.
+
+Codecs whose parts need not be cut in the transport's block size (Slim-DP's 6-int header) are re-blocked for the
+transport; the transport's per-block received mask is mapped back to the codec's blocks (a codec block counts as
+received only if all of its elements arrived).
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import torch
+import trio
+
+from dgt.codecs.base import RELIABLE, BucketState, Codec, Part, Received
+from dgt.codecs.bucketinfo import set_segments
+from dgt.codecs.registry import make_codec, parse_spec
+from dgt.collectives.base import Collective
+from dgt.collectives.group import Group
+from dgt.collectives.parts import as_received, send_parts, transport_key
+from dgt.collectives.stats import CollectiveResult, CollectiveStats
+from dgt.layout import BucketLayout
+from dgt.wire import HEADER_SIZE
+
+
+@dataclass
+class ModelServerStats(CollectiveStats):
+    """CollectiveStats plus what a byte and loss audit needs: frames per lane (each adds a ``HEADER_SIZE`` transport
+    header to ``bytes_received``), and per part name the codec blocks lost and their elements."""
+
+    frames_received: dict[int, int] = field(default_factory=dict)
+    lost_blocks: dict[str, int] = field(default_factory=dict)
+    lost_elems: dict[str, int] = field(default_factory=dict)
+
+    def add_round(self, stats) -> None:
+        super().add_round(stats)
+        for lane, ls in stats.lanes.items():
+            self.frames_received[lane] = self.frames_received.get(lane, 0) + ls.frames
+
+    def payload_received(self, lane: int) -> int:
+        """Bytes of payload that arrived on ``lane`` (transport frame headers taken off)."""
+        return self.bytes_received.get(lane, 0) - HEADER_SIZE * self.frames_received.get(lane, 0)
+
+    def merge(self, other: CollectiveStats) -> None:
+        super().merge(other)
+        if isinstance(other, ModelServerStats):
+            for lane, n in other.frames_received.items():
+                self.frames_received[lane] = self.frames_received.get(lane, 0) + n
+            for name, n in other.lost_blocks.items():
+                self.lost_blocks[name] = self.lost_blocks.get(name, 0) + n
+            for name, n in other.lost_elems.items():
+                self.lost_elems[name] = self.lost_elems.get(name, 0) + n
+
+
+def build_codec(spec: str | Codec, **extra: object) -> Codec:
+    """A codec from a registry spec with ``extra`` options added where the spec does not set them and the codec
+    takes them (``rank`` for independent random draws per rank, ``mode=pull``); instances pass through."""
+    if isinstance(spec, Codec):
+        return spec
+    name, given = parse_spec(spec)
+    accepted = inspect.signature(type(make_codec(name)).__init__).parameters
+    opts = {**{k: v for k, v in extra.items() if k in accepted}, **given}
+    return make_codec(f"{name}:" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else name)
+
+
+def _transport_part(part: Part, block: int) -> Part:
+    """The part cut in the transport's block size (only the geometry changes; the bytes are the same)."""
+    if part.data.numel() == 0:  # nothing to lose: keep the round off the droppable lanes
+        return Part(part.data, RELIABLE, block, part.name)
+    if part.block_elems == block:
+        return part
+    if isinstance(part.lane_class, torch.Tensor):
+        raise ValueError(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
+                         f"the transport cuts {block}-element blocks")
+    return Part(part.data, part.lane_class, block, part.name)
+
+
+def codec_block_mask(transport_mask: torch.Tensor, transport: BucketLayout, codec: BucketLayout) -> torch.Tensor:
+    """Per codec block: True when every one of its elements arrived (vectorised over blocks)."""
+    if bool(transport_mask.all()):
+        return torch.ones(codec.nblocks, dtype=torch.bool)
+    if transport == codec:
+        return transport_mask.clone()
+    lost = torch.zeros(transport.numel + 1, dtype=torch.int64)
+    torch.cumsum((~transport.expand(transport_mask)).to(torch.int64), 0, out=lost[1:])
+    start = codec.block_start
+    return lost[start + codec.block_len] == lost[start]
+
+
+class ModelServer(Collective):
+    """Workers push deltas, the server updates the model it holds, workers pull and merge (one call per round).
+
+    ``codec``: the push codec (spec or instance); built per rank with ``rank=<rank>``. ``pull``: the pull codec;
+    None = the push spec with ``mode=pull`` when that codec merges (Slim-DP), else ``"dense"``; built with
+    ``mode=pull, rank=<world>`` (a stream distinct from every worker's). ``model``: the initial model, the same on
+    every rank (the server keeps a copy; everyone takes numel, dtype and device from it). ``lr``: the server's step.
+    ``server_trains``: the server rank is also a worker (its own push never crosses the network).
+    """
+
+    name = "model server"
+
+    def __init__(self, group: Group, codec: str | Codec = "dense", pull: str | Codec | None = None, *,
+                 model: torch.Tensor, lr: float, server: int = 0, server_trains: bool = True,
+                 segments: list[int] | None = None, bucket_id: int = 0) -> None:
+        super().__init__(group, codec, op="sum")
+        if not 0 <= server < group.world:
+            raise ValueError("server must be a rank")
+        self.server = server
+        self.server_trains = server_trains
+        self.lr = float(lr)
+        self.bucket_id = bucket_id
+        flat = model.detach().reshape(-1)
+        self.numel, self.dtype, self.device = flat.numel(), flat.dtype, flat.device
+        self.segments = list(segments) if segments else [self.numel]
+        self.workers = [r for r in range(group.world) if r != server or server_trains]
+        if pull is None:
+            if isinstance(codec, Codec) and hasattr(codec, "merge"):
+                raise ValueError("pass the pull codec (built with mode=pull) when the push codec is an instance")
+            pull = codec if hasattr(self.codec, "merge") else "dense"
+        self.push_tx = build_codec(codec, rank=group.rank)
+        self.pull_codec = build_codec(pull, mode="pull", rank=group.world)
+        if not hasattr(self.pull_codec, "merge") and self.pull_codec.name != "dense":
+            raise ValueError(f"a compressed pull needs a codec with merge semantics (slimdp), not "
+                             f"{self.pull_codec.name!r}")
+        cfg = getattr(group.endpoint, "cfg", None)
+        self.block = cfg.block if cfg is not None else 1024
+        for c in (self.codec, self.pull_codec):
+            if cfg is not None and cfg.error_feedback and c.capabilities.lossy_tolerant \
+                    and not getattr(c, "transport_feedback", True):
+                raise ValueError(f"codec {c.name!r} must not get the transport's error feedback (lost blocks folded "
+                                 f"into the next round): open the group with TransportConfig(error_feedback=False)")
+        self.is_server = group.rank == server
+        self.w = flat.clone() if self.is_server else None
+        self.push_tx_state = self._state()
+        self.pull_rx_state = self._state()
+        self.push_rx_states = {w: self._state() for w in self.workers} if self.is_server else {}
+        self.pull_tx_state = self._state() if self.is_server else None
+        self._templates: dict[int, list[Part]] = {}
+
+    def _state(self) -> BucketState:
+        st = BucketState(self.numel, self.dtype)
+        set_segments(st, self.segments)
+        return st
+
+    # -- one round ------------------------------------------------------------------------------------------------
+    async def step(self, delta: torch.Tensor | None, local: torch.Tensor | None) -> CollectiveResult:
+        """Push ``delta`` (this rank's accumulated gradient), pull, and return ``local`` merged with the pull.
+
+        A server that does not train passes None for both and gets its model ``w`` back (a copy)."""
+        g = self.group
+        stats = ModelServerStats()
+        rnd = g.next_round("model-server", self.bucket_id)
+        trains = not self.is_server or self.server_trains
+        if trains and (delta is None or local is None):
+            raise ValueError("a training rank passes its delta and its local model")
+        parts = self.push_tx.encode(delta.detach().reshape(-1), self.push_tx_state) if trains else []
+        if not self.is_server:
+            with self.phase(stats, "push"):
+                await self._send(self.server, "push", rnd, parts, stats)
+            with self.phase(stats, "pull"):
+                got = await self._recv(self.server, "pull", rnd, self.pull_codec, stats)
+                out = self._merge(got, local)
+            return CollectiveResult(out, stats)
+        received: dict[int, list[Received]] = {}
+        if trains:
+            received[g.rank] = [as_received(p) for p in parts]
+
+        async def gather(w: int) -> None:
+            received[w] = await self._recv(w, "push", rnd, self.codec, stats)
+
+        with self.phase(stats, "gather"):
+            async with trio.open_nursery() as nursery:
+                for w in self.workers:
+                    if w != g.rank:
+                        nursery.start_soon(gather, w)
+        with self.phase(stats, "update"):
+            like = self.w
+            decoded = [self.codec.decode(received[w], self.push_rx_states[w], like).to(like.dtype)
+                       for w in self.workers]
+            agg = self.codec.aggregate(decoded)
+            self.w -= self.lr * agg
+        with self.phase(stats, "pull"):
+            pull = self.pull_codec.encode(self.w, self.pull_tx_state)
+            async with trio.open_nursery() as nursery:
+                for w in self.workers:
+                    if w != g.rank:
+                        nursery.start_soon(self._send, w, "pull", rnd, pull, stats)
+                if trains:
+                    out = self._merge([as_received(p) for p in pull], local)
+                else:
+                    out = self.w.clone()
+        return CollectiveResult(out, stats)
+
+    def _merge(self, got: list[Received], local: torch.Tensor) -> torch.Tensor:
+        flat = local.detach().reshape(-1)
+        if hasattr(self.pull_codec, "merge"):
+            out = self.pull_codec.merge(got, self.pull_rx_state, flat)
+        else:  # dense: the pulled model replaces the replica
+            out = self.pull_codec.decode(got, self.pull_rx_state, flat).to(flat.dtype)
+            if self.w is not None and out.untyped_storage().data_ptr() == self.w.untyped_storage().data_ptr():
+                out = out.clone()  # the server's own replica must not alias w
+        return out.view_as(local)
+
+    # -- moving parts ---------------------------------------------------------------------------------------------
+    async def _send(self, peer: int, phase: str, rnd: int, parts: list[Part], stats: CollectiveStats) -> None:
+        # droppable parts wait for the receiver's drop report: once the last pull returns, every worker has closed
+        # its rounds, so ranks may close their endpoints right after the last step
+        tparts = [_transport_part(p, self.block) for p in parts]
+        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, tparts, stats)
+
+    async def _recv(self, peer: int, phase: str, rnd: int, codec: Codec, stats: ModelServerStats) -> list[Received]:
+        """The parts ``peer`` sent, in the codec's block geometry, on this collective's device."""
+        ep = self.group.endpoint
+        like = torch.empty(0, dtype=self.dtype)
+        describe = getattr(codec, "wire_parts", None)
+        results: list = []
+        if describe is not None:  # header first: it says how many parts follow and how they are cut
+            results.append(await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, 0), rnd))
+            geometry = describe(results[0].data, like)
+        else:
+            geometry = self._template(codec)
+        results += [None] * (len(geometry) - len(results))
+
+        async def one(i: int) -> None:
+            results[i] = await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, i), rnd)
+
+        async with trio.open_nursery() as nursery:
+            for i in range(len(geometry)):
+                if results[i] is None:
+                    nursery.start_soon(one, i)
+        out = []
+        for res, part in zip(results, geometry):
+            stats.add_round(res.stats)
+            n = res.data.numel()
+            if n != part.data.numel():
+                raise ValueError(f"part {part.name!r} from rank {peer}: {n} elements, expected {part.data.numel()}")
+            clayout = BucketLayout(part.segments or [n], part.block_elems)
+            mask = codec_block_mask(res.mask, res.layout, clayout)
+            lost = clayout.block_len[~mask]
+            stats.lost_blocks[part.name] = stats.lost_blocks.get(part.name, 0) + lost.numel()
+            stats.lost_elems[part.name] = stats.lost_elems.get(part.name, 0) + int(lost.sum())
+            data = res.data.to(self.device)
+            out.append(Received(data, mask.to(self.device), part.block_elems, part.segments))
+        return out
+
+    def _template(self, codec: Codec) -> list[Part]:
+        """Part geometry of a codec whose messages always look alike (dense, qsgd): one encoding of zeros."""
+        key = id(codec)
+        if key not in self._templates:
+            zeros = torch.zeros(self.numel, dtype=self.dtype, device=self.device)
+            parts = codec.encode(zeros, self._state())
+            self._templates[key] = [Part(p.data, p.lane_class, p.block_elems, p.name, p.segments) for p in parts]
+        return self._templates[key]
+
