@@ -285,3 +285,31 @@ async def test_deadline_timer_finalises_at_the_receivers_deadline():
         n.cancel_scope.cancel()
     assert done[0].stats.closed_by == "deadline" and trio.current_time() - t0 >= 0.045
     assert done[0].mask.tolist() == [True, False, False, False]
+
+
+async def test_large_payload_reads_wake_on_rcvlowat_yet_trickles_and_eof_still_finish():
+    a, b = await _tcp_pair()
+    try:
+        data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+        dst = bytearray(len(data))
+
+        async def trickle():
+            for k in range(0, len(data), 200_000):  # pieces smaller than the low-water mark, with pauses
+                await a.send_buffers([memoryview(data)[k : k + 200_000]])
+                await trio.sleep(0.002)
+
+        async with trio.open_nursery() as n:
+            n.start_soon(trickle)
+            with trio.fail_after(10):
+                await b.recv_exactly(memoryview(dst))
+        assert bytes(dst) == data.tobytes()
+        assert b.rx_calls < 3 * len(data) / 200_000  # woken per ~1 MiB or per piece, not per kernel skb
+        assert b.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT) == 1  # restored for the next header
+        # a peer that goes away mid-payload ends the read at once, low-water mark or not
+        await a.send_buffers([memoryview(data)[:100_000]])
+        a.close()
+        with trio.fail_after(5), pytest.raises(PeerClosed):
+            await b.recv_exactly(memoryview(bytearray(2 << 20)))
+    finally:
+        a.close()
+        b.close()

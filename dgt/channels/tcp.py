@@ -17,6 +17,8 @@ from dgt.channels.sockopts import family_of, set_buffers, set_dscp, set_priority
 from dgt.errors import PeerClosed, PeerTimeout
 
 _LOST = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
+RCVLOWAT_MIN = 128 << 10  # payload rests shorter than this are read as they come
+RCVLOWAT_MAX = 1 << 20  # wake once at least this much of a large payload is in
 
 
 class TcpChannel:
@@ -32,6 +34,7 @@ class TcpChannel:
         self.priority_ok = set_priority(sock, lane.so_priority)
         self.rcvbuf, self.sndbuf = set_buffers(sock, rcvbuf, sndbuf)
         self.closed = False
+        self._rcvlowat = 1
         self.tx_bytes = 0
         self.tx_calls = 0
         self.rx_bytes = 0
@@ -91,9 +94,24 @@ class TcpChannel:
             return n
 
     async def recv_exactly(self, buf: memoryview) -> None:
+        """Fill ``buf``. A large payload raises SO_RCVLOWAT so the socket reports readable only once a good share of
+        the rest is in: fewer wake-ups and larger reads (end of stream and errors still wake at once)."""
         got = 0
-        while got < len(buf):
-            got += await self.recv_into(buf[got:])
+        try:
+            while got < len(buf):
+                self._lowat(min(len(buf) - got, RCVLOWAT_MAX))
+                got += await self.recv_into(buf[got:])
+        finally:
+            self._lowat(1)
+
+    def _lowat(self, n: int) -> None:
+        n = n if n >= RCVLOWAT_MIN else 1
+        if n != self._rcvlowat and not self.closed:
+            try:
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, n)
+                self._rcvlowat = n
+            except OSError:
+                pass  # not settable here: plain wake-ups
 
     async def _wait(self, waiter) -> None:
         if self.closed:
