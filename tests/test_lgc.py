@@ -22,7 +22,9 @@ from dgt.codecs.lgc.autoencoder import (
 )
 from dgt.codecs.lgc.plan import LayerPlan, LGCConfig, Phase
 from dgt.codecs.lgc.wire import (
+    decode_index_list,
     decode_indices,
+    encode_index_list,
     encode_indices,
     entry_overhead,
     flatten_module_state,
@@ -144,6 +146,21 @@ def test_index_coding_roundtrip(idx):
     assert torch.equal(decode_indices(buf), t)
 
 
+@pytest.mark.parametrize("idx", [[], [0], [9, 3, 5], [70000, 5, 2**33, 12], list(range(100000, 0, -7))])
+def test_ordered_index_list_roundtrip(idx):
+    t = torch.tensor(idx, dtype=torch.int64)
+    buf = encode_index_list(t)
+    assert buf.dtype == torch.uint8 and torch.equal(decode_index_list(buf), t)
+
+
+def test_ordered_index_list_costs():
+    gen = torch.Generator().manual_seed(0)
+    small = torch.randperm(56000, generator=gen)[:57]  # the bench's AE layers: absolute u16 = sorted u16 deltas
+    assert encode_index_list(small).numel() == 1 + 2 * 57 == encode_indices(small.sort().values).numel()
+    big = torch.randperm(4_000_000, generator=gen)[:4000]  # large buckets: sorted set + u16 permutation wins
+    assert encode_index_list(big).numel() < 1 + 4 * 4000
+
+
 def test_index_coding_deflates_regular_sets():
     idx = torch.arange(0, 200000, 50)  # 4000 indices, constant delta: DEFLATE must beat 1 byte/index easily
     buf = encode_indices(idx)
@@ -240,9 +257,12 @@ def test_ps_codec_phases_error_feedback_and_layouts():
         if step >= 2:  # error feedback: what was sent + what stays == old accumulator + gradient (sparse layers)
             sent = torch.zeros(plan.numel)
             sent[decode_indices(d["topk:idx"])] = d["topk:vals"]
-            idx_ae = decode_indices(d["ae:idx"])
-            assert idx_ae.numel() == plan.mu("ae")
+            idx_ae = decode_index_list(d["ae:idx"])
+            assert idx_ae.numel() == plan.mu("ae") and idx_ae.unique().numel() == idx_ae.numel()
+            xs = (acc_before + g)[idx_ae]  # the AE input is ordered by descending value (ae_order=value)
+            assert torch.all(xs[:-1] >= xs[1:])
             if step < 5:
+                assert torch.equal(d["ae:vals"], xs)
                 sent[idx_ae] = d["ae:vals"]
             else:
                 assert d["ae:code"].numel() == latent_numel(plan.mu("ae")) and d["ae:scale"].numel() == 1
@@ -274,7 +294,7 @@ def test_momentum_correction_masks_momentum():
     d = dict(zip(_part_names(parts), (p.data for p in parts)))
     u2 = 0.5 * u1 + g2
     v2 = acc1 + u2
-    idx = decode_indices(d["ae:idx"])
+    idx = decode_index_list(d["ae:idx"])
     assert torch.allclose(d["ae:vals"], v2[idx])
     assert torch.all(st.values["mom"][idx] == 0) and torch.all(st.values["acc"][idx] == 0)
 
@@ -427,7 +447,29 @@ def test_runner_checks_its_arguments():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("variant", ["ps", "ring"])
 def test_end_to_end_on_cuda(variant):
-    res = _run(variant, 2, 6, AWKWARD, device="cuda", warmup=2, ae_iters=2, topk=0.01)
+    res = _run(variant, 2, 6, AWKWARD, device="cuda", warmup=2, ae_iters=2, topk=0.01, record=True)
     outs = [rows[-1][2] for r, rows in res if r.is_worker]
     assert all(o.is_cuda and torch.isfinite(o).all() for o in outs)
     assert torch.equal(outs[0], outs[1])
+    for r, _ in res:  # the diagnostics are kept on the host
+        assert all(not t.is_cuda for d in r.state.values.get("diag", []) for t in d.values()
+                   if isinstance(t, torch.Tensor))
+
+
+@pytest.mark.parametrize("variant", ["ps", "ring"])
+@pytest.mark.parametrize("order", ["value", "index"])
+def test_ablation_zeroes_the_decoded_ae_update(variant, order):
+    sizes = [20, 3000, 2000, 300]
+    res = _run(variant, 2, 6, sizes, warmup=2, ae_iters=2, topk=0.01, ae_ablate="zero", ae_order=order,
+               innovation=0.2)
+    plan = res[0][0].plan
+    for r, rows in res:
+        if not r.is_worker:
+            continue
+        for _g, _, out in rows[4:]:  # compressed rounds
+            region = plan.region(out, "ae")
+            nz = int((region != 0).sum())
+            if variant == "ring":
+                assert nz == 0  # nothing but the (zeroed) decoded output reaches the AE layers
+            else:
+                assert 0 < nz <= 2 * math.ceil(0.2 * plan.mu("ae"))  # only the exactly-sent innovation values

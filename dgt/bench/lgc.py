@@ -102,7 +102,7 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
         numel = sum(sizes)
         runner = None
         if method != "dense":
-            codec = LGCCodec(variant=method, warmup=warmup, ae_iters=ae_iters, seed=seed, **opts)
+            codec = LGCCodec(variant=method, warmup=warmup, ae_iters=ae_iters, seed=seed, **{"record": True, **opts})
             runner = LGCRunner(codec, comm, numel, layers=sizes, device=dev, server=world - 1,
                                dedicated_server=method == "ps")
             is_worker, worker = runner.is_worker, runner.codec.worker
@@ -146,6 +146,7 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
         if is_worker:
             out["weights"] = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
         out["summary"] = runner.summary() if runner is not None else {"dense_bytes": dense_bytes, "numel": numel}
+        out["diag"] = runner.state.values.get("diag", []) if runner is not None else []
         return out
 
     t0 = time.perf_counter()
@@ -163,7 +164,83 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
         report["dense_fp32_bytes_per_iteration"] = s["numel"] * 4
     else:
         report["traffic"] = traffic_report(method, [r["summary"] for r in results], ranks)
+        numel = sum(results[0]["summary"]["dense_bytes_per_iteration"].values()) // 4
+        report["reconstruction"] = reconstruction_report(method, results, numel, leader=int(opts.get("leader", 0)),
+                                                         trainer=int(opts.get("trainer", 0)))
     return report
+
+
+def _rel(err2: float, ref2: float) -> float | None:
+    return (err2 / ref2) ** 0.5 if ref2 > 0 else None
+
+
+def _cos(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float(F.cosine_similarity(a.reshape(1, -1).double(), b.reshape(1, -1).double()).item())
+
+
+def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int, *, leader: int = 0,
+                          trainer: int = 0) -> dict[str, Any] | None:
+    """How well the compressed phase's decoded AE-layer update matches the true top-k update, on vectors the AE
+    never trained on (every compressed round), from the per-round records (``record=true``; not sent, not counted).
+
+    ``rel_error`` = sqrt(sum ||decoded - true||^2 / sum ||true||^2) over the compressed rounds, each round's vectors
+    divided by that round's scale (the AE works in these units); predicting zeros gives 1.0. ``template`` is a
+    code-free decoder that outputs the mean of the AE's (normalised) training targets, times the round's scale (PS: with
+    the exact innovation values written back, like the real decoder): what the value ordering alone buys.
+    ``cosine`` is the mean over rounds of the cosine between the decoded and the true AE-layer update (ring: the
+    mean of the aligned vectors; PS: the sum over workers of their vectors scattered to their indices).
+    """
+    if method == "ring":
+        per_rank = [r["diag"] for r in sorted(results, key=lambda r: r["rank"])]
+        rounds = len(per_rank[0])
+        if not rounds:
+            return None
+        e2 = t2 = r2 = 0.0
+        cos, cos_t = [], []
+        for i in range(rounds):
+            own = per_rank[trainer][i]
+            truth = torch.stack([d[i]["x"] for d in per_rank]).mean(0)
+            s = float(own["scale"].reshape(-1)[0])
+            e2 += float((own["rec"] - truth).pow(2).sum()) / s**2
+            t2 += float((own["template"] - truth).pow(2).sum()) / s**2
+            r2 += float(truth.pow(2).sum()) / s**2
+            cos.append(_cos(own["rec"], truth))
+            cos_t.append(_cos(own["template"], truth))
+        return {"rounds": rounds, "rel_error": _rel(e2, r2), "rel_error_template": _rel(t2, r2),
+                "rel_error_zero": 1.0, "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds}
+    server = next((r for r in results if not r["is_worker"]), None)
+    workers = sorted((r for r in results if r["is_worker"]), key=lambda r: r["rank"])
+    if server is None:  # co-located server: its records are mixed with its worker's
+        server = workers[0]
+    srv = [d for d in server["diag"] if "rec" in d]
+    wrk = [[d for d in r["diag"] if "x" in d] for r in workers]
+    k = len(workers)
+    rounds = len(wrk[0])
+    if not rounds or len(srv) != rounds * k:
+        return None
+    by_worker = {w: [d for d in srv if d["worker"] == w] for w in range(k)}
+    acc = {w: [0.0, 0.0, 0.0] for w in range(k)}  # err2, template err2, ref2 (normalised units)
+    cos, cos_t = [], []
+    for i in range(rounds):
+        true_sum = torch.zeros(numel, dtype=torch.float64)
+        dec_sum = torch.zeros(numel, dtype=torch.float64)
+        tmp_sum = torch.zeros(numel, dtype=torch.float64)
+        for w in range(k):
+            mine, got = wrk[w][i], by_worker[w][i]
+            s = float(mine["scale"].reshape(-1)[0])
+            acc[w][0] += float((got["rec"] - mine["x"]).pow(2).sum()) / s**2
+            acc[w][1] += float((got["template"] - mine["x"]).pow(2).sum()) / s**2
+            acc[w][2] += float(mine["x"].pow(2).sum()) / s**2
+            true_sum.index_add_(0, mine["idx"], mine["x"].double())
+            dec_sum.index_add_(0, got["idx"], got["rec"].double())
+            tmp_sum.index_add_(0, got["idx"], got["template"].double())
+        cos.append(_cos(dec_sum, true_sum))
+        cos_t.append(_cos(tmp_sum, true_sum))
+    tot = [sum(a[j] for a in acc.values()) for j in range(3)]
+    return {"rounds": rounds, "rel_error": _rel(tot[0], tot[2]), "rel_error_template": _rel(tot[1], tot[2]),
+            "rel_error_zero": 1.0, "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds,
+            "per_worker": [{"worker": w, "leader": w == leader, "rel_error": _rel(a[0], a[2]),
+                            "rel_error_template": _rel(a[1], a[2])} for w, a in acc.items()]}
 
 
 def traffic_report(method: str, summaries: list[dict[str, Any]], ranks: int) -> dict[str, Any]:
@@ -231,6 +308,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--no-ablation", action="store_true",
+                        help="skip the ablation runs (LGC with the decoded AE output replaced by zeros)")
     if "--json" not in parser._option_string_actions:  # the bench front end may already provide it
         parser.add_argument("--json", action="store_true", help="print the result as JSON")
 
@@ -251,6 +330,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dense = train("dense", **common)
     ps = train("ps", lgc_options=opts, sparse_momentum=args.sparse_momentum, **common)
     ring = train("ring", lgc_options=opts, sparse_momentum=args.sparse_momentum, **common)
+    ablation: dict[str, Any] = {}
+    if not args.no_ablation:
+        for m in ("ps", "ring"):
+            r = train(m, lgc_options={**opts, "ae_ablate": "zero"}, sparse_momentum=args.sparse_momentum, **common)
+            ablation[m] = {"accuracy": r["accuracy"], "final_train_loss": r["final_train_loss"],
+                           "reconstruction": r["reconstruction"]}
     base = dense["accuracy"]["final"]
     result = {
         "bench": "lgc",
@@ -259,6 +344,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dense": dense,
         "lgc_ps": ps,
         "lgc_ring": ring,
+        "ablation_decoded_zero": ablation,
         "summary": {
             "accuracy_dense": base,
             "accuracy_lgc_ps": ps["accuracy"]["final"],
@@ -267,6 +353,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "gap_ring_points": round(base - ring["accuracy"]["final"], 2),
             "compressed_phase_ratio_ps": ps["traffic"]["compressed_phase_ratio"],
             "compressed_phase_ratio_ring": ring["traffic"]["compressed_phase_ratio"],
+            **{f"{key}_{m}": (res["reconstruction"] or {}).get(key)
+               for key in ("rel_error", "rel_error_template", "cosine") for m, res in (("ps", ps), ("ring", ring))},
+            "ae_training_rel_error_ps": ps["traffic"]["ae_training"],
+            "ae_training_rel_error_ring": ring["traffic"]["ae_training"],
+            **{f"accuracy_{m}_decoded_zero": a["accuracy"]["final"] for m, a in ablation.items()},
         },
     }
     s = result["summary"]

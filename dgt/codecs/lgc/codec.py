@@ -26,7 +26,14 @@ import torch
 from dgt.codecs.base import RELIABLE, BucketState, Capabilities, Codec, Part, Received
 from dgt.codecs.lgc.autoencoder import Encoder, PSAutoencoder, RingAutoencoder, to_signal
 from dgt.codecs.lgc.plan import LayerPlan, LGCConfig, Phase
-from dgt.codecs.lgc.wire import decode_indices, encode_indices, flatten_module_state, load_module_state
+from dgt.codecs.lgc.wire import (
+    decode_index_list,
+    decode_indices,
+    encode_index_list,
+    encode_indices,
+    flatten_module_state,
+    load_module_state,
+)
 from dgt.codecs.registry import register
 
 
@@ -129,6 +136,37 @@ class LGCCodec(Codec):
     def _n_innovation(self, mu: int) -> int:
         return min(mu, max(1, math.ceil(self.config.innovation * mu)))
 
+    def _order_ae(self, v: torch.Tensor, idx: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``ae_order=value``: the AE-layer indices in descending order of their values in ``v``, so the vector the
+        autoencoder sees is monotone (a smooth, compressible curve) and the receiver learns the order from the index
+        list. ``ae_order=index``: ascending index order (layer order)."""
+        if self.config.ae_order != "value" or idx["ae"].numel() < 2:
+            return idx
+        order = torch.argsort(v[idx["ae"]], descending=True, stable=True)
+        return {**idx, "ae": idx["ae"][order]}
+
+    def _enc_ae_idx(self, idx: torch.Tensor) -> torch.Tensor:
+        return encode_index_list(idx) if self.config.ae_order == "value" else encode_indices(idx)
+
+    def _dec_ae_idx(self, buf: torch.Tensor, device: torch.device | str | None) -> torch.Tensor:
+        return decode_index_list(buf, device) if self.config.ae_order == "value" else decode_indices(buf, device)
+
+    def _note_target(self, state: BucketState, x: torch.Tensor) -> None:
+        """Running mean of the (normalised) AE training targets: the 'template' baseline a code-free decoder could
+        output; kept for the diagnostics only (never sent)."""
+        tot = state.values.get("ae_target_sum")
+        state.values["ae_target_sum"] = x.detach().clone() if tot is None else tot + x.detach()
+        state.values["ae_target_n"] = state.values.get("ae_target_n", 0) + 1
+
+    def template(self, state: BucketState) -> torch.Tensor | None:
+        tot = state.values.get("ae_target_sum")
+        return None if tot is None else tot / state.values["ae_target_n"]
+
+    def _record(self, state: BucketState, **entry: Any) -> None:
+        if self.config.record:
+            rec = {k: (v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v) for k, v in entry.items()}
+            state.values.setdefault("diag", []).append({"step": state.step, **rec})
+
     def _dense_parts(self, g: torch.Tensor, plan: LayerPlan, phase: Phase) -> list[Part]:
         parts = []
         roles = ("dense", "topk", "ae") if phase == Phase.DENSE else ("dense",)
@@ -176,14 +214,16 @@ class LGCCodec(Codec):
         if phase == Phase.DENSE:
             return parts
         v, idx = self._sparsify(g, state)
+        idx = self._order_ae(v, idx)
         if plan.layers("topk"):
             parts += [Part(v[idx["topk"]], name="topk:vals"), Part(encode_indices(idx["topk"]), name="topk:idx")]
         if not plan.layers("ae"):
             return parts
         x = v[idx["ae"]]
         if phase == Phase.TOPK:
-            return parts + [Part(x, name="ae:vals"), Part(encode_indices(idx["ae"]), name="ae:idx")]
+            return parts + [Part(x, name="ae:vals"), Part(self._enc_ae_idx(idx["ae"]), name="ae:idx")]
         scale = _rms(x) if cfg.normalize else x.new_ones(1)
+        self._record(state, worker=self.worker, idx=idx["ae"], x=x, scale=scale)
         if self.worker == cfg.leader:
             enc = state.values.get("encoder")
             if enc is None:
@@ -193,7 +233,7 @@ class LGCCodec(Codec):
             parts.append(Part(code, name="ae:code"))
         pos = torch.sort(torch.topk(x.abs(), self._n_innovation(x.numel()), sorted=False).indices).values
         parts += [Part(scale, name="ae:scale"), Part(encode_indices(pos), name="ae:ipos"),
-                  Part(x[pos], name="ae:ivals"), Part(encode_indices(idx["ae"]), name="ae:idx")]
+                  Part(x[pos], name="ae:ivals"), Part(self._enc_ae_idx(idx["ae"]), name="ae:idx")]
         return parts
 
     # -- PS server: decode + aggregate ---------------------------------------------------------------------------
@@ -220,7 +260,7 @@ class LGCCodec(Codec):
             out[decode_indices(d["topk:idx"], dev)] = d["topk:vals"].to(dev).float()
         if phase == Phase.TOPK and plan.layers("ae"):
             vals = d["ae:vals"].to(dev).float()
-            out[decode_indices(d["ae:idx"], dev)] = vals
+            out[self._dec_ae_idx(d["ae:idx"], dev)] = vals
             stash[worker] = ("train", vals)
         elif phase == Phase.COMPRESSED and plan.layers("ae"):
             stash[worker] = ("comp", {k: v.to(dev) for k, v in d.items() if k.startswith("ae:")})
@@ -264,11 +304,11 @@ class LGCCodec(Codec):
         ae = self._server_ae(state, x.device)
         if cfg.normalize:
             x = x / x.pow(2).mean(1, keepdim=True).sqrt().clamp_min(1e-30)
+        self._note_target(state, x)
         pos = torch.topk(x.abs(), self._n_innovation(x.shape[1]), dim=1, sorted=False).indices
         innov = torch.zeros_like(x).scatter_(1, pos, x.gather(1, pos))
-        for _ in range(cfg.ae_steps):
-            log = ae.train_step(x, innov)
-        state.values.setdefault("ae_history", []).append(log)
+        logs = [ae.train_step(x, innov) for _ in range(cfg.ae_steps)]
+        state.values.setdefault("ae_history", []).append(logs[0])  # measured before this round's update
         state.values["srv_trained"] = state.values.get("srv_trained", 0) + 1
         if state.values["srv_trained"] == cfg.ae_iters:
             weights = flatten_module_state(ae.encoder)
@@ -284,6 +324,7 @@ class LGCCodec(Codec):
         code = leader["ae:code"].float()
         mu = plan.mu("ae")
         out = torch.zeros(plan.numel, dtype=torch.float32, device=dev)
+        tmpl = self.template(state) if cfg.record else None
         for w in range(self.workers):
             d = comp[w]
             scale = d["ae:scale"].float()
@@ -292,9 +333,17 @@ class LGCCodec(Codec):
             innov = torch.zeros(mu, device=dev)
             innov[pos] = ivals / scale
             rec = ae.decode(w, code, innov, mu) * scale
+            if cfg.ae_ablate == "zero":
+                rec = torch.zeros_like(rec)
             if cfg.exact_innovation:
                 rec[pos] = ivals
-            out[decode_indices(d["ae:idx"], dev)] += rec
+            idx = self._dec_ae_idx(d["ae:idx"], dev)
+            out[idx] += rec
+            if cfg.record:
+                base = tmpl[w] * scale if tmpl is not None else torch.zeros_like(rec)
+                if cfg.exact_innovation:
+                    base[pos] = ivals
+                self._record(state, worker=w, idx=idx, rec=rec, template=base)
         return out
 
     # -- control: trained weights, shipped once ------------------------------------------------------------------
@@ -335,7 +384,10 @@ class LGCCodec(Codec):
         g = bucket.detach().reshape(-1).float()
         plan, phase = self._plan(state), self.phase(state)
         v, idx = self._sparsify(g, state, commit=False)
-        parts = [Part(encode_indices(idx[r]), name=f"{r}:idx") for r in ("topk", "ae") if plan.layers(r)]
+        idx = self._order_ae(v, idx)
+        parts = [Part(encode_indices(idx["topk"]), name="topk:idx")] if plan.layers("topk") else []
+        if plan.layers("ae"):
+            parts.append(Part(self._enc_ae_idx(idx["ae"]), name="ae:idx"))
         if phase == Phase.COMPRESSED and plan.layers("ae"):
             scale = _rms(v[idx["ae"]]) if self.config.normalize else g.new_ones(1)
             parts.append(Part(scale, name="ae:scale"))
@@ -355,7 +407,8 @@ class LGCCodec(Codec):
             raise ValueError(f"selection has {len(parts)} parts, expected {names}")
         d = {n: _data(p) for n, p in zip(names, parts)}
         empty = torch.zeros(0, dtype=torch.int64, device=device)
-        sel = {r: decode_indices(d[f"{r}:idx"], device) if f"{r}:idx" in d else empty for r in ("topk", "ae")}
+        sel = {"topk": decode_indices(d["topk:idx"], device) if "topk:idx" in d else empty,
+               "ae": self._dec_ae_idx(d["ae:idx"], device) if "ae:idx" in d else empty}
         sel["scale"] = d["ae:scale"].to(device).float() if "ae:scale" in d else None
         state.values["sel"] = sel
 
@@ -386,6 +439,8 @@ class LGCCodec(Codec):
             raise RuntimeError("ring LGC: no trained autoencoder (control_in was not called)")
         scale = sel["scale"] if sel["scale"] is not None else g.new_ones(1)
         state.values["last_scale"] = scale
+        if self.config.record:
+            state.values["last_x"] = x
         with torch.no_grad():
             code = ae.encode(x / scale).reshape(-1)
         return parts + [Part(code, name="ae:code")]
@@ -407,9 +462,9 @@ class LGCCodec(Codec):
             ae = state.values["ring_ae"] = RingAutoencoder(cfg.ae_opt, cfg.ae_lr, cfg.seed).to(x.device)
         if cfg.normalize:
             x = x / _rms(x[state.values["last_selector"]])
-        for _ in range(cfg.ae_steps):
-            log = ae.train_step(x)
-        state.values.setdefault("ae_history", []).append(log)
+        self._note_target(state, x.mean(0))
+        logs = [ae.train_step(x) for _ in range(cfg.ae_steps)]
+        state.values.setdefault("ae_history", []).append(logs[0])  # measured before this round's update
         state.values["ring_trained"] = state.values.get("ring_trained", 0) + 1
         if state.values["ring_trained"] == cfg.ae_iters:
             state.values["srv_outbox"] = [(None, Part(flatten_module_state(ae), name="ctl:ae"))]
@@ -435,9 +490,15 @@ class LGCCodec(Codec):
         if phase == Phase.TOPK and plan.layers("ae"):
             out[idx["ae"]] = d["ae:vals"].to(dev).float()
         elif phase == Phase.COMPRESSED and plan.layers("ae"):
-            k = self.workers
+            k, scale = self.workers, state.values["last_scale"]
             with torch.no_grad():
                 rec = state.values["ring_ae"].decode(d["ae:code"].to(dev).float() / k, plan.mu("ae"))
-            out[idx["ae"]] = rec * state.values["last_scale"] * k
+            if self.config.ae_ablate == "zero":
+                rec = torch.zeros_like(rec)
+            out[idx["ae"]] = rec * scale * k
+            if self.config.record:
+                tmpl = self.template(state)
+                self._record(state, idx=idx["ae"], x=state.values.pop("last_x"), scale=scale, rec=rec * scale,
+                             template=tmpl * scale if tmpl is not None else None)
         return out.to(like.dtype)
 

@@ -31,13 +31,16 @@ class LGCConfig:
     momentum: float = 0.9
     normalize: bool = True  # divide the AE input by its RMS and send that scale as one float
     sim_weight: float = 0.5  # PS: lambda_2 of L_rec + lambda_2 L_sim
-    ae_opt: str = "sgd"  # sgd | adam
+    ae_order: str = "value"  # value: AE input ordered by descending value (indices sent in that order) | index
+    ae_opt: str = "adam"  # adam | sgd (the paper's; barely moves the AE in a few hundred steps, see docs/lgc.md)
     ae_lr: float = 1e-3
     ae_steps: int = 1  # optimizer steps per training iteration (batch 1 = that iteration's K vectors)
     exact_innovation: bool = True  # PS: the server puts the exactly-sent innovation values back after decoding
     leader: int = 0  # PS: the worker (index among workers) that sends the latent code
     trainer: int = 0  # ring: the rank that trains the autoencoder
     seed: int = 0  # seeds the ring selector sequence and the PS common-code choice
+    record: bool = False  # keep per-round diagnostics (true AE inputs, reconstructions) in the state, for the bench
+    ae_ablate: str = ""  # "zero": replace the decoded AE output by zeros (ablation; PS keeps the exact innovation)
 
     def __post_init__(self) -> None:
         if self.variant not in ("ps", "ring"):
@@ -48,6 +51,10 @@ class LGCConfig:
             raise ValueError("lgc topk and innovation are ratios in (0, 1]")
         if self.ae_opt not in ("sgd", "adam"):
             raise ValueError(f"lgc ae_opt must be sgd or adam, not {self.ae_opt!r}")
+        if self.ae_order not in ("value", "index"):
+            raise ValueError(f"lgc ae_order must be value or index, not {self.ae_order!r}")
+        if self.ae_ablate not in ("", "zero"):
+            raise ValueError(f"lgc ae_ablate must be empty or zero, not {self.ae_ablate!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> LGCConfig:

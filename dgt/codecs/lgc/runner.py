@@ -223,7 +223,9 @@ class LGCRunner:
         hist = self.state.values.get("ae_history") or []
         ae_training = None
         if hist:
-            rel = [h["rec"] / h["energy"] if h["energy"] else float("nan") for h in hist]
+            # ||rec - x|| / ||x|| on each round's new vectors, measured by the training step before it updates the AE
+            # (so on vectors the AE had not seen yet), averaged over the first / last 10 training rounds
+            rel = [(h["rec"] / h["energy"]) ** 0.5 if h["energy"] else float("nan") for h in hist]
             n = min(10, len(rel))
             ae_training = {"iterations": len(rel), "rel_error_first": sum(rel[:n]) / n,
                            "rel_error_last": sum(rel[-n:]) / n}

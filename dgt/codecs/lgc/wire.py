@@ -124,6 +124,65 @@ def decode_indices(buf: torch.Tensor, device: torch.device | str | None = None) 
     return torch.from_numpy(np.cumsum(deltas)).to(device)
 
 
+_ABSOLUTE, _SET_PERM = 0, 1
+_WIDTHS = (np.uint8, np.dtype("<u2"), np.dtype("<u4"), np.dtype("<u8"))
+
+
+def _width(top: int) -> int:
+    return 0 if top < 1 << 8 else 1 if top < 1 << 16 else 2 if top < 1 << 32 else 3
+
+
+def _maybe_deflate(raw: bytes) -> tuple[int, bytes]:
+    packed = zlib.compress(raw, 9)
+    return (_DEFLATE, packed) if len(packed) < len(raw) else (_RAW, raw)
+
+
+def encode_index_list(idx: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Distinct non-negative indices in a meaningful ORDER (LGC sends the AE-layer indices in the order of the values
+    the autoencoder sees) -> uint8 bytes, whichever of two layouts is shorter:
+
+    * absolute: the indices as they are at the narrowest width (DEFLATE-coded when that is shorter);
+    * set + permutation: the sorted set as :func:`encode_indices`, then each element's rank in that set at the
+      narrowest width (DEFLATE-coded when shorter).
+
+    First byte: layout | method << 1 | width << 2; set + permutation then has varint(len of the set bytes).
+    On small buckets (indices < 65536) the absolute layout costs what sorted deltas at u16 cost."""
+    device = idx.device if device is None else device
+    host = idx.detach().to("cpu", torch.int64).numpy()
+    if host.size and host.min() < 0:
+        raise ValueError("indices must be non-negative")
+    width = _width(int(host.max()) if host.size else 0)
+    method, body = _maybe_deflate(host.astype(_WIDTHS[width]).tobytes())
+    best = bytearray([_ABSOLUTE | (method << 1) | (width << 2)]) + body
+    if host.size > 1:
+        order = np.argsort(host, kind="stable")
+        rank = np.empty_like(order)
+        rank[order] = np.arange(host.size)
+        set_bytes = encode_indices(torch.from_numpy(host[order]), "cpu").numpy().tobytes()
+        pwidth = _width(host.size - 1)
+        pmethod, pbody = _maybe_deflate(rank.astype(_WIDTHS[pwidth]).tobytes())
+        alt = bytearray([_SET_PERM | (pmethod << 1) | (pwidth << 2)]) + _varint(len(set_bytes)) + set_bytes + pbody
+        if len(alt) < len(best):
+            best = alt
+    return torch.frombuffer(best, dtype=torch.uint8).to(device)
+
+
+def decode_index_list(buf: torch.Tensor, device: torch.device | str | None = None) -> torch.Tensor:
+    """Inverse of :func:`encode_index_list`: the int64 indices in their original order."""
+    device = buf.device if device is None else device
+    data = buf.detach().cpu().numpy().tobytes()
+    layout, method, width = data[0] & 1, (data[0] >> 1) & 1, data[0] >> 2
+    if layout == _ABSOLUTE:
+        body = zlib.decompress(data[1:]) if method == _DEFLATE else data[1:]
+        return torch.from_numpy(np.frombuffer(body, dtype=_WIDTHS[width]).astype(np.int64)).to(device)
+    n, pos = _read_varint(data, 1)
+    sorted_idx = decode_indices(torch.frombuffer(bytearray(data[pos : pos + n]), dtype=torch.uint8), "cpu")
+    body = data[pos + n :]
+    body = zlib.decompress(body) if method == _DEFLATE else body
+    rank = torch.from_numpy(np.frombuffer(body, dtype=_WIDTHS[width]).astype(np.int64))
+    return sorted_idx[rank].to(device)
+
+
 def flatten_module_state(module: torch.nn.Module) -> torch.Tensor:
     """All parameters and buffers of a module as one fp32 vector (for shipping trained AE weights once)."""
     return torch.cat([t.detach().reshape(-1).float() for t in module.state_dict().values()])
