@@ -56,6 +56,7 @@ class Flags(IntFlag):
     FRAGMENT = 2  # the frame carries one fragment of a single block (unreliable lanes)
     RESEND = 4  # error-feedback data from an earlier round's drop report
     CLOSED = 8  # DROP_REPORT: the receiver has finalised the round
+    NO_REPORT = 16  # ROUND_BEGIN: a lossless round whose sender does not wait for a drop report: send none
 
 
 class WireDType(IntEnum):

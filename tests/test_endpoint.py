@@ -547,3 +547,25 @@ async def test_posted_receive_lands_in_place_even_when_the_round_opens_first():
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_lossless_round_nobody_waits_on_asks_for_no_drop_report():
+    """A lossless round sent with wait=False carries NO_REPORT: the receiver writes no DROP_REPORT back and the
+    sender keeps no state for it; waiting senders and lossy rounds still get their report."""
+    a, b = await pair(TransportConfig(peer_timeout=30, deadline="fixed:0.05"))  # no heartbeat within the test
+    try:
+        layout = BucketLayout(SIZES)
+        x = torch.randn(layout.numel)
+        frames_before = b._links[0].writer.frames
+        sent, res = await send_and_recv(a, b, 1, 0, x, layout, wait=False)
+        assert torch.equal(res.data, x) and res.mask.all()
+        await trio.sleep(0.05)
+        assert b._links[0].writer.frames == frames_before  # no report went back
+        assert not a._sending and not sent.report
+        # wait=True on a lossless round: the report is sent and awaited
+        sent, res = await send_and_recv(a, b, 1, 1, x, layout, wait=True)
+        assert sent.report and sent.lost_blocks == 0
+        assert b._links[0].writer.frames == frames_before + 1
+    finally:
+        await a.aclose()
+        await b.aclose()

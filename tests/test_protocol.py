@@ -286,3 +286,29 @@ def test_lossless_fast_path_cuts_the_same_frames_as_the_run_finder(sizes, frame_
     if layout.nblocks >= 8:  # shorter buckets go through the general path (packed single blocks), never the shortcut
         assert [(bytes(h), bytes(p)) for h, p in fast] == [(bytes(h), bytes(p)) for h, p in general]
     assert b"".join(bytes(p) for _, p in fast) == raw.tobytes()  # the frames tile the bucket in order
+
+
+def test_no_report_flag_only_on_wholly_reliable_rounds_and_losses_are_still_reported():
+    layout = BucketLayout(SIZES)
+    g = torch.randn(layout.numel)
+    s = RoundSender(TOKEN, rank=3)
+    quiet = s.plan(0, 0, g, layout, 0, report=False)  # every block reliable: the receiver sends no report
+    rx = RoundReceiver(TOKEN)
+    events, _ = feed(rx, reliable_items(quiet))
+    (done,) = [e for e in events if isinstance(e, RoundDone)]
+    assert done.report is None and done.mask.all() and torch.equal(done.data, g)
+    # a round with unreliable blocks ignores report=False: its sender needs the report for error feedback
+    c = ContributionEstimator(layout)
+    c.update(g)
+    cls = c.classify(0.3)
+    lossy = s.plan(0, 1, s.prepare(0, g), layout, cls.cls, cls.order, report=False)
+    events, t = feed(rx, reliable_items(lossy))  # every datagram lost
+    done = rx.on_time(t + 10.0)[0]
+    assert done.stats.dropped > 0 and done.report is not None
+    # a receiver that finds a flagged round short still reports: cut the last important frame of a quiet round
+    quiet2 = s.plan(0, 2, g, layout, 0, report=False)
+    items = reliable_items(quiet2)
+    events, t = feed(rx, items[:-2] + items[-1:])
+    assert not [e for e in events if isinstance(e, RoundDone)]  # an important block is missing: no close yet
+    (aborted,) = rx.abort(3, t)
+    assert aborted.stats.dropped > 0 and aborted.report is not None

@@ -54,7 +54,7 @@ class RoundDone:
     data: torch.Tensor
     mask: torch.Tensor
     stats: RoundStats
-    report: bytes
+    report: bytes | None  # the DROP_REPORT frame for the sender; None when the sender asked for none
     layout: BucketLayout
 
 
@@ -98,6 +98,7 @@ class _Round:
         self.geom = Geometry(layout, frag)
         self.dtype = dtype
         self.codec = codec
+        self.want_report = True
         self.fresh = buffer is None  # a fresh buffer is all zeros; a caller's buffer must have lost blocks zeroed
         self.data = zeroed(layout.numel, wire.TORCH_OF[dtype]) if buffer is None else buffer
         self.raw = self.data.view(torch.uint8).numpy()
@@ -192,7 +193,8 @@ class RoundReceiver:
         if sum(r.nbytes for r in self.rounds.values()) + need > self.max_open_bytes:
             self.counters.reject("memory-budget")
             return []
-        self.rounds[key] = _Round(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
+        self.rounds[key] = r = _Round(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
+        r.want_report = not f.flags & Flags.NO_REPORT
         events: list = []
         if self._early:
             replay = [e for e in self._early if e[0] == key]
@@ -600,9 +602,10 @@ class RoundReceiver:
         while len(self.closed) > 16 * self.limits.max_open_rounds:
             self.closed.popitem(last=False)
         sender, bucket, round_ = r.key
-        bitmap = np.packbits(mask).tobytes()
-        report = wire.encode_frame(
-            FrameType.DROP_REPORT, bitmap, token=self.token, rank=self.rank, round=round_, bucket=bucket,
-            count=g.nblocks, flags=Flags.CLOSED,
-        )
+        report = None
+        if r.want_report or st.dropped:  # a lossless round that lost blocks would be a protocol breach: say so
+            report = wire.encode_frame(
+                FrameType.DROP_REPORT, np.packbits(mask).tobytes(), token=self.token, rank=self.rank, round=round_,
+                bucket=bucket, count=g.nblocks, flags=Flags.CLOSED,
+            )
         return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout)

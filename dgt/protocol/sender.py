@@ -188,9 +188,11 @@ class RoundSender:
         layout: BucketLayout,
         cls: torch.Tensor | int,
         order: torch.Tensor | None = None,
+        report: bool = True,
     ) -> RoundPlan:
         """Frames for one round. ``cls``: lane class per block (0 = reliable) or one class for all; ``order``: the
-        unimportant blocks, most important first (default: block order)."""
+        unimportant blocks, most important first (default: block order). ``report=False`` asks the receiver for no
+        drop report (only honoured for a round with every block on the reliable lane: it has nothing to report)."""
         if layout.block != self.block:
             raise ValueError(f"layout block {layout.block} != sender block {self.block}")
         if flat.numel() != layout.numel:
@@ -214,7 +216,8 @@ class RoundSender:
 
         reliable: list[tuple[bytes, memoryview]] = []
         begin = wire.encode_round_begin(layout.numel, layout.block, geom.frag, layout.sizes)
-        begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, **common)
+        quiet = Flags.NO_REPORT if not report and len(important) == layout.nblocks else 0
+        begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, flags=quiet, **common)
         reliable.append((begin_hdr, memoryview(begin)))
         reliable += self._runs(raw, isz, dt, geom, important, common)
         plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp))

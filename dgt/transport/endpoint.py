@@ -542,7 +542,7 @@ class Endpoint:
             elapsed = max(now - opened, 0.0) if opened is not None else 0.0
             why = d.stats.closed_by
             link = self._links.get(d.sender)
-            if link is not None and link.error is None and why not in ("aborted", "sender-gone"):
+            if link is not None and link.error is None and why not in ("aborted", "sender-gone") and d.report:
                 link.writer.push([d.report], urgent=True)
             st.closed_by[why] = st.closed_by.get(why, 0) + 1
             if why == "aborted":
@@ -674,7 +674,8 @@ class Endpoint:
         copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
         link.dirty.discard(bucket)
         data = link.sender.prepare(bucket, flat) if copy else flat
-        plan = link.sender.plan(bucket, round, data, layout, cls, order)
+        quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
+        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy)  # fmt: skip
         track = self._sending[key] = _SendTrack()
@@ -713,7 +714,7 @@ class Endpoint:
                     if job in self.scheduler.jobs:
                         self.scheduler.jobs.remove(job)
                     job.done.fail(PeerClosed("send cancelled"))
-            if wait or not finished or track.report.done:
+            if wait or not finished or track.report.done or quiet:
                 if self._sending.get(key) is track:
                     del self._sending[key]
             else:
