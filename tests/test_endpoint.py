@@ -544,6 +544,14 @@ async def test_posted_receive_lands_in_place_even_when_the_round_opens_first():
         assert res.data.data_ptr() == posted.data_ptr() and torch.equal(posted, x)
         assert torch.equal(late, x) and res_late.data is late
         assert b.stats().rounds_copied == 1  # only the unposted round needed the copy
+        # a withdrawn post is left alone: the round gets a buffer of its own
+        spare = torch.zeros_like(x)
+        b.post_recv(0, 7, 0, spare)
+        b.post_recv(0, 7, 0, None)
+        await a.send_round(1, 7, 0, x)
+        with trio.fail_after(5):
+            res7 = await b.recv_round(0, 7, 0)
+        assert torch.equal(res7.data, x) and not spare.any()
     finally:
         await a.aclose()
         await b.aclose()

@@ -36,20 +36,33 @@ class RingAllReduce(Collective):
         flat = self.working_copy(bucket, out)
         stats = CollectiveStats()
         if W == 1:
-            return CollectiveResult(self.finish(flat, inplace=out is not None).view_as(bucket), stats)
+            return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
         rnd = g.next_round("ring", bucket_id)
         ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
         own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
         direct = self._direct(flat)
         rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
-        if direct:
-            # post every step's landing now: a neighbour running ahead must not find its round without a buffer
-            self._post(rs_land, bucket_id, "rs", rnd)
-            if not self.codec.capabilities.lossy_tolerant:
-                # the all-gather targets are chunks this rank no longer reads once it sent them; with a lossy codec a
-                # drop report may still read them (error feedback), so those are posted only after reduce-scatter
-                self._post(ag_land, bucket_id, "ag", rnd)
+        try:
+            if direct:
+                # post every step's landing now: a neighbour running ahead must not find its round without a buffer
+                self._post(rs_land, bucket_id, "rs", rnd)
+                if not self.codec.capabilities.lossy_tolerant:
+                    # all-gather targets are chunks this rank no longer reads once it sent them; with a lossy codec a
+                    # drop report may still read them (error feedback), so those are posted after reduce-scatter
+                    self._post(ag_land, bucket_id, "ag", rnd)
+            await self._steps(ch, flat, bucket_id, rnd, stats, direct, rs_land, ag_land)
+        except BaseException:
+            if direct:  # rounds not open yet must not land in the caller's tensor after this call gave up
+                self._post([None] * len(rs_land), bucket_id, "rs", rnd)
+                self._post([None] * len(ag_land), bucket_id, "ag", rnd)
+            raise
+        return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
+
+    async def _steps(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int, stats: CollectiveStats,
+                     direct: bool, rs_land: list[torch.Tensor] | None, ag_land: list[torch.Tensor] | None) -> None:
+        W, r = self.group.world, self.group.rank
+        own = (r + 1) % W
         with self.phase(stats, "reduce_scatter"):
             for s in range(W - 1):
                 # codec state follows (bucket, step): the same chunk travels at the same step every round
@@ -68,7 +81,6 @@ class RingAllReduce(Collective):
                                       state_key=(1 << 30) | bucket_id, reliable=True, keep_own=(s == 0), into=into)
                 if dec is not None and not direct:
                     ch.chunk(flat, (own - s - 1) % W).copy_(dec)
-        return CollectiveResult(self.finish(flat, inplace=out is not None).view_as(bucket), stats)
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,
                    step: int, rnd: int, stats: CollectiveStats, state_key: int, reliable: bool = False,
@@ -107,10 +119,11 @@ class RingAllReduce(Collective):
         wire = getattr(self.codec, "wire_dtype", flat.dtype)
         return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
 
-    def _post(self, landings: list[torch.Tensor], bucket_id: int, phase: str, rnd: int) -> None:
+    def _post(self, landings: list, bucket_id: int, phase: str, rnd: int) -> None:
+        """Post (or, with None entries, withdraw) the landing buffer of every step of ``phase``."""
         g = self.group
         for s, buf in enumerate(landings):
-            if buf.numel():
+            if buf is None or buf.numel():
                 g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf)
 
     def _scratch_for(self, mine: torch.Tensor, step: int) -> torch.Tensor:

@@ -724,14 +724,18 @@ class Endpoint:
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
 
-    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor) -> None:
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
 
         A round that opens before its receiver is ready would otherwise be reassembled into a fresh buffer and copied
         at the end; a collective that knows its next rounds (ring steps) posts them up front. ``recv_round`` for the
         round must then pass the same ``out`` (or none: the data is in ``out`` either way). At most a bounded number
-        of posts are kept (the oldest are forgotten, which only costs that copy)."""
+        of posts are kept (the oldest are forgotten, which only costs that copy). ``out=None`` withdraws a post that
+        will not be awaited (a collective that failed half-way): a round that opens later gets a buffer of its own."""
         key = (peer, bucket, round)
+        if out is None:
+            self._out.pop(key, None)
+            return
         if key in self._results or key in self.receiver.rounds or key in self.receiver.closed:
             return  # already open or done: too late to land in place
         self._out[key] = out
