@@ -249,12 +249,8 @@ class LGCCodec(Codec):
         names = self.layout(phase, plan, leader=worker == cfg.leader)
         if len(names) != len(parts):
             raise ValueError(f"LGC PS payload of worker {worker}: {len(parts)} parts, expected {names}")
-        d = {n: _data(p) for n, p in zip(names, parts)}
+        d, out = self._dense_regions(names, parts, plan, phase, like.device)
         dev = like.device
-        out = torch.zeros(plan.numel, dtype=torch.float32, device=dev)
-        for role in ("dense", "topk", "ae"):
-            if f"{role}:vals" in d and (role == "dense" or phase == Phase.DENSE):
-                plan.set_region(out, role, d[f"{role}:vals"].to(dev).float())
         stash = state.values.setdefault("srv_stash", {})
         if phase != Phase.DENSE and plan.layers("topk"):
             out[decode_indices(d["topk:idx"], dev)] = d["topk:vals"].to(dev).float()
@@ -469,6 +465,17 @@ class LGCCodec(Codec):
         if state.values["ring_trained"] == cfg.ae_iters:
             state.values["srv_outbox"] = [(None, Part(flatten_module_state(ae), name="ctl:ae"))]
 
+    @staticmethod
+    def _dense_regions(names: list[str], parts: list[Received], plan, phase, dev) -> tuple[dict, torch.Tensor]:
+        """The parts by name, and the decoded bucket with the regions sent as plain values filled in (dense layers
+        always; every layer in the dense phase)."""
+        d = {n: _data(p) for n, p in zip(names, parts)}
+        out = torch.zeros(plan.numel, dtype=torch.float32, device=dev)
+        for role in ("dense", "topk", "ae"):
+            if f"{role}:vals" in d and (role == "dense" or phase == Phase.DENSE):
+                plan.set_region(out, role, d[f"{role}:vals"].to(dev).float())
+        return d, out
+
     def _decode_ring(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
         """Rebuild the SUM over ranks from the reduced parts (sum parts summed, gather parts: sum of the gathered)."""
         plan = self._plan(state)
@@ -476,12 +483,8 @@ class LGCCodec(Codec):
         names = self.layout(phase, plan)
         if len(names) != len(parts):
             raise ValueError(f"ring LGC: {len(parts)} parts, expected {names}")
-        d = {n: _data(p) for n, p in zip(names, parts)}
+        d, out = self._dense_regions(names, parts, plan, phase, like.device)
         dev = like.device
-        out = torch.zeros(plan.numel, dtype=torch.float32, device=dev)
-        for role in ("dense", "topk", "ae"):
-            if f"{role}:vals" in d and (role == "dense" or phase == Phase.DENSE):
-                plan.set_region(out, role, d[f"{role}:vals"].to(dev).float())
         if phase == Phase.DENSE:
             return out.to(like.dtype)
         idx = state.values["last_idx"]
