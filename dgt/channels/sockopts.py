@@ -172,3 +172,14 @@ def socket_drops(sock: socket.socket) -> int | None:
 
 
 GSO_UNSUPPORTED = {errno.EINVAL, errno.EIO, errno.ENOPROTOOPT, errno.EOPNOTSUPP}
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Close a socket trio may be waiting on: waiters wake (with ClosedResourceError) instead of hanging."""
+    import trio
+
+    try:
+        trio.lowlevel.notify_closing(sock)
+    except (OSError, ValueError):
+        pass
+    sock.close()

@@ -13,7 +13,7 @@ import socket
 import trio
 
 from dgt.channels.lanes import LaneSpec
-from dgt.channels.sockopts import family_of, set_buffers, set_dscp, set_priority, tune_tcp
+from dgt.channels.sockopts import close_socket, family_of, set_buffers, set_dscp, set_priority, tune_tcp
 from dgt.errors import PeerClosed, PeerTimeout
 
 _LOST = (BrokenPipeError, ConnectionResetError, ConnectionAbortedError, TimeoutError)
@@ -51,17 +51,7 @@ class TcpChannel:
         views = [memoryview(b).cast("B") for b in bufs]
         views = [v for v in views if len(v)]
         while views:
-            try:
-                n = self.sock.sendmsg(views)
-            except BlockingIOError:
-                await self._wait(trio.lowlevel.wait_writable)
-                continue
-            except _LOST as exc:
-                raise self._lost(exc) from exc
-            except OSError as exc:
-                if self.closed or exc.errno == errno.EBADF:
-                    raise self._lost() from exc
-                raise
+            n = await self._syscall(self.sock.sendmsg, views, trio.lowlevel.wait_writable)
             self.tx_calls += 1
             self.tx_bytes += n
             while n and views:
@@ -74,24 +64,28 @@ class TcpChannel:
 
     async def recv_into(self, buf: memoryview) -> int:
         """Receive at least one byte into ``buf``; PeerClosed at end of stream."""
+        n = await self._syscall(self.sock.recv_into, buf, trio.lowlevel.wait_readable)
+        if n == 0 and len(buf):
+            raise self._lost()
+        self.rx_calls += 1
+        self.rx_bytes += n
+        self.last_rx = trio.current_time()
+        return n
+
+    async def _syscall(self, call, arg, waiter) -> int:
+        """``call(arg)`` on the non-blocking socket, waiting with ``waiter`` until the kernel takes or gives bytes;
+        a connection that went away becomes PeerClosed."""
         while True:
             try:
-                n = self.sock.recv_into(buf)
+                return call(arg)
             except BlockingIOError:
-                await self._wait(trio.lowlevel.wait_readable)
-                continue
+                await self._wait(waiter)
             except _LOST as exc:
                 raise self._lost(exc) from exc
             except OSError as exc:
                 if self.closed or exc.errno == errno.EBADF:
                     raise self._lost() from exc
                 raise
-            if n == 0 and len(buf):
-                raise self._lost()
-            self.rx_calls += 1
-            self.rx_bytes += n
-            self.last_rx = trio.current_time()
-            return n
 
     async def recv_exactly(self, buf: memoryview) -> None:
         """Fill ``buf``. A large payload raises SO_RCVLOWAT so the socket reports readable only once a good share of
@@ -175,11 +169,7 @@ class TcpListener:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
-                trio.lowlevel.notify_closing(self.sock)
-            except (OSError, ValueError):
-                pass
-            self.sock.close()
+            close_socket(self.sock)
 
 
 async def dial(host: str, port: int, lane: LaneSpec, timeout: float) -> socket.socket:

@@ -24,6 +24,7 @@ from dgt.channels.sockopts import (
     SO_RXQ_OVFL,
     SOL_UDP,
     UDP_GRO,
+    close_socket,
     enable_gro,
     enable_rxq_ovfl,
     family_of,
@@ -212,8 +213,4 @@ class UdpChannel:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            try:
-                trio.lowlevel.notify_closing(self.sock)
-            except (OSError, ValueError):
-                pass
-            self.sock.close()
+            close_socket(self.sock)
