@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
         out = run_sink(a.proto, a.port, a.duration, a.idle)
     else:
         out = run_sender(a.proto, a.dst, a.port, a.duration, _rate_arg(a.rate), a.dscp, a.size, a.count)
+    # the work is done: a late SIGTERM from Flow.wait() must not kill us during interpreter shutdown, where Python
+    # puts its own handlers back to the default (a loaded CI box once lost a finished sink's report that way)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     print(json.dumps(out), flush=True)
     return 0
 
@@ -275,7 +278,9 @@ class Flow:
                 # stopped before its handler was installed: it sent nothing worth reporting
                 out[name] = {"bytes": 0, "packets": 0, "elapsed_s": 0.0, "rate_bps": 0.0, "connected": False}
                 continue
-            if proc.returncode != 0 or not lines:
+            if proc.returncode == -signal.SIGTERM and lines and (proc is sink or self._stopped):
+                pass  # we signalled it after it had reported (it was already on its way out)
+            elif proc.returncode != 0 or not lines:
                 raise RuntimeError(f"flow {name} side failed (rc {proc.returncode}): {stderr.strip()[-500:]}")
             out[name] = json.loads(lines[-1])
         return FlowResult(sent=out["sent"], received=out["received"])
