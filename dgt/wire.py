@@ -48,6 +48,7 @@ class FrameType(IntEnum):
     ROUND_END = 3  # on the reliable lane after the last important block: what was sent
     DROP_REPORT = 4  # receiver -> sender: bitmap of the blocks that arrived; closes the round for the sender
     CONTROL = 5  # session control (hello, goodbye, ping): small JSON payload
+    BULK = 6  # reliable lane only: elements [offset, offset+count) of a lossless message of `block` elements
 
 
 class Flags(IntFlag):
@@ -209,7 +210,8 @@ REASONS = ("ok", "magic", "version", "ftype", "dtype", "length", "count", "token
 
 
 _SMALL_BATCH = 8  # below this many headers a per-header struct check is cheaper than numpy's per-call cost
-_DATA, _CONTROL = int(FrameType.DATA), int(FrameType.CONTROL)
+_DATA, _CONTROL, _BULK = int(FrameType.DATA), int(FrameType.CONTROL), int(FrameType.BULK)
+_LAST = max(FrameType)
 
 
 def validate(h: np.ndarray, limits: Limits = DEFAULT_LIMITS, token: int | None = None) -> np.ndarray:
@@ -224,16 +226,18 @@ def validate(h: np.ndarray, limits: Limits = DEFAULT_LIMITS, token: int | None =
 
     mark(h["magic"] != MAGIC, 1)
     mark(h["version"] != VERSION, 2)
-    mark((h["ftype"] < _DATA) | (h["ftype"] > _CONTROL), 3)
+    mark((h["ftype"] < _DATA) | (h["ftype"] > _LAST), 3)
     mark(h["dtype"] >= len(ITEMSIZE), 4)
     length = h["length"].astype(np.int64)
     mark(length > limits.max_payload, 5)
-    is_data = h["ftype"] == _DATA
+    is_bulk = h["ftype"] == _BULK
+    is_data = (h["ftype"] == _DATA) | is_bulk
     itemsize = ITEMSIZE[np.minimum(h["dtype"], len(ITEMSIZE) - 1)]
     count = h["count"].astype(np.int64)
     mark(is_data & (count * itemsize != length), 6)
     end = h["offset"].astype(np.uint64) + h["count"].astype(np.uint64)
     mark(is_data & ((end > limits.max_bucket_elems) | (h["offset"] > limits.max_bucket_elems)), 6)
+    mark(is_bulk & ((h["block"] > limits.max_bucket_elems) | (end > h["block"])), 6)
     mark((h["ftype"] == _CONTROL) & (length > limits.max_control), 5)
     if token is not None:
         mark(h["token"] != np.uint64(token), 7)
@@ -242,13 +246,13 @@ def validate(h: np.ndarray, limits: Limits = DEFAULT_LIMITS, token: int | None =
 
 
 _HEADER = struct.Struct(">HBBBBBBQIIIIQII")  # HEADER_DTYPE as a struct, for one header at a time
-_FTYPES = range(FrameType.DATA, FrameType.CONTROL + 1)
+_FTYPES = range(FrameType.DATA, _LAST + 1)
 
 
 def validate_one(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, token: int | None = None) -> int:
     """:func:`validate` for a single header (``buf`` holds at least HEADER_SIZE bytes) without numpy's per-call cost:
     the reliable lane checks one header per large frame. Same reason codes, same order of checks."""
-    magic, version, ftype, _flags, dtype, _codec, _lane, tok, rank, _rnd, _bkt, _blk, offset, count, length = (
+    magic, version, ftype, _flags, dtype, _codec, _lane, tok, rank, _rnd, _bkt, blk, offset, count, length = (
         _HEADER.unpack_from(buf)
     )
     if magic != MAGIC:
@@ -261,10 +265,12 @@ def validate_one(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_L
         return 4
     if length > limits.max_payload:
         return 5
-    if ftype == FrameType.DATA:
+    if ftype == FrameType.DATA or ftype == FrameType.BULK:
         if count * int(ITEMSIZE[dtype]) != length:
             return 6
         if (offset + count) % (1 << 64) > limits.max_bucket_elems or offset > limits.max_bucket_elems:
+            return 6
+        if ftype == FrameType.BULK and (blk > limits.max_bucket_elems or offset + count > blk):
             return 6
     if ftype == FrameType.CONTROL and length > limits.max_control:
         return 5

@@ -40,9 +40,14 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
                 x = data(rank, rnd)
                 if kind == "gossip":
                     res = await coll.mix(x, 0, SEGMENTS)
-                elif rnd % 2:  # every other round in place, like torch.distributed.all_reduce
+                elif rnd % 3 == 1:  # in place, like torch.distributed.all_reduce
                     res = await coll.allreduce(x, 0, SEGMENTS, out=x)
                     assert res.tensor.data_ptr() == x.data_ptr()
+                elif rnd % 3 == 2:  # into a reused buffer whose old contents must not matter
+                    y = torch.full_like(x, float("nan"))
+                    res = await coll.allreduce(x, 0, SEGMENTS, out=y)
+                    assert res.tensor.data_ptr() == y.data_ptr()
+                    assert torch.equal(x, data(rank, rnd))
                 else:
                     res = await coll.allreduce(x, 0, SEGMENTS)
                     assert torch.equal(x, data(rank, rnd))  # the input is left alone
@@ -57,9 +62,9 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("kind", ["ring", "ps:0", "ps:sharded"])
 def test_lossless_equals_dense_mean(world, kind):
-    """Round 0 into a new tensor, round 1 in place (``out=`` the input)."""
-    res = run_ranks(_worker, world, kind, "dense", {}, 2, timeout=90)
-    for rnd in range(2):
+    """Round 0 into a new tensor, round 1 in place (``out=`` the input), round 2 into a NaN-filled ``out``."""
+    res = run_ranks(_worker, world, kind, "dense", {}, 3, timeout=90)
+    for rnd in range(3):
         ref = torch.stack([data(r, rnd) for r in range(world)]).mean(0)
         for r in range(world):
             torch.testing.assert_close(res[r][rnd][0], ref, rtol=1e-5, atol=1e-5)

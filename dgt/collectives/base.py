@@ -65,6 +65,16 @@ class Collective:
             flat.copy_(bucket.detach().reshape(-1))
         return flat
 
+    @staticmethod
+    def result_buffer(bucket: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        """Where a collective that writes every element of its result puts it: ``out`` (checked, contents ignored)
+        or a new tensor; unlike ``working_copy`` the input is not copied in first."""
+        if out is None:
+            return torch.empty(bucket.numel(), dtype=bucket.dtype, device=bucket.device)
+        if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
+        return out.detach().view(-1)
+
     def chunking(self, segments: list[int], block: int, k: int) -> Chunking:
         """Block-aligned chunks of a bucket, cached per geometry (a bucket keeps its shape from step to step)."""
         cache = self.__dict__.setdefault("_chunkings", {})

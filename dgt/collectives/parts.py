@@ -91,7 +91,9 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         dst = into[i] if into else None
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
-        out[i] = Received(res.data, res.mask, part.block_elems, part.segments)
+        # a BULK message is lossless and knows no segments: every block of our geometry arrived
+        mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool) if res.bulk else res.mask
+        out[i] = Received(res.data, mask, part.block_elems, part.segments)
 
     if len(like) == 1:
         await one(0, like[0])

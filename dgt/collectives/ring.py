@@ -33,14 +33,21 @@ class RingAllReduce(Collective):
         in-place all-reduce); by default a new tensor."""
         g = self.group
         W, r = g.world, g.rank
-        flat = self.working_copy(bucket, out)
         stats = CollectiveStats()
         if W == 1:
-            return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
+            return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
+        direct = self._direct(bucket)
+        if direct and not self.codec.capabilities.lossy_tolerant:
+            # lossless: no copy of the input first. Every chunk of the result is written by a reduce-scatter add
+            # (input chunk + received) or lands from the all-gather, so the input is only read, in the hops
+            src = bucket.detach().reshape(-1)
+            flat = self.result_buffer(bucket, out)
+        else:
+            # a lossy codec's drop report may read what was sent after this call returns: send from our own copy
+            src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
         ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
         own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
-        direct = self._direct(flat)
         rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
         try:
@@ -51,7 +58,7 @@ class RingAllReduce(Collective):
                     # all-gather targets are chunks this rank no longer reads once it sent them; with a lossy codec a
                     # drop report may still read them (error feedback), so those are posted after reduce-scatter
                     self._post(ag_land, bucket_id, "ag", rnd)
-            await self._steps(ch, flat, bucket_id, rnd, stats, direct, rs_land, ag_land)
+            await self._steps(ch, src, flat, bucket_id, rnd, stats, direct, rs_land, ag_land)
         except BaseException:
             if direct:  # rounds not open yet must not land in the caller's tensor after this call gave up
                 self._post([None] * len(rs_land), bucket_id, "rs", rnd)
@@ -59,26 +66,31 @@ class RingAllReduce(Collective):
             raise
         return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
 
-    async def _steps(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int, stats: CollectiveStats,
-                     direct: bool, rs_land: list[torch.Tensor] | None, ag_land: list[torch.Tensor] | None) -> None:
+    async def _steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
+                     stats: CollectiveStats, direct: bool, rs_land: list[torch.Tensor] | None,
+                     ag_land: list[torch.Tensor] | None) -> None:
+        """``src``: the input (``flat`` itself unless the lossless path skipped the copy); step 0 sends from it and
+        every reduce-scatter add reads it, writing ``flat``."""
         W, r = self.group.world, self.group.rank
         own = (r + 1) % W
         with self.phase(stats, "reduce_scatter"):
             for s in range(W - 1):
                 # codec state follows (bucket, step): the same chunk travels at the same step every round
                 into = [rs_land[s]] if direct else None
-                dec = await self._hop(ch, flat, (r - s) % W, (r - s - 1) % W, bucket_id, "rs", s, rnd, stats,
-                                      state_key=bucket_id * 4096 + s, into=into)
-                if dec is not None:
-                    mine = ch.chunk(flat, (r - s - 1) % W)
-                    mine += dec.to(mine.dtype)
+                dec = await self._hop(ch, src if s == 0 else flat, (r - s) % W, (r - s - 1) % W, bucket_id, "rs", s,
+                                      rnd, stats, state_key=bucket_id * 4096 + s, into=into)
+                if dec is not None:  # (None: an empty chunk)
+                    c = (r - s - 1) % W
+                    torch.add(ch.chunk(src, c), dec.to(flat.dtype), out=ch.chunk(flat, c))
         if direct and self.codec.capabilities.lossy_tolerant:
             self._post(ag_land, bucket_id, "ag", rnd)
         with self.phase(stats, "all_gather"):
             for s in range(W - 1):
                 into = [ag_land[s]] if direct else None
+                # the owner keeps exactly what the others decode; with a direct codec that is the chunk itself
                 dec = await self._hop(ch, flat, (own - s) % W, (own - s - 1) % W, bucket_id, "ag", s, rnd, stats,
-                                      state_key=(1 << 30) | bucket_id, reliable=True, keep_own=(s == 0), into=into)
+                                      state_key=(1 << 30) | bucket_id, reliable=True,
+                                      keep_own=(s == 0 and not direct), into=into)
                 if dec is not None and not direct:
                     ch.chunk(flat, (own - s - 1) % W).copy_(dec)
 

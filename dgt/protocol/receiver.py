@@ -250,6 +250,8 @@ class RoundReceiver:
             return self._end(f, now)
         if f.ftype == FrameType.DROP_REPORT:
             return [DropReportIn(f)]
+        if f.ftype == FrameType.BULK:  # the endpoint's reader takes these off the TCP stream; never in a datagram
+            self.counters.reject("bulk-not-on-stream")
         return []  # CONTROL frames belong to the endpoint
 
     def _end(self, f: wire.Frame, now: float) -> list:

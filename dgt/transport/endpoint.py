@@ -26,8 +26,11 @@ from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError
 from dgt.layout import BucketLayout
+from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
+from dgt.protocol.stats import LaneStats as RoundLaneStats
+from dgt.protocol.stats import RoundStats
 from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
 from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
@@ -98,6 +101,7 @@ class Endpoint:
         self._sources: dict[tuple[str, int], int] = {}
         self._recv_waiters: dict[tuple[int, int, int], Slot] = {}
         self._results: OrderedDict[tuple[int, int, int], RoundResult] = OrderedDict()
+        self.bulk = BulkReceiver(c.limits.max_open_rounds, self.receiver.max_open_bytes, self._allocate)
         self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
         self._sending: dict[tuple[int, int, int], _SendTrack] = {}
@@ -394,6 +398,7 @@ class Endpoint:
             if track.detached:
                 del self._sending[key]
         self._finished(self.receiver.abort(rank, trio.current_time()))
+        self.bulk.abort(rank)
         self._link_ready.pop(rank, None)
 
     def _link(self, peer: int) -> _Link:
@@ -413,8 +418,11 @@ class Endpoint:
         def place(h: np.void):
             if int(h["rank"]) != rank:
                 return None  # a peer may only speak for itself
-            if int(h["ftype"]) == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+            ftype = int(h["ftype"])
+            if ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
                 return recv.payload_target(h, 0)
+            if ftype == FrameType.BULK:
+                return self.bulk.target(rank, h, trio.current_time())
             return KEEP
 
         def batchable(h: np.ndarray) -> np.ndarray:
@@ -444,6 +452,10 @@ class Endpoint:
                 recv.counters.reject("rank-mismatch")
             elif ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
                 events = recv.commit(h, 0, now, rf.landed)
+            elif ftype == FrameType.BULK:
+                done = self.bulk.landed(rank, h, now)
+                if done is not None:
+                    self._bulk_done(done)
             elif ftype == FrameType.CONTROL:
                 self._on_control(link, rf.frame)
             else:
@@ -561,15 +573,35 @@ class Endpoint:
                 acc = self._lane_delivered.setdefault(lane, [0, 0])
                 acc[0] += ls.blocks
                 acc[1] += ls.bytes
-            res = RoundResult(d.data, d.mask, d.stats, d.layout, d.sender, d.bucket, d.round, elapsed)
-            waiter = self._recv_waiters.pop(key, None)
-            if waiter is not None:
-                waiter.set(res)
-            else:
-                self._results[key] = res
-                while len(self._results) > self.cfg.max_buffered_results:
-                    self._results.popitem(last=False)
-                    st.results_evicted += 1
+            self._deliver(key, RoundResult(d.data, d.mask, d.stats, d.layout, d.sender, d.bucket, d.round, elapsed))
+
+    def _bulk_done(self, d: BulkDone) -> None:
+        """A lossless message is in: account it like a complete round (every block received on the TCP lane)."""
+        sender, bucket, round = d.key
+        layout = self._layout(d.data.numel())
+        n = layout.nblocks
+        st = self._stats
+        stats = RoundStats(sender, bucket, round, blocks=n, important=n, closed_by="complete",
+                           lanes={0: RoundLaneStats(d.frames, n, d.nbytes)})  # fmt: skip
+        st.closed_by["complete"] = st.closed_by.get("complete", 0) + 1
+        st.rounds_received += 1
+        st.blocks_received += n
+        st.receive_seconds += d.elapsed
+        acc = self._lane_delivered.setdefault(0, [0, 0])
+        acc[0] += n
+        acc[1] += d.nbytes
+        mask = torch.ones(n, dtype=torch.bool)
+        self._deliver(d.key, RoundResult(d.data, mask, stats, layout, sender, bucket, round, d.elapsed, bulk=True))
+
+    def _deliver(self, key: tuple[int, int, int], res: RoundResult) -> None:
+        waiter = self._recv_waiters.pop(key, None)
+        if waiter is not None:
+            waiter.set(res)
+            return
+        self._results[key] = res
+        while len(self._results) > self.cfg.max_buffered_results:
+            self._results.popitem(last=False)
+            self._stats.results_evicted += 1
 
     def _on_drop_report(self, frame: wire.Frame) -> None:
         """A receiver closed one of our rounds: fold its losses into error feedback, steer pacing, stop sending."""
@@ -673,6 +705,8 @@ class Endpoint:
         # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
         copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
         link.dirty.discard(bucket)
+        if lossless and not wait and not copy:  # no report, no residual to add: no round state at all
+            return await self._send_bulk(link, bucket, round, flat, layout, t0, timeout)
         data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet)
@@ -724,6 +758,24 @@ class Endpoint:
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
 
+    async def _send_bulk(self, link: _Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+                         t0: float, timeout: float | None) -> SendStats:
+        """A lossless round nobody waits a report for, as BULK frames (see dgt.protocol.bulk): returns once the
+        kernel took the last byte."""
+        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes)
+        stats = SendStats(link.rank, bucket, round, layout.nblocks, 0, len(frames),
+                          flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE)  # fmt: skip
+        try:
+            with trio.fail_after(timeout) if timeout else nullcontext():
+                await link.writer.push_frames(frames).wait()
+        except trio.TooSlowError:
+            why = f"round {round} of bucket {bucket} to rank {link.rank}: not sent in {timeout} s"
+            raise PeerTimeout(why) from None
+        self._stats.rounds_sent += 1
+        stats.elapsed = trio.current_time() - t0
+        stats.pace_rate = None if link.pacer is None else link.pacer.rate
+        return stats
+
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
 
@@ -736,7 +788,7 @@ class Endpoint:
         if out is None:
             self._out.pop(key, None)
             return
-        if key in self._results or key in self.receiver.rounds or key in self.receiver.closed:
+        if key in self._results or key in self.receiver.rounds or key in self.receiver.closed or key in self.bulk.open:
             return  # already open or done: too late to land in place
         self._out[key] = out
         while len(self._out) > 4 * self.cfg.limits.max_open_rounds:
@@ -762,7 +814,7 @@ class Endpoint:
             if key in self._recv_waiters:
                 raise ValueError(f"round {round} of bucket {bucket} from rank {peer} is already awaited")
             slot = self._recv_waiters[key] = Slot()
-            if out is not None and key not in self.receiver.rounds:
+            if out is not None and key not in self.receiver.rounds and key not in self.bulk.open:
                 self._out[key] = out
             try:
                 with trio.fail_after(timeout) if timeout else nullcontext():

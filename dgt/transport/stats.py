@@ -25,6 +25,7 @@ class RoundResult:
     bucket: int = 0
     round: int = 0
     elapsed: float = 0.0
+    bulk: bool = False  # came as a lossless BULK message: ``mask`` and ``layout`` are those of a flat bucket
 
     @property
     def goodput(self) -> float:
