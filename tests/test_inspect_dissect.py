@@ -124,3 +124,18 @@ def test_bound_ports_and_tcp_session_reassembly(tmp_path):
 @pytest.mark.parametrize("junk", [b"", b"DG", b"DG\x01" + bytes(60), bytes(range(256))])
 def test_dissecting_junk_never_raises(junk):
     dissect.dissect(junk).summary()
+
+
+def test_bulk_frames_dissect_with_their_elements():
+    import torch
+
+    from dgt.inspect.dissect import DGTBulk
+    from dgt.protocol.bulk import bulk_frames
+
+    x = torch.arange(10, dtype=torch.float32)
+    frames = [bytes(h) + bytes(p) for h, p in bulk_frames(7, 1, 3, 2, x, 16)]
+    assert len(frames) == 3
+    pkt = DGT(frames[1])
+    assert pkt.ftype == FrameType.BULK and pkt.block == 10 and pkt.offset == 4 and pkt.count == 4
+    assert isinstance(pkt.payload, DGTBulk) and dissect.values(pkt).tolist() == [4.0, 5.0, 6.0, 7.0]
+    assert bytes(pkt) == frames[1]

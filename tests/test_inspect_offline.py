@@ -256,3 +256,40 @@ def test_gso_aggregates_are_cut_into_datagrams(tmp_path):
     t = pcapio.read_pcap(path)
     rows, h, size = _datagrams(t, np.arange(len(t)))
     assert rows.tolist() == [0, 0, 0, 1] and h["block"].tolist() == [0, 1, 2, 0] and size.tolist() == [64] * 3 + [60]
+
+
+def test_bulk_messages_are_counted_per_message_and_as_goodput(tmp_path):
+    """BULK frames (lossless messages without round state) in a TCP stream: one complete message, one cut short
+    by the end of the capture, one whose frames skip a piece; each is reported with its bytes and completeness."""
+    import torch
+
+    from dgt.inspect.synth import PcapOut, _Conn
+    from dgt.protocol.bulk import bulk_frames
+
+    path = str(tmp_path / "bulk.pcap")
+    out = PcapOut(path, Wire())
+    conn = _Conn(out, True, 1000)
+    conn.syn(0.0)
+    x = torch.arange(3000, dtype=torch.float32)
+    whole = bulk_frames(0x42, 0, 7, 0, x, 4096)  # 3 frames
+    cut = bulk_frames(0x42, 0, 7, 1, x, 4096)[:2]  # the capture ends before the last frame
+    holed = bulk_frames(0x42, 0, 8, 0, x, 4096)
+    holed = [holed[0], holed[2]]  # the middle frame is missing
+    ts = 0.01
+    for hdr, payload in whole + holed + cut:
+        ts = conn.send(ts, hdr + bytes(payload), 1e-5)
+    out.close()
+    s = summarize(path, Options())
+    by_key = {(m["bucket"], m["round"]): m for m in s["bulk"]}
+    assert set(by_key) == {(7, 0), (7, 1), (8, 0)}
+    w, c, h = by_key[(7, 0)], by_key[(7, 1)], by_key[(8, 0)]
+    assert w["complete"] and w["frames"] == 3 and w["elements"] == w["total"] == 3000 and w["bytes"] == 12000
+    assert w["dtype"] == "float32" and w["sender"] == 0 and w["token"] == f"{0x42:#018x}"
+    assert not c["complete"] and c["in_order"] and c["elements"] == 2048
+    assert not h["complete"] and not h["in_order"]
+    t = s["totals"]
+    assert (t["bulk_messages"], t["bulk_complete"], t["bulk_bytes"]) == (3, 1, 12000 + 8192 + 4096 + 3808)
+    lane = s["lanes"]["0"]
+    assert lane["bulk_frames"] == 7 and lane["control_frames"] == 0
+    assert lane["goodput_bytes"] == t["bulk_bytes"] and s["rounds"] == []
+    assert any("do not continue" in w for w in s["warnings"])

@@ -30,7 +30,7 @@ from dgt import wire
 
 FTYPES = {int(t): t.name for t in wire.FrameType}
 DTYPES = {int(t): t.name.lower() for t in wire.WireDType}
-FLAG_NAMES = ["IMPORTANT", "FRAGMENT", "RESEND", "CLOSED"]
+FLAG_NAMES = ["IMPORTANT", "FRAGMENT", "RESEND", "CLOSED", "NO_REPORT"]
 
 
 class DGT(Packet):
@@ -84,6 +84,14 @@ class DGTData(Packet):
     """DATA payload: ``count`` elements of ``dtype``, raw bytes (see :func:`values`)."""
 
     name = "DGT data"
+    fields_desc = [StrField("data", b"")]
+
+
+class DGTBulk(Packet):
+    """BULK payload: elements ``[offset, offset+count)`` of a lossless message of ``block`` elements (see
+    :func:`values`)."""
+
+    name = "DGT bulk"
     fields_desc = [StrField("data", b"")]
 
 
@@ -145,10 +153,12 @@ bind_layers(DGT, DGTRoundBegin, ftype=wire.FrameType.ROUND_BEGIN)
 bind_layers(DGT, DGTRoundEnd, ftype=wire.FrameType.ROUND_END)
 bind_layers(DGT, DGTDropReport, ftype=wire.FrameType.DROP_REPORT)
 bind_layers(DGT, DGTControl, ftype=wire.FrameType.CONTROL)
+bind_layers(DGT, DGTBulk, ftype=wire.FrameType.BULK)
 
 
 def values(frame: DGT) -> np.ndarray:
-    """The elements a DATA frame carries, as a numpy array of its wire dtype (bfloat16 comes back as raw uint16)."""
+    """The elements a DATA or BULK frame carries, as a numpy array of its wire dtype (bfloat16 comes back as raw
+    uint16)."""
     # payload bytes are the sender's tensor memory (little-endian); only the header is big-endian
     np_of = {0: "<f4", 1: "<f2", 2: "<u2", 3: "u1", 4: "<i4", 5: "<i8", 6: "<f8", 7: "i1"}
     return np.frombuffer(bytes(frame.payload.data), dtype=np_of[int(frame.dtype)])

@@ -93,12 +93,15 @@ def reassemble(seq: np.ndarray, payloads: list[bytes], ts: np.ndarray, pkt: np.n
     )
 
 
+_MAX_FTYPE = int(max(wire.FrameType))
+
+
 def _plausible(data: bytes, pos: int, limits: wire.Limits) -> bool:
     """Cheap check that a frame header starts at ``pos`` (magic, version, type, bounded length)."""
     if pos + wire.HEADER_SIZE > len(data):
         return False
     magic, version, ftype = _PEEK.unpack_from(data, pos)
-    if magic != wire.MAGIC or version != wire.VERSION or not 1 <= ftype <= 5:
+    if magic != wire.MAGIC or version != wire.VERSION or not 1 <= ftype <= _MAX_FTYPE:
         return False
     return int.from_bytes(data[pos + 44 : pos + 48], "big") <= limits.max_payload
 
@@ -179,7 +182,8 @@ def frames(stream: Stream, limits: wire.Limits = wire.DEFAULT_LIMITS) -> StreamF
     ts = stream.seg_ts[seg] if len(stream.seg_ts) else np.zeros(len(spos))
     pk = stream.seg_pkt[seg] if len(stream.seg_pkt) else np.zeros(len(spos), np.int64)
     payloads = {}
-    for i in np.flatnonzero(headers["ftype"] != wire.FrameType.DATA).tolist():
+    data_like = (headers["ftype"] == wire.FrameType.DATA) | (headers["ftype"] == wire.FrameType.BULK)
+    for i in np.flatnonzero(~data_like).tolist():  # control payloads only: element data is never copied
         p = int(spos[i]) + hs
         payloads[i] = data[p : p + int(headers["length"][i])]
     return StreamFrames(headers, spos, ts, pk, payloads, problems, skipped, tail)

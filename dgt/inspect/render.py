@@ -70,6 +70,11 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
         f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), late frames {t['late_frames']}, "
         f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
     )
+    if t.get("bulk_messages"):
+        con.print(
+            f"bulk messages (lossless, no round state) {t['bulk_messages']}: {t['bulk_complete']} complete, "
+            f"{_mb(t['bulk_bytes'])} MB"
+        )
     if s["rounds"]:
         rt = Table(
             title=f"rounds (first {min(max_rounds, len(s['rounds']))} of {len(s['rounds'])})", title_justify="left"

@@ -280,7 +280,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
     reports: list[tuple[int, np.ndarray | None]] = []
     control_frames: Counter[int] = Counter()
     ftype = fr_h["ftype"]
-    for i in np.flatnonzero(ftype != FrameType.DATA).tolist():
+    for i in np.flatnonzero((ftype != FrameType.DATA) & (ftype != FrameType.BULK)).tolist():
         t = int(ftype[i])
         control_frames[int(fr_lane[i])] += 1
         p = payloads.get(i, b"")
@@ -588,6 +588,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
             for f in ("frames", "blocks", "bytes"):
                 a[f] += v[f]
         round_out.append(rec)
+    bulk_out = _bulk_messages(fr_h, fr_ts, fr_peer, t0, lacc, good_ev, warnings)
 
     # ---- per-lane packet view: DSCP, wire bytes
     lane_pkts: dict[int, dict] = {}
@@ -643,6 +644,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
             late_frames=acc["late_frames"],
             rejected=acc["rejected"],
             goodput_bytes=acc["goodput_bytes"],
+            bulk_frames=acc["bulk_frames"],
             unannounced_frames=unannounced.get(lane, 0),
         )
         if not ok and pk["packets"]:
@@ -709,6 +711,9 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
     totals["rounds_closed"] = sum(1 for rr in round_out if rr["t_close"] is not None)
     totals["unannounced_frames"] = int(sum(unannounced.values()))
     totals["unmatched_reports"] = unmatched_reports
+    totals["bulk_messages"] = len(bulk_out)
+    totals["bulk_complete"] = sum(1 for m in bulk_out if m["complete"])
+    totals["bulk_bytes"] = int(sum(m["bytes"] for m in bulk_out))
     flows_out = []
     for f in np.flatnonzero(fdgt).tolist():
         m = flow_of == f
@@ -771,12 +776,55 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
         lanes=lanes_out,
         totals=totals,
         rounds=round_out,
+        bulk=bulk_out,
         flows=flows_out,
         malformed=dict(total=mal_total, reasons=dict(sorted(malformed.items()))),
         capture=capture,
         timeline=timeline,
         warnings=warnings,
     )
+
+
+def _bulk_messages(fr_h: np.ndarray, fr_ts: np.ndarray, fr_peer: np.ndarray, t0: float, lacc, good_ev: list,
+                   warnings: list[str]) -> list[dict]:
+    """BULK messages (lossless, no round state) per (session, sender, bucket, round, destination): frames, bytes, and
+    whether the capture holds all of it in order. Their payload counts as reliable-lane goodput."""
+    bidx = np.flatnonzero(fr_h["ftype"] == FrameType.BULK)
+    out: list[dict] = []
+    if not len(bidx):
+        return out
+    hb = fr_h[bidx]
+    kinv, _ = _group(hb["token"].astype(np.uint64), _pair(hb["rank"], hb["bucket"]), hb["round"].astype(np.uint64),
+                     *_addr_cols(fr_peer[bidx]))  # fmt: skip
+    order = np.argsort(kinv, kind="stable")  # stable: each message's frames stay in stream order
+    kb = np.flatnonzero(np.r_[True, np.diff(kinv[order]) != 0, True])
+    for a, b in zip(kb[:-1].tolist(), kb[1:].tolist()):
+        sel = bidx[order[a:b]]
+        h = fr_h[sel]
+        cnt = h["count"].astype(np.int64)
+        in_order = bool((h["offset"].astype(np.int64) == np.r_[0, np.cumsum(cnt)[:-1]]).all())
+        total, got = int(h["block"][0]), int(cnt.sum())
+        i0 = int(sel[0])
+        dt = int(h["dtype"][0])
+        out.append(dict(
+            token=f"{int(h['token'][0]):#018x}", sender=int(h["rank"][0]), peer=addr(fr_peer[i0]),
+            bucket=int(h["bucket"][0]), round=int(h["round"][0]),
+            dtype=wire.WireDType(dt).name.lower() if dt < len(wire.ITEMSIZE) else str(dt),
+            frames=len(sel), elements=got, total=total, bytes=int(h["length"].astype(np.int64).sum()),
+            in_order=in_order, complete=in_order and got == total,
+            t_first=round(float(fr_ts[sel].min()) - t0, 6), t_last=round(float(fr_ts[sel].max()) - t0, 6),
+        ))  # fmt: skip
+        if not in_order:
+            warnings.append(f"bulk message round {out[-1]['round']} bucket {out[-1]['bucket']} from rank "
+                            f"{out[-1]['sender']}: frames do not continue each other in the capture")  # fmt: skip
+    nbytes = hb["length"].astype(np.int64)
+    a = lacc(0)
+    a["frames"] += len(bidx)
+    a["bulk_frames"] += len(bidx)
+    a["bytes"] += int((nbytes + wire.HEADER_SIZE).sum())
+    a["goodput_bytes"] += int(nbytes.sum())
+    good_ev.append((fr_ts[bidx], np.zeros(len(bidx), np.int64), nbytes))
+    return out
 
 
 def _datagrams(table: PacketTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
