@@ -18,16 +18,27 @@ pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="packet capture needs 
 TOKEN = 0x1D5EC7_0000_0042
 
 
-async def _exchange(rounds: int, layout_numel: int) -> tuple[list, list, object, object]:
-    # a generous deadline: every datagram is in before a round closes, so the capture and the receiver see the same
-    # set (with the adaptive deadline a datagram still in flight at the deadline is on the wire but not received)
-    cfg = endpoint.TransportConfig(deadline="fixed:2.0")
+async def _run_pair(cfg, body) -> tuple[list, list, object, object]:
+    """Two connected endpoints; ``body(a, b, sent, got)`` exchanges rounds; returns what it collected and the
+    endpoints' addresses (their ports tell the capture which flows are ours)."""
     a = await endpoint.Endpoint.open(0, TOKEN, cfg)
     b = await endpoint.Endpoint.open(1, TOKEN, cfg)
     sent, got = [], []
     try:
         await a.connect({1: b.address})
         await b.connect({0: a.address})
+        await body(a, b, sent, got)
+    finally:
+        addr_a, addr_b = a.address, b.address
+        await a.aclose()
+        await b.aclose()
+    return sent, got, addr_a, addr_b
+
+
+async def _exchange(rounds: int, layout_numel: int) -> tuple[list, list, object, object]:
+    # a generous deadline: every datagram is in before a round closes, so the capture and the receiver see the same
+    # set (with the adaptive deadline a datagram still in flight at the deadline is on the wire but not received)
+    async def body(a, b, sent, got) -> None:
         gen = torch.Generator().manual_seed(0)
         for rnd in range(rounds):
             flat = torch.randn(layout_numel, generator=gen)
@@ -40,11 +51,8 @@ async def _exchange(rounds: int, layout_numel: int) -> tuple[list, list, object,
 
                 n.start_soon(send)
                 got.append(await b.recv_round(0, 0, rnd, timeout=10))
-    finally:
-        addr_a, addr_b = a.address, b.address
-        await a.aclose()
-        await b.aclose()
-    return sent, got, addr_a, addr_b
+
+    return await _run_pair(endpoint.TransportConfig(deadline="fixed:2.0"), body)
 
 
 def test_capture_of_endpoint_traffic_matches_its_statistics(tmp_path):
@@ -75,21 +83,12 @@ def test_capture_of_endpoint_traffic_matches_its_statistics(tmp_path):
 
 
 async def _bulk_exchange(sizes: list[int]) -> tuple[list, list, object, object]:
-    cfg = endpoint.TransportConfig(reliable_frame_bytes=256 << 10)
-    a = await endpoint.Endpoint.open(0, TOKEN, cfg)
-    b = await endpoint.Endpoint.open(1, TOKEN, cfg)
-    sent, got = [], []
-    try:
-        await a.connect({1: b.address})
-        await b.connect({0: a.address})
+    async def body(a, b, sent, got) -> None:
         for rnd, n in enumerate(sizes):
             sent.append(await a.send_round(1, 3, rnd, torch.randn(n), wait=False))  # lossless, unawaited: BULK
             got.append(await b.recv_round(0, 3, rnd, timeout=10))
-    finally:
-        addr_a, addr_b = a.address, b.address
-        await a.aclose()
-        await b.aclose()
-    return sent, got, addr_a, addr_b
+
+    return await _run_pair(endpoint.TransportConfig(reliable_frame_bytes=256 << 10), body)
 
 
 def test_capture_of_bulk_messages_matches_the_transport(tmp_path):
