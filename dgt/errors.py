@@ -1,6 +1,17 @@
-"""Exception types every dgt layer raises; one root so callers can catch all of dgt."""
+"""Exception types every dgt layer raises; one root so callers can catch all of dgt. Also how errors leave a trio
+nursery: as the one error that ended an operation, not as an exception group of it."""
 
 from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+try:
+    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
+except NameError:  # Python 3.10: the backport trio itself depends on
+    from exceptiongroup import BaseExceptionGroup
 
 
 class DgtError(Exception):
@@ -33,3 +44,45 @@ class CodecMismatch(DgtError):
 
 class EmulationUnsupported(DgtError):
     """A requested network emulation property needs a kernel feature this machine lacks."""
+
+
+def leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, in order; ``[exc]`` if it is no group."""
+    inner = getattr(exc, "exceptions", None)
+    if not inner:
+        return [exc]
+    return [leaf for e in inner for leaf in leaves(e)]
+
+
+def root_cause(exc: BaseException) -> BaseException:
+    """The first leaf of an exception group (a collective's nursery fails once per peer task)."""
+    return leaves(exc)[0]
+
+
+@contextmanager
+def single_error() -> Iterator[None]:
+    """Re-raise an exception group whose leaves are all ordinary exceptions as its first leaf (the group becomes
+    its ``__cause__``). trio >= 0.25 wraps every error that leaves a nursery in a group, older trio only several;
+    callers of a collective or of ``connect`` expect ``PeerClosed``/``PeerTimeout`` itself either way.
+    Cancellation and KeyboardInterrupt (BaseExceptions) pass through untouched, so trio still sees its own."""
+    try:
+        yield
+    except BaseExceptionGroup as group:
+        found = leaves(group)
+        if not all(isinstance(e, Exception) for e in found):
+            raise
+        raise found[0] from group
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def one_error(fn: F) -> F:
+    """Decorator: :func:`single_error` around a coroutine function (a public operation that runs peer tasks)."""
+
+    @functools.wraps(fn)
+    async def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with single_error():
+            return await fn(*args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]

@@ -15,6 +15,7 @@ from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
 from dgt.collectives.parts import recv_parts, send_parts
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
+from dgt.errors import one_error
 
 
 def ring_matrix(world: int) -> np.ndarray:
@@ -45,6 +46,7 @@ class Gossip(Collective):
         if sorted(senders) != sorted(self.neighbours):
             raise ValueError("mixing matrix must have a symmetric sparsity pattern (neighbours exchange both ways)")
 
+    @one_error
     async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
                              ) -> tuple[dict[int, list[Received]], CollectiveStats]:
         """Send ``parts`` to every neighbour and return the parts each neighbour sent (as they arrived). Algorithms
@@ -64,6 +66,7 @@ class Gossip(Collective):
                     nursery.start_soon(recv, j)
         return got, stats
 
+    @one_error
     async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
@@ -77,6 +80,7 @@ class Gossip(Collective):
             out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
         return out, stats
 
+    @one_error
     async def mix(self, x: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None) -> CollectiveResult:
         """sum_j W[rank, j] x_j: one gossip step."""
         theirs, stats = await self.exchange(x, bucket_id, segments)

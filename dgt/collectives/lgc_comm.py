@@ -17,6 +17,7 @@ import trio
 from dgt.codecs.lgc.comm import CommStats, nbytes
 from dgt.collectives.group import Group
 from dgt.collectives.ring import RingAllReduce
+from dgt.errors import single_error
 
 
 def _tag_id(tag: str) -> int:
@@ -76,7 +77,8 @@ class TransportComm:
             self._thread.join(30)
 
     def _run(self, fn, *args):
-        return trio.from_thread.run(fn, *args, trio_token=self._token)
+        with single_error():  # the peer tasks' error itself, not a group of it
+            return trio.from_thread.run(fn, *args, trio_token=self._token)
 
     @property
     def _ep(self):

@@ -33,6 +33,7 @@ from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
 from dgt.collectives.parts import as_received, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
+from dgt.errors import one_error
 from dgt.layout import BucketLayout
 from dgt.wire import HEADER_SIZE
 
@@ -157,6 +158,7 @@ class ModelServer(Collective):
         return st
 
     # -- one round ------------------------------------------------------------------------------------------------
+    @one_error
     async def step(self, delta: torch.Tensor | None, local: torch.Tensor | None) -> CollectiveResult:
         """Push ``delta`` (this rank's accumulated gradient), pull, and return ``local`` merged with the pull.
 

@@ -22,7 +22,7 @@ from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
 from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import CodecMismatch
+from dgt.errors import CodecMismatch, one_error
 
 
 class ParameterServer(Collective):
@@ -41,6 +41,7 @@ class ParameterServer(Collective):
         self.normalize = normalize
         self.lossy_pull = lossy_pull
 
+    @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result

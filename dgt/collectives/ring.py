@@ -17,6 +17,7 @@ from dgt.collectives.base import Collective
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
+from dgt.errors import one_error
 
 
 class RingAllReduce(Collective):
@@ -27,6 +28,7 @@ class RingAllReduce(Collective):
         super().__init__(*args, **kwargs)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
+    @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """Sum (or mean) of ``bucket`` over the group. ``out``: where the result goes (``bucket`` itself for an

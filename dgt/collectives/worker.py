@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from dgt.errors import DgtError
+from dgt.errors import DgtError, root_cause
 
 Connect = Callable[[], Awaitable[Any]]
 """Async factory of the group the jobs run on (``Group.create(...)`` bound to its arguments)."""
@@ -183,13 +183,3 @@ def _fail(fut: torch.futures.Future, exc: BaseException) -> None:
     if not isinstance(exc, Exception):
         exc = WorkerClosed(f"worker stopped: {exc!r}")
     fut.set_exception(exc)
-
-
-def root_cause(exc: BaseException) -> BaseException:
-    """The first leaf of a trio MultiError / ExceptionGroup (a collective's nursery fails once per peer task), so
-    the trainer sees ``PeerClosed: ...`` rather than a group of copies."""
-    while True:
-        inner = getattr(exc, "exceptions", None)
-        if not inner:
-            return exc
-        exc = inner[0]

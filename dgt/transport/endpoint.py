@@ -24,7 +24,7 @@ from dgt.channels.pacing import AdaptiveRate, Pacer
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
@@ -230,6 +230,7 @@ class Endpoint:
             raise PeerClosed(f"rank {self.rank}: the endpoint is closed")
 
     # ------------------------------------------------------------------------------------------------ connecting
+    @one_error
     async def connect(self, peers: Mapping[int, PeerAddress | dict], timeout: float | None = None) -> None:
         """Connect to ``peers`` (rank -> address). Both sides of a pair call it; the lower rank dials, the higher
         accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
