@@ -52,7 +52,9 @@ class ContributionEstimator:
     def update(self, flat: torch.Tensor) -> torch.Tensor:
         """Fold one round's gradient into the scores (one pass over the bucket) and return them."""
         m = self.layout.block_abs_mean(flat)
-        if self.scores is None or self.scores.device != m.device:
+        if self.scores is not None and self.scores.shape == m.shape and self.scores.device != m.device:
+            self.scores = self.scores.to(m.device)  # restored from a CPU checkpoint: keep the average, move it
+        if self.scores is None or self.scores.shape != m.shape:
             self.scores = (1.0 - self.alpha) * m
         else:
             self.scores.mul_(self.alpha).add_(m, alpha=1.0 - self.alpha)

@@ -208,3 +208,54 @@ def test_ring_matrix():
     W = ring_matrix(5)
     assert np.allclose(W.sum(0), 1) and np.allclose(W.sum(1), 1) and np.allclose(W, W.T)
     assert ring_matrix(2).tolist() == [[0.5, 0.5], [0.5, 0.5]]
+
+
+def _device_worker(rank, world, device):
+    import trio
+
+    from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+
+    async def main():
+        g = await Group.create(rank, world, timeout=30)
+        try:
+            x = data(rank).to(device)
+            out = {}
+            colls = {"ps-qsgd": ParameterServer(g, "qsgd"), "ps-dgt": ParameterServer(g, "dgt:p=0.3"),
+                     "ring-dgt": RingAllReduce(g, "dgt:p=0.3"), "ring-fp16": RingAllReduce(g, "dense:dtype=fp16")}
+            for name, coll in colls.items():
+                res = await coll.allreduce(x, 0, SEGMENTS)
+                out[name] = (res.tensor.device.type, res.tensor.cpu())
+            got, _ = await Gossip(g, "dcd").exchange(x, 0, SEGMENTS)
+            out["gossip-dcd"] = {j: (t.device.type, t.cpu()) for j, t in got.items()}
+            return out
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_received_parts_decode_on_the_buckets_device(device):
+    """Peers' parts come off the transport on the CPU; every decoder must hand back the bucket's device (on CUDA a
+    CPU result mixed into the sum used to raise in PS+QSGD, DCD gossip and Slim-DP)."""
+    world = 2
+    res = run_ranks(_device_worker, world, device, timeout=120)
+    ref = torch.stack([data(r) for r in range(world)]).mean(0)
+    for r in range(world):
+        for name in ("ps-qsgd", "ps-dgt", "ring-dgt", "ring-fp16"):
+            dev, t = res[r][name]
+            assert dev == device, name
+            torch.testing.assert_close(t, ref, rtol=0, atol=0.05)  # 8-bit / fp16 error, nothing dropped
+        for j, (dev, t) in res[r]["gossip-dcd"].items():
+            assert dev == device
+            torch.testing.assert_close(t, data(j), rtol=0, atol=0.05)
+
+
+def test_codecs_with_their_own_driver_are_refused_by_the_generic_collectives():
+    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.errors import CodecMismatch
+
+    for cls in (ParameterServer, RingAllReduce):
+        with pytest.raises(CodecMismatch, match="LGCRunner"):
+            cls(Group(None, 0, 2, 1), "lgc:variant=ring")

@@ -140,3 +140,15 @@ def test_constant_and_loss_schedules():
     assert make_schedule("const:0.4").p() == 0.4
     with pytest.raises(ValueError):
         make_schedule("bogus")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_scores_restored_on_the_cpu_carry_over_to_cuda():
+    layout = BucketLayout([5000, 3000])
+    x = torch.randn(layout.numel)
+    est = ContributionEstimator(layout)
+    est.update(x)
+    saved = est.scores.clone()  # as a checkpoint holds them: on the CPU
+    est.update(x.cuda())  # the next round runs on the GPU: the average goes on, it does not restart
+    torch.testing.assert_close(est.scores.cpu(), 0.3 * saved + 0.7 * layout.block_abs_mean(x))

@@ -131,7 +131,7 @@ class GossipQuantCodec(Codec):
             else:
                 offs = torch.zeros(n, dtype=torch.int64, device=bases.device)
             out = fixed_step_dequantize(offs, bases, self.step, shift, self.bucket, n)
-        return out.to(like.dtype).view_as(like)
+        return out.to(device=like.device, dtype=like.dtype).view_as(like)
 
     # -- per-rank algorithm state ---------------------------------------------------------------------------------
     def make_node(self, rank: int, x0: torch.Tensor, weights: Mapping[int, float], gamma: float) -> GossipNode:

@@ -82,7 +82,7 @@ class QSGDCodec(Codec):
                 per_entry = torch.arange(n, device=out.device) // max(1, min(self.bucket, n))
                 ok &= scales_ok[:nb][per_entry]
             out[~ok] = 0
-        return out.to(like.dtype).view_as(like)
+        return out.to(device=like.device, dtype=like.dtype).view_as(like)
 
 
 # The registry's built-in list predates the decentralized codecs: importing them here registers "dcd", "ecd" and

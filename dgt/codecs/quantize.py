@@ -324,7 +324,8 @@ def fixed_step_quantize(
         shift += width - max_bits
         u = dither(n, gen, xd.device)
     if not offs:
-        return torch.zeros(0, dtype=torch.int64, device=x.device), torch.zeros(0, dtype=torch.int32), 0, shift
+        empty = torch.zeros(0, dtype=torch.int64, device=x.device)
+        return empty, empty.to(torch.int32), 0, shift
     return torch.cat(offs), torch.cat(bases).to(torch.int32), width, shift
 
 

@@ -36,6 +36,7 @@ No error feedback (the paper has none): unsent entries are dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -98,6 +99,17 @@ def topk_mask(a: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
             return above
     mask[torch.topk(a, k, sorted=False).indices] = True
     return mask
+
+
+def _shared_draw(excluded: torch.Tensor, k: int, seed: int) -> torch.Tensor:
+    """The explorer keys both ends derive from ``seed`` (shared-seed mode). Always drawn on the CPU, then moved:
+    CPU and CUDA random streams differ, and a CPU server must find the keys a CUDA worker drew."""
+    return sample_outside(excluded.cpu(), k, generator("cpu", seed)).to(excluded.device)
+
+
+def _on(part: Received, device: torch.device) -> Received:
+    """A received part on ``device``, data and block mask together (decoding indexes one with the other)."""
+    return dataclasses.replace(part, data=part.data.to(device), block_mask=part.block_mask.to(device))
 
 
 def sample_outside(excluded: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -255,7 +267,7 @@ class SlimDPCodec(Codec):
         core_mask: torch.Tensor = st["tx_core_mask"]
         core_idx: torch.Tensor = st["tx_core_idx"]
         draw_seed = mix_seed(self.seed, self.rank, 2, state.step) & 0x7FFFFFFF
-        exp_idx = sample_outside(core_mask, k_exp, generator(x.device, draw_seed))
+        exp_idx = _shared_draw(core_mask, k_exp, draw_seed)
         flags = (VERSION << 8) | (FLAG_REFRESH if refresh else 0) | (FLAG_SHARED_SEED if self.shared_seed else 0)
         header = torch.tensor(
             [flags, st["tx_generation"], draw_seed, k_core, k_exp, n], dtype=torch.int32, device=x.device
@@ -320,6 +332,7 @@ class SlimDPCodec(Codec):
     # -- decode ------------------------------------------------------------------------------------------------
     def _read(self, parts: list[Received], state: BucketState, like: torch.Tensor):
         """(core_idx, core_vals, core_ok, exp_idx, exp_vals, exp_ok): the ``*_ok`` masks are None = all arrived."""
+        parts = [p if p.data.device == like.device else _on(p, like.device) for p in parts]
         flags, generation, draw_seed, k_core, k_exp, n = (int(v) for v in parts[0].data.tolist())
         if flags >> 8 != VERSION:
             raise ValueError(f"Slim-DP message version {flags >> 8}, expected {VERSION}")
@@ -346,7 +359,7 @@ class SlimDPCodec(Codec):
             raise ValueError("Slim-DP core size does not match the cached keys")
         ex = parts[i]
         if flags & FLAG_SHARED_SEED:
-            exp_idx = sample_outside(st["rx_core_mask"], k_exp, generator(like.device, draw_seed))
+            exp_idx = _shared_draw(st["rx_core_mask"], k_exp, draw_seed)
             exp_vals = ex.data if ex.data.dtype == dtype else ex.data.view(dtype)
             exp_ok = element_mask_or_none(ex)
         else:

@@ -25,6 +25,9 @@ class Collective:
         self.group = group
         self.codec = make_codec(codec)
         self.op = op
+        runner = getattr(self.codec, "runner", None)
+        if runner:
+            raise CodecMismatch(f"codec {self.codec.name!r} is driven by {runner}, not by the generic {self.name}")
         if self.needs_summable and not self.codec.capabilities.summable:
             raise CodecMismatch(
                 f"codec {self.codec.name!r} is not summable (its payloads cannot be added on the way), so it cannot "

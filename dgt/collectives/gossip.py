@@ -57,7 +57,8 @@ class Gossip(Collective):
         got: dict[int, list[Received]] = {}
 
         async def recv(j: int) -> None:
-            got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
+            got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats,
+                                      device=parts[0].data.device if parts else None)
 
         with self.phase(stats, "exchange"):
             async with trio.open_nursery() as nursery:

@@ -26,12 +26,12 @@ from dataclasses import dataclass, field
 import torch
 import trio
 
-from dgt.codecs.base import RELIABLE, BucketState, Codec, Part, Received
+from dgt.codecs.base import BucketState, Codec, Part, Received
 from dgt.codecs.bucketinfo import set_segments
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import as_received, send_parts, transport_key
+from dgt.collectives.parts import as_received, codec_block_mask, send_parts, transport_key, transport_part
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 from dgt.layout import BucketLayout
@@ -76,30 +76,6 @@ def build_codec(spec: str | Codec, **extra: object) -> Codec:
     accepted = inspect.signature(type(make_codec(name)).__init__).parameters
     opts = {**{k: v for k, v in extra.items() if k in accepted}, **given}
     return make_codec(f"{name}:" + ",".join(f"{k}={v}" for k, v in opts.items()) if opts else name)
-
-
-def _transport_part(part: Part, block: int) -> Part:
-    """The part cut in the transport's block size (only the geometry changes; the bytes are the same)."""
-    if part.data.numel() == 0:  # nothing to lose: keep the round off the droppable lanes
-        return Part(part.data, RELIABLE, block, part.name)
-    if part.block_elems == block:
-        return part
-    if isinstance(part.lane_class, torch.Tensor):
-        raise ValueError(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
-                         f"the transport cuts {block}-element blocks")
-    return Part(part.data, part.lane_class, block, part.name)
-
-
-def codec_block_mask(transport_mask: torch.Tensor, transport: BucketLayout, codec: BucketLayout) -> torch.Tensor:
-    """Per codec block: True when every one of its elements arrived (vectorised over blocks)."""
-    if bool(transport_mask.all()):
-        return torch.ones(codec.nblocks, dtype=torch.bool)
-    if transport == codec:
-        return transport_mask.clone()
-    lost = torch.zeros(transport.numel + 1, dtype=torch.int64)
-    torch.cumsum((~transport.expand(transport_mask)).to(torch.int64), 0, out=lost[1:])
-    start = codec.block_start
-    return lost[start + codec.block_len] == lost[start]
 
 
 class ModelServer(Collective):
@@ -221,7 +197,7 @@ class ModelServer(Collective):
     async def _send(self, peer: int, phase: str, rnd: int, parts: list[Part], stats: CollectiveStats) -> None:
         # droppable parts wait for the receiver's drop report: once the last pull returns, every worker has closed
         # its rounds, so ranks may close their endpoints right after the last step
-        tparts = [_transport_part(p, self.block) for p in parts]
+        tparts = [transport_part(p, self.block) for p in parts]
         await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, tparts, stats)
 
     async def _recv(self, peer: int, phase: str, rnd: int, codec: Codec, stats: ModelServerStats) -> list[Received]:

@@ -7,7 +7,7 @@ from functools import lru_cache
 import torch
 import trio
 
-from dgt.codecs.base import Part, Received
+from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
 from dgt.layout import BucketLayout
 
@@ -44,11 +44,36 @@ def host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def transport_part(part: Part, block: int) -> Part:
+    """The part cut in the transport's block size (only the geometry changes; the bytes are the same)."""
+    if part.data.numel() == 0:  # nothing to lose: keep the round off the droppable lanes
+        return Part(part.data, RELIABLE, block, part.name)
+    if part.block_elems == block:
+        return part
+    if isinstance(part.lane_class, torch.Tensor):
+        raise ValueError(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
+                         f"the transport cuts {block}-element blocks")
+    return Part(part.data, part.lane_class, block, part.name)
+
+
+def codec_block_mask(transport_mask: torch.Tensor, transport: BucketLayout, codec: BucketLayout) -> torch.Tensor:
+    """Per codec block: True when every one of its elements arrived (vectorised over blocks)."""
+    if bool(transport_mask.all()):
+        return torch.ones(codec.nblocks, dtype=torch.bool)
+    if transport == codec:
+        return transport_mask.clone()
+    lost = torch.zeros(transport.numel + 1, dtype=torch.int64)
+    torch.cumsum((~transport.expand(transport_mask)).to(torch.int64), 0, out=lost[1:])
+    start = codec.block_start
+    return lost[start + codec.block_len] == lost[start]
+
+
 async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
                      stats: CollectiveStats, reliable: bool = False) -> None:
     """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane."""
     jobs = []
     for i, part in enumerate(parts):
+        part = transport_part(part, ep.cfg.block)  # a codec's own block size (QSGD buckets...) is cut anew
         cls = 0 if reliable else part.lane_class
         if isinstance(cls, torch.Tensor):
             cls = cls.detach().to("cpu")
@@ -82,9 +107,12 @@ async def _send_one(ep, peer, key, rnd, data, layout, cls, order) -> None:
 
 
 async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],
-                     stats: CollectiveStats, into: list[torch.Tensor | None] | None = None) -> list[Received]:
+                     stats: CollectiveStats, into: list[torch.Tensor | None] | None = None,
+                     device: torch.device | None = None) -> list[Received]:
     """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry).
-    ``into``: per part, a contiguous CPU tensor to reassemble straight into (no extra buffer, no copy)."""
+    ``into``: per part, a contiguous CPU tensor to reassemble straight into (no extra buffer, no copy).
+    ``device``: where the caller decodes (the bucket's device): data and block masks move there together, since
+    decoders index the data with the masks."""
     out: list[Received | None] = [None] * len(like)
 
     async def one(i: int, part: Part) -> None:
@@ -92,8 +120,16 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
         # a BULK message is lossless and knows no segments: every block of our geometry arrived
-        mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool) if res.bulk else res.mask
-        out[i] = Received(res.data, mask, part.block_elems, part.segments)
+        if res.bulk:
+            mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool)
+        elif res.layout.block != part.block_elems:  # sent cut in the transport's blocks: back to the codec's
+            mask = codec_block_mask(res.mask, res.layout, layout_of(part))
+        else:
+            mask = res.mask
+        data = res.data
+        if device is not None and data.device != torch.device(device):
+            data, mask = data.to(device), mask.to(device)
+        out[i] = Received(data, mask, part.block_elems, part.segments)
 
     if len(like) == 1:
         await one(0, like[0])

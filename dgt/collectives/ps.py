@@ -78,7 +78,8 @@ class ParameterServer(Collective):
                     await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats)
                 with self.phase(stats, "pull"):
                     like = like_parts(parts, sg, self.codec, piece)
-                    got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats)
+                    got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
+                                           device=piece.device)
                     pull_state = self.state((1 << 29) | key, piece, sg)
                     ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
                 return
@@ -88,7 +89,8 @@ class ParameterServer(Collective):
 
                 async def gather(w: int) -> None:
                     like = like_parts(parts, sg, self.codec, piece)
-                    received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats)
+                    received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
+                                                   device=piece.device)
 
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):

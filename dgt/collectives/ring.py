@@ -113,7 +113,8 @@ class RingAllReduce(Collective):
         got: list[Received] = []
 
         async def recv() -> None:
-            got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into))
+            got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
+                                        device=mine.device))
 
         async with trio.open_nursery() as nursery:
             if parts:

@@ -52,6 +52,9 @@ class LGCCodec(Codec):
     """Learned gradient compression. Options: see :class:`~dgt.codecs.lgc.plan.LGCConfig` (``lgc:variant=ring,...``)."""
 
     name = "lgc"
+    # its three phases, the autoencoder training and the per-step index exchange need a driver of their own: the
+    # generic collectives refuse it at construction instead of failing inside a round
+    runner = "dgt.codecs.lgc.runner.LGCRunner (see docs/lgc.md, `dgt bench lgc`)"
 
     def __init__(self, **options: Any) -> None:
         super().__init__()
@@ -433,7 +436,7 @@ class LGCCodec(Codec):
         ae = state.values.get("ring_ae")
         if ae is None:
             raise RuntimeError("ring LGC: no trained autoencoder (control_in was not called)")
-        scale = sel["scale"] if sel["scale"] is not None else g.new_ones(1)
+        scale = sel["scale"].to(g.device) if sel["scale"] is not None else g.new_ones(1)
         state.values["last_scale"] = scale
         if self.config.record:
             state.values["last_x"] = x
