@@ -3,11 +3,14 @@ experiment). Every child is killed when the call returns, fails or times out: no
 
 from __future__ import annotations
 
+import faulthandler
 import multiprocessing as mp
 import os
 import pickle
 import queue
+import signal
 import socket
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -28,7 +31,14 @@ class RankFailed(RuntimeError):
         self.outcomes = outcomes
 
 
+def _stacks_file(pid: int) -> str:
+    return os.path.join(tempfile.gettempdir(), f"dgt-rank-{pid}.stacks")
+
+
 def _child(fn, rank: int, world: int, env: dict, args: tuple, out: mp.Queue) -> None:
+    # SIGUSR1 dumps every thread's stack: the parent asks for it before killing a rank that ran out of time
+    dump = open(_stacks_file(os.getpid()), "w")  # noqa: SIM115 - lives as long as the process
+    faulthandler.register(signal.SIGUSR1, file=dump, all_threads=True)
     os.environ.update(env)
     os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), str(world)
     try:
@@ -41,12 +51,32 @@ def _child(fn, rank: int, world: int, env: dict, args: tuple, out: mp.Queue) -> 
         out.put((rank, "error", pickle.dumps((type(exc).__name__, str(exc), traceback.format_exc()))))
 
 
+def _dump_stacks(stuck: dict[int, mp.Process]) -> dict[int, str]:
+    """Every thread's stack of each rank still running (SIGUSR1 to its faulthandler), for the failure message."""
+    for p in stuck.values():
+        try:
+            os.kill(p.pid, signal.SIGUSR1)
+        except OSError:
+            pass
+    if stuck:
+        time.sleep(0.5)
+    stacks = {}
+    for r, p in stuck.items():
+        try:
+            with open(_stacks_file(p.pid)) as f:
+                stacks[r] = f.read()[-20000:]
+        except OSError:
+            stacks[r] = ""
+    return stacks
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, env: dict | None = None,
               allow_fail: bool = False) -> dict[int, Any] | dict[int, tuple[str, Any]]:
     """Call ``fn(rank, world, *args)`` in ``world`` spawned processes with MASTER_ADDR/MASTER_PORT set.
 
     Returns {rank: result}. If any rank fails: raises RankFailed (or, with ``allow_fail``, returns
-    {rank: ("ok", result) | ("error", (type, message, traceback)) | ("missing", None)}).
+    {rank: ("ok", result) | ("error", (type, message, traceback)) | ("missing", None)}). A rank still running at
+    the timeout is ("missing", ("Timeout", message, stacks)): every thread's stack, taken just before it is killed.
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -66,18 +96,26 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
                     break
     finally:
         started = [p for p in procs if p.pid is not None]
+        stuck = {r: p for r, p in enumerate(procs) if p.pid is not None and p.is_alive() and r not in outcomes}
+        stacks = _dump_stacks(stuck)
         for p in started:
             if p.is_alive():
                 p.kill()
         for p in started:
             p.join(5)
+            try:
+                os.unlink(_stacks_file(p.pid))
+            except OSError:
+                pass
     for r in range(world):
+        if r in stacks:  # ran out of time: say where it was
+            outcomes.setdefault(r, ("missing", ("Timeout", f"no result within {timeout:g} s", stacks[r])))
         outcomes.setdefault(r, ("missing", None))
     if allow_fail:
         return outcomes
     bad = {r: o for r, o in outcomes.items() if o[0] != "ok"}
     if bad:
         lines = [f"rank {r}: {o[0]} {o[1][0] + ': ' + o[1][1] if o[1] else ''}" for r, o in sorted(bad.items())]
-        detail = next((o[1][2] for o in bad.values() if o[1]), "")
+        detail = "\n".join(f"--- rank {r} ({o[1][0]}):\n{o[1][2]}" for r, o in sorted(bad.items()) if o[1])
         raise RankFailed("; ".join(lines) + "\n" + detail, outcomes)
     return {r: o[1] for r, o in outcomes.items()}
