@@ -17,16 +17,10 @@ import torch
 
 from dgt import wire
 from dgt.errors import ProtocolError
+from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
 
 Key = tuple[int, int, int]  # (sender rank, bucket, round)
-
-
-def _bytes_of(flat: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous 1-D CPU tensor (any dtype, bfloat16 included) without a copy."""
-    if flat.numel() == 0:
-        return memoryview(bytearray())  # writable, like every landing buffer
-    return memoryview(flat.view(torch.uint8).numpy())
 
 
 def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tensor,
@@ -50,7 +44,7 @@ def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tens
     h["count"] = counts
     h["length"] = counts * isz
     raw = h.tobytes()
-    mv = _bytes_of(flat)
+    mv = memoryview(raw_bytes(flat))
     S = wire.HEADER_SIZE
     return [(raw[i * S : (i + 1) * S], mv[int(a) * isz : int(a + c) * isz])
             for i, (a, c) in enumerate(zip(starts.tolist(), counts.tolist()))]
@@ -117,7 +111,7 @@ class BulkReceiver:
                                         f"({self.allocated} of {self.max_bytes} bytes in use)")
                 data = torch.empty(total, dtype=dtype)
                 self.allocated += need
-            msg = self.open[key] = BulkMessage(data, _bytes_of(data), opened=now, owned=need)
+            msg = self.open[key] = BulkMessage(data, memoryview(raw_bytes(data)), opened=now, owned=need)
         elif offset != msg.got or total != msg.total or dtype != msg.data.dtype:
             raise ProtocolError(f"rank {rank}: bulk frame for elements [{offset}, {offset + count}) of {total} does "
                                 f"not continue message {key[1:]} ({msg.got} of {msg.total} {msg.data.dtype} in)")

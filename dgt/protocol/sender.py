@@ -61,7 +61,7 @@ class DropInfo:
     folded_elems: int
 
 
-def _raw(flat: torch.Tensor) -> np.ndarray:
+def raw_bytes(flat: torch.Tensor) -> np.ndarray:
     """A zero-copy uint8 numpy view of a CPU contiguous tensor (works for bfloat16 too)."""
     if flat.device.type != "cpu" or not flat.is_contiguous():
         raise ValueError("the sender packs from a contiguous CPU tensor; copy device buckets to (pinned) host first")
@@ -197,7 +197,7 @@ class RoundSender:
             raise ValueError(f"layout block {layout.block} != sender block {self.block}")
         if flat.numel() != layout.numel:
             raise ValueError(f"bucket has {flat.numel()} elements, layout {layout.numel}")
-        raw = _raw(flat)
+        raw = raw_bytes(flat)
         isz = flat.element_size()
         dt = wire.wire_dtype(flat.dtype)
         geom = self.geometry(layout, isz)
