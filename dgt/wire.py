@@ -158,9 +158,9 @@ def encode_header(
     codec: int = 0,
     lane: int = 0,
 ) -> bytes:
-    h = headers(1)
-    h[0] = (MAGIC, VERSION, ftype, flags, dtype, codec, lane, token, rank, round, bucket, block, offset, count, length)
-    return h.tobytes()
+    """One header, packed with :mod:`struct` (a fraction of numpy's per-call cost for a single row)."""
+    return _HEADER.pack(MAGIC, VERSION, ftype, flags, dtype, codec, lane, token, rank, round, bucket, block, offset,
+                        count, length)
 
 
 def encode_frame(ftype: FrameType, payload: bytes = b"", **fields: int) -> bytes:

@@ -181,3 +181,43 @@ async def test_a_peer_breaking_bulk_order_fails_the_waiter_with_a_protocol_error
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_post_send_queues_without_a_task_and_adds_a_folded_residual():
+    # b drops every datagram it gets (an injected loss): only the reliable lane gets through to it
+    a, b = await _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10, deadline="fixed:0.05",
+                                       drop_fraction=1.0))
+    try:
+        # one task starts a send and awaits the matching receive: the writer task does the sending
+        x = torch.randn(50_000)
+        posted = torch.empty_like(x)
+        b.post_recv(0, 2, 0, posted)
+        pending = a.post_send(1, 2, 0, x)
+        with trio.fail_after(10):
+            res = await b.recv_round(0, 2, 0)
+            sent = await pending.wait()
+        assert pending.done and res.bulk and res.data.data_ptr() == posted.data_ptr() and torch.equal(posted, x)
+        assert sent.reliable_frames == 4 and not sent.copied and sent.elapsed >= 0
+        assert sent.reliable_bytes == res.stats.lanes[0].bytes == x.numel() * 4 + 4 * wire.HEADER_SIZE
+        with pytest.raises(ValueError, match="bucket ids"):
+            a.post_send(1, 0xFFFF0001, 0, x)
+        # a lossy round loses its unimportant blocks, and error feedback keeps them...
+        n = 8192
+        z = torch.randn(n)
+        cls = torch.zeros(n // 1024, dtype=torch.int64)
+        cls[4:] = 1
+        sent_lossy, res_lossy = await _both(a, b, 3, z, cls=cls, order=torch.arange(4, 8))
+        assert sent_lossy.lost_blocks == 4 and not res_lossy.mask[4:].any()
+        residual = a._links[1].sender.residual(3).clone()
+        assert torch.equal(residual[4096:], z[4096:]) and (residual[:4096] == 0).all()
+        # ...and the next lossless message of that bucket carries them, sent from a copy
+        y = torch.randn(n)
+        pending = a.post_send(1, 3, 1, y)
+        with trio.fail_after(10):
+            res = await b.recv_round(0, 3, 1)
+            sent = await pending.wait()
+        assert sent.copied and res.bulk and torch.equal(res.data, y + residual)
+        assert a._links[1].sender.residual(3).abs().sum() == 0
+    finally:
+        await a.aclose()
+        await b.aclose()

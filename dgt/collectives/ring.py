@@ -23,6 +23,7 @@ from dgt.errors import one_error
 class RingAllReduce(Collective):
     name = "ring all-reduce"
     needs_summable = True
+    prepost = True  # lossless: post each reduce-scatter scratch for the next round once this round is done with it
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -65,6 +66,7 @@ class RingAllReduce(Collective):
             if direct:  # rounds not open yet must not land in the caller's tensor after this call gave up
                 self._post([None] * len(rs_land), bucket_id, "rs", rnd)
                 self._post([None] * len(ag_land), bucket_id, "ag", rnd)
+                self._post([None] * len(rs_land), bucket_id, "rs", rnd + 1)
             raise
         return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
 
@@ -84,6 +86,10 @@ class RingAllReduce(Collective):
                 if dec is not None:  # (None: an empty chunk)
                     c = (r - s - 1) % W
                     torch.add(ch.chunk(src, c), dec.to(flat.dtype), out=ch.chunk(flat, c))
+                if direct and self.prepost and not self.codec.capabilities.lossy_tolerant:
+                    # this step's scratch is free again: post it for the next round now, so a neighbour that
+                    # finishes this call first and starts the next one lands there instead of in a fresh buffer
+                    self._post(rs_land[s : s + 1], bucket_id, "rs", rnd + 1, first=s)
         if direct and self.codec.capabilities.lossy_tolerant:
             self._post(ag_land, bucket_id, "ag", rnd)
         with self.phase(stats, "all_gather"):
@@ -104,6 +110,8 @@ class RingAllReduce(Collective):
         g = self.group
         ep = g.endpoint
         out, mine = ch.chunk(flat, send_c), ch.chunk(flat, recv_c)
+        if into is not None and not self.codec.capabilities.lossy_tolerant:
+            return await self._lossless_hop(out, into[0] if mine.numel() else None, bucket_id, phase, step, rnd, stats)
         parts = self.codec.encode(out, self.state(state_key, out, ch.segments[send_c])) if out.numel() else []
         if keep_own and parts:  # the owner keeps exactly what the others will decode
             out.copy_(self.codec.decode([as_received(p) for p in parts], self.state(state_key, out, None), out))
@@ -128,16 +136,36 @@ class RingAllReduce(Collective):
             return into[0]  # reassembled in place (a dense chunk: the decoded value is the data itself)
         return self.codec.decode(got, self.state(-state_key - 1, mine, ch.segments[recv_c]), mine)
 
+    async def _lossless_hop(self, out: torch.Tensor, land: torch.Tensor | None, bucket_id: int, phase: str, step: int,
+                            rnd: int, stats: CollectiveStats) -> torch.Tensor | None:
+        """A hop of a direct lossless codec (a chunk is its own wire form): the chunk ``out`` goes to the next rank
+        as one lossless message while the previous rank's lands in ``land``. The send is queued on the connection's
+        writer and the receive awaited from this task, so a hop spawns no task."""
+        g = self.group
+        ep = g.endpoint
+        key = transport_key(bucket_id, phase, step, 0)
+        pending = None
+        if out.numel():
+            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out)
+            stats.add_sent(0, out.numel() * out.element_size())
+        if land is not None:
+            res = await ep.recv_round((g.rank - 1) % g.world, key, rnd, out=land)
+            stats.add_round(res.stats)
+        if pending is not None:
+            await pending.wait()  # the chunk may be overwritten (all-gather landing) once this returns
+        return land
+
     def _direct(self, flat: torch.Tensor) -> bool:
         """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
         instead of being decoded from a fresh buffer."""
         wire = getattr(self.codec, "wire_dtype", flat.dtype)
         return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
 
-    def _post(self, landings: list, bucket_id: int, phase: str, rnd: int) -> None:
-        """Post (or, with None entries, withdraw) the landing buffer of every step of ``phase``."""
+    def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0) -> None:
+        """Post (or, with None entries, withdraw) the landing buffers of steps ``first``, ``first + 1``... of
+        ``phase``."""
         g = self.group
-        for s, buf in enumerate(landings):
+        for s, buf in enumerate(landings, first):
             if buf is None or buf.numel():
                 g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf)
 

@@ -26,28 +26,20 @@ Key = tuple[int, int, int]  # (sender rank, bucket, round)
 def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tensor,
                 frame_bytes: int) -> list[tuple[bytes, memoryview]]:
     """(header, payload view) frames for a contiguous 1-D CPU tensor; each payload at most ``frame_bytes`` (whole
-    elements). An empty tensor is one frame with no payload, so the receiver still completes the message."""
+    elements). An empty tensor is one frame with no payload, so the receiver still completes the message. A message
+    is a handful of multi-MiB frames, so headers are packed one by one (numpy's per-call cost would dominate)."""
     isz = flat.element_size()
     n = flat.numel()
     per = max(1, frame_bytes // isz)
-    starts = np.arange(0, max(n, 1), per, dtype=np.int64)
-    counts = np.minimum(starts + per, n) - starts
-    h = wire.headers(len(starts))
-    h["ftype"] = FrameType.BULK
-    h["dtype"] = wire.wire_dtype(flat.dtype)
-    h["token"] = token
-    h["rank"] = rank
-    h["round"] = round
-    h["bucket"] = bucket
-    h["block"] = n
-    h["offset"] = starts
-    h["count"] = counts
-    h["length"] = counts * isz
-    raw = h.tobytes()
+    dt = wire.wire_dtype(flat.dtype)
     mv = memoryview(raw_bytes(flat))
-    S = wire.HEADER_SIZE
-    return [(raw[i * S : (i + 1) * S], mv[int(a) * isz : int(a + c) * isz])
-            for i, (a, c) in enumerate(zip(starts.tolist(), counts.tolist()))]
+    frames = []
+    for a in range(0, max(n, 1), per):
+        c = min(per, n - a)
+        hdr = wire.encode_header(FrameType.BULK, token=token, rank=rank, round=round, bucket=bucket, block=n,
+                                 offset=a, count=c, length=c * isz, dtype=dt)
+        frames.append((hdr, mv[a * isz : (a + c) * isz]))
+    return frames
 
 
 @dataclass

@@ -72,6 +72,36 @@ class _SendTrack:
     detached: bool = False  # send_round returned without waiting for the report
 
 
+class PendingSend:
+    """A lossless message queued by :meth:`Endpoint.post_send`; the writer task sends it while the caller goes on."""
+
+    __slots__ = ("stats", "_slot", "_t0", "_pacer")
+
+    def __init__(self, stats: SendStats, slot: Slot, t0: float, pacer: Pacer | None) -> None:
+        self.stats = stats
+        self._slot = slot
+        self._t0 = t0
+        self._pacer = pacer
+
+    @property
+    def done(self) -> bool:
+        return self._slot.done
+
+    async def wait(self, timeout: float | None = None) -> SendStats:
+        """Once the kernel took the last byte: the message's stats (``elapsed`` counts to this return). PeerClosed
+        if the connection failed first; PeerTimeout after ``timeout``."""
+        st = self.stats
+        try:
+            with trio.fail_after(timeout) if timeout else nullcontext():
+                await self._slot.wait()
+        except trio.TooSlowError:
+            raise PeerTimeout(f"round {st.round} of bucket {st.bucket} to rank {st.peer}: not sent in "
+                              f"{timeout} s") from None  # fmt: skip
+        st.elapsed = trio.current_time() - self._t0
+        st.pace_rate = None if self._pacer is None else self._pacer.rate
+        return st
+
+
 class Endpoint:
     """A rank's DGT session. Create with :meth:`open`, join peers with :meth:`connect`, then send and receive
     rounds concurrently from any number of tasks; :meth:`aclose` says goodbye and releases every socket."""
@@ -703,11 +733,11 @@ class Endpoint:
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
+        if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
+            return await self.post_send(peer, bucket, round, flat).wait(timeout)
         # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
         copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
         link.dirty.discard(bucket)
-        if lossless and not wait and not copy:  # no report, no residual to add: no round state at all
-            return await self._send_bulk(link, bucket, round, flat, layout, t0, timeout)
         data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet)
@@ -759,23 +789,31 @@ class Endpoint:
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
 
-    async def _send_bulk(self, link: _Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                         t0: float, timeout: float | None) -> SendStats:
-        """A lossless round nobody waits a report for, as BULK frames (see dgt.protocol.bulk): returns once the
-        kernel took the last byte."""
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor) -> PendingSend:
+        """Queue round ``round`` of ``bucket`` to ``peer`` losslessly, without waiting: it goes out as BULK frames
+        (see dgt.protocol.bulk) behind whatever the connection's writer already holds, and lands on the peer like a
+        complete round (``recv_round``). ``flat`` is sent from in place: leave it unchanged until
+        :meth:`PendingSend.wait` returned. A bucket whose residual holds folded losses is sent with that residual
+        added (from a copy), as ``send_round`` would. Nothing here awaits, so a caller can start a send and a
+        receive from one task (a ring hop) without spawning one."""
+        if not 0 <= bucket < BYTES_BUCKET:
+            raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
+        link = self._link(peer)
+        t0 = trio.current_time()
+        flat = flat.detach().reshape(-1)
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            flat = flat.to("cpu").contiguous()
+        copied = self.cfg.error_feedback and bucket in link.dirty
+        if copied:
+            flat = link.sender.prepare(bucket, flat)
+            link.dirty.discard(bucket)
         frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes)
-        stats = SendStats(link.rank, bucket, round, layout.nblocks, 0, len(frames),
-                          flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE)  # fmt: skip
-        try:
-            with trio.fail_after(timeout) if timeout else nullcontext():
-                await link.writer.push_frames(frames).wait()
-        except trio.TooSlowError:
-            why = f"round {round} of bucket {bucket} to rank {link.rank}: not sent in {timeout} s"
-            raise PeerTimeout(why) from None
+        nblocks = -(-flat.numel() // self.cfg.block)
+        stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
+                          flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
+        slot = link.writer.push_frames(frames)
         self._stats.rounds_sent += 1
-        stats.elapsed = trio.current_time() - t0
-        stats.pace_rate = None if link.pacer is None else link.pacer.rate
-        return stats
+        return PendingSend(stats, slot, t0, link.pacer)
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
