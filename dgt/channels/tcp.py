@@ -35,11 +35,13 @@ class TcpChannel:
         self.rcvbuf, self.sndbuf = set_buffers(sock, rcvbuf, sndbuf)
         self.closed = False
         self._rcvlowat = 1
+        self.waits = 0
         self.tx_bytes = 0
         self.tx_calls = 0
         self.rx_bytes = 0
         self.rx_calls = 0
-        self.last_rx = trio.current_time()
+        self._last_rx = trio.current_time()
+        self._rx_seen = 0
         self.label = "peer"
 
     def _lost(self, exc: BaseException | None = None) -> PeerClosed:
@@ -62,23 +64,34 @@ class TcpChannel:
                     views[0] = views[0][n:]
                     n = 0
 
-    async def recv_into(self, buf: memoryview) -> int:
-        """Receive at least one byte into ``buf``; PeerClosed at end of stream."""
-        n = await self._syscall(self.sock.recv_into, buf, trio.lowlevel.wait_readable)
+    async def recv_into(self, buf: memoryview, lowat: int = 1) -> int:
+        """Receive at least one byte into ``buf``; PeerClosed at end of stream. ``lowat``: should the socket have
+        nothing yet, wait until that many bytes are in (SO_RCVLOWAT; end of stream and errors still wake at once)."""
+        n = await self._syscall(self.sock.recv_into, buf, trio.lowlevel.wait_readable, lowat)
         if n == 0 and len(buf):
             raise self._lost()
         self.rx_calls += 1
         self.rx_bytes += n
-        self.last_rx = trio.current_time()
         return n
 
-    async def _syscall(self, call, arg, waiter) -> int:
+    @property
+    def last_rx(self) -> float:
+        """When bytes last came in, as seen by the last look (the liveness check looks every tick): noting the
+        time on every read would cost the hot path a clock call per read."""
+        if self.rx_bytes != self._rx_seen:
+            self._rx_seen = self.rx_bytes
+            self._last_rx = trio.current_time()
+        return self._last_rx
+
+    async def _syscall(self, call, arg, waiter, lowat: int = 0) -> int:
         """``call(arg)`` on the non-blocking socket, waiting with ``waiter`` until the kernel takes or gives bytes;
-        a connection that went away becomes PeerClosed."""
+        a connection that went away becomes PeerClosed. ``lowat`` (receives): the low-water mark for that wait."""
         while True:
             try:
                 return call(arg)
             except BlockingIOError:
+                if lowat:
+                    self._lowat(lowat)
                 await self._wait(waiter)
             except _LOST as exc:
                 raise self._lost(exc) from exc
@@ -89,14 +102,11 @@ class TcpChannel:
 
     async def recv_exactly(self, buf: memoryview) -> None:
         """Fill ``buf``. A large payload raises SO_RCVLOWAT so the socket reports readable only once a good share of
-        the rest is in: fewer wake-ups and larger reads (end of stream and errors still wake at once)."""
+        the rest is in: fewer wake-ups and larger reads. A non-blocking read takes whatever is there regardless of
+        the mark, so the mark is only changed before a wait (every wait sets its own)."""
         got = 0
-        try:
-            while got < len(buf):
-                self._lowat(min(len(buf) - got, RCVLOWAT_MAX))
-                got += await self.recv_into(buf[got:])
-        finally:
-            self._lowat(1)
+        while got < len(buf):
+            got += await self.recv_into(buf[got:], min(len(buf) - got, RCVLOWAT_MAX))
 
     def _lowat(self, n: int) -> None:
         n = n if n >= RCVLOWAT_MIN else 1
@@ -110,6 +120,7 @@ class TcpChannel:
     async def _wait(self, waiter) -> None:
         if self.closed:
             raise self._lost()
+        self.waits += 1  # a wait is a checkpoint: callers that yield for fairness can skip theirs
         try:
             await waiter(self.sock)
         except (trio.ClosedResourceError, OSError) as exc:

@@ -83,6 +83,7 @@ class ReliableWriter:
                     self._wake = trio.Event()
                     continue
                 bufs, slots = self._take()
+                waits = self.chan.waits
                 try:
                     await self.chan.send_buffers(bufs)
                 except BaseException as exc:
@@ -91,7 +92,8 @@ class ReliableWriter:
                     raise
                 for slot in slots:
                     slot.set()
-                await trio.lowlevel.checkpoint()
+                if self.chan.waits == waits:  # the kernel took it all at once: yield to the others now and then
+                    await trio.lowlevel.checkpoint()
         except BaseException as exc:
             self.fail(exc if isinstance(exc, Exception) else PeerClosed("the connection writer stopped"))
             raise

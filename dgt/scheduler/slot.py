@@ -36,7 +36,10 @@ class Slot:
             self._event.set()
 
     async def wait(self) -> Any:
-        await self._event.wait()
+        """The value (or the error, raised). A slot already complete answers without a trip through the scheduler:
+        callers await slots that are usually done by then (a send queued before a receive)."""
+        if not self._event.is_set():
+            await self._event.wait()
         if self._error is not None:
             raise self._error.with_traceback(None)  # shared by every waiter: do not pile up their tracebacks
         return self._value

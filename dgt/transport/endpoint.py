@@ -460,6 +460,7 @@ class Endpoint:
             return (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0) & (h["rank"] == rank)
 
         budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
+        waits = link.chan.waits
         while True:
             staged = link.reader.take_staged(batchable)
             if staged is not None:  # many small data frames already in memory: one vectorised pass
@@ -473,7 +474,9 @@ class Endpoint:
             if budget >= 1 << 20:
                 budget = 0
                 self.deadlines.poke()
-                await trio.lowlevel.checkpoint()
+                if link.chan.waits == waits:  # no read waited since the last time: yield to the other tasks
+                    await trio.lowlevel.checkpoint()
+                waits = link.chan.waits
             rf = await link.reader.next(place)
             now = trio.current_time()
             h = rf.header

@@ -1,0 +1,21 @@
+"""``dgt bench allreduce`` end to end on a small tensor: the report's shape, ratios consistent with its own times,
+and every DGT method's result checked against Gloo's sum (speed itself is measured by the benchmark, not here)."""
+
+import argparse
+import math
+
+from dgt.bench import allreduce
+
+
+def test_bench_reports_times_ratios_and_agreement_with_gloo():
+    args = argparse.Namespace(ranks=3, mb=0.3, repeat=1, codec="dense", timeout=240.0)
+    out = allreduce.run(args)
+    sec = out["seconds"]
+    assert set(sec) == {"gloo", "ring", "ps_sharded", "ps_central"} and all(v > 0 for v in sec.values())
+    for k, ratio in out["speed_vs_gloo"].items():
+        assert math.isclose(ratio, sec["gloo"] / sec[k])
+    assert out["goal_met"] == (out["speed_vs_gloo"]["ring"] >= 1.0)
+    # lossless: the same sum as Gloo's up to float rounding (a NaN would mean part of the result was never written)
+    diffs = out["max_rel_diff_vs_gloo"]
+    assert set(diffs) == {"ring", "ps_sharded", "ps_central"}
+    assert all(d < 1e-5 for d in diffs.values()), diffs
