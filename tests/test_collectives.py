@@ -94,7 +94,7 @@ def test_dgt_lossless_when_nothing_drops():
 def test_ps_with_injected_loss_differs_only_in_dropped_blocks():
     world = 3
     res = run_ranks(_worker, world, "ps:0", "dgt:p=0.3", {"drop_fraction": 0.3}, 1, timeout=90)
-    out, server_stats = res[0][0]
+    out, server_stats, _ = res[0][0]
     layout = BucketLayout(SEGMENTS)
     xs = [data(r) for r in range(world)]
     important = []
