@@ -322,3 +322,24 @@ async def test_large_payload_reads_wake_on_rcvlowat_yet_trickles_and_eof_still_f
     finally:
         a.close()
         b.close()
+
+
+async def test_bytes_waiting_in_the_kernel_count_as_a_live_peer():
+    """The liveness check reads ``last_rx``: bytes a reader has not taken yet (it waits for a low-water mark on a
+    slow link) still show the peer is there."""
+    a, b = await _tcp_pair()
+    try:
+        t0 = b.last_rx
+        await trio.sleep(0.05)
+        assert b.last_rx == t0  # nothing came: the time stays
+        await a.send_buffers([b"z" * 100_000])
+        await trio.sleep(0.05)
+        t1 = b.last_rx
+        assert t1 > t0 and b.rx_bytes == 0  # seen in the kernel's queue, not read
+        await trio.sleep(0.05)
+        assert b.last_rx == t1  # the same bytes, still unread: no newer sign of life
+        await b.recv_exactly(memoryview(bytearray(100_000)))
+        assert b.last_rx == t1  # reading what was already counted is no new sign either
+    finally:
+        a.close()
+        b.close()

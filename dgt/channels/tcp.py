@@ -8,7 +8,10 @@ becomes :class:`PeerClosed`.
 from __future__ import annotations
 
 import errno
+import fcntl
 import socket
+import struct
+import termios
 
 import trio
 
@@ -77,11 +80,22 @@ class TcpChannel:
     @property
     def last_rx(self) -> float:
         """When bytes last came in, as seen by the last look (the liveness check looks every tick): noting the
-        time on every read would cost the hot path a clock call per read."""
-        if self.rx_bytes != self._rx_seen:
-            self._rx_seen = self.rx_bytes
+        time on every read would cost the hot path a clock call per read. Bytes the kernel holds but nobody read
+        yet count too: a large payload read waits for a low-water mark, which takes long on a slow link."""
+        seen = self.rx_bytes + self._queued()
+        if seen != self._rx_seen:
+            self._rx_seen = seen
             self._last_rx = trio.current_time()
         return self._last_rx
+
+    def _queued(self) -> int:
+        """Bytes in the socket's receive queue (FIONREAD); 0 once closed."""
+        if self.closed:
+            return 0
+        try:
+            return struct.unpack("i", fcntl.ioctl(self.sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+        except (OSError, ValueError):
+            return 0
 
     async def _syscall(self, call, arg, waiter, lowat: int = 0) -> int:
         """``call(arg)`` on the non-blocking socket, waiting with ``waiter`` until the kernel takes or gives bytes;
