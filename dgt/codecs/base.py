@@ -7,7 +7,7 @@ received parts (with their per-block received masks) to ``decode``/``aggregate``
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -66,6 +66,13 @@ class Received:
     block_mask: torch.Tensor  # bool, one per block of the part
     block_elems: int
     segments: list[int] | None = None
+
+    def to(self, device: torch.device | str) -> Received:
+        """This part on ``device``, data and block mask together (decoders index one with the other); itself if
+        it is there already."""
+        if self.data.device == torch.device(device) and self.block_mask.device == torch.device(device):
+            return self
+        return replace(self, data=self.data.to(device), block_mask=self.block_mask.to(device))
 
     def element_mask(self) -> torch.Tensor:
         """Expand the per-block mask to one bool per element (vectorised)."""

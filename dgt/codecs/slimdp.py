@@ -36,7 +36,6 @@ No error feedback (the paper has none): unsent entries are dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import torch
@@ -105,11 +104,6 @@ def _shared_draw(excluded: torch.Tensor, k: int, seed: int) -> torch.Tensor:
     """The explorer keys both ends derive from ``seed`` (shared-seed mode). Always drawn on the CPU, then moved:
     CPU and CUDA random streams differ, and a CPU server must find the keys a CUDA worker drew."""
     return sample_outside(excluded.cpu(), k, generator("cpu", seed)).to(excluded.device)
-
-
-def _on(part: Received, device: torch.device) -> Received:
-    """A received part on ``device``, data and block mask together (decoding indexes one with the other)."""
-    return dataclasses.replace(part, data=part.data.to(device), block_mask=part.block_mask.to(device))
 
 
 def sample_outside(excluded: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
@@ -332,7 +326,7 @@ class SlimDPCodec(Codec):
     # -- decode ------------------------------------------------------------------------------------------------
     def _read(self, parts: list[Received], state: BucketState, like: torch.Tensor):
         """(core_idx, core_vals, core_ok, exp_idx, exp_vals, exp_ok): the ``*_ok`` masks are None = all arrived."""
-        parts = [p if p.data.device == like.device else _on(p, like.device) for p in parts]
+        parts = [p.to(like.device) for p in parts]
         flags, generation, draw_seed, k_core, k_exp, n = (int(v) for v in parts[0].data.tolist())
         if flags >> 8 != VERSION:
             raise ValueError(f"Slim-DP message version {flags >> 8}, expected {VERSION}")

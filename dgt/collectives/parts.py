@@ -126,10 +126,8 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
             mask = codec_block_mask(res.mask, res.layout, layout_of(part))
         else:
             mask = res.mask
-        data = res.data
-        if device is not None and data.device != torch.device(device):
-            data, mask = data.to(device), mask.to(device)
-        out[i] = Received(data, mask, part.block_elems, part.segments)
+        got = Received(res.data, mask, part.block_elems, part.segments)
+        out[i] = got if device is None else got.to(device)
 
     if len(like) == 1:
         await one(0, like[0])
