@@ -4,12 +4,17 @@ and every DGT method's result checked against Gloo's sum (speed itself is measur
 import argparse
 import math
 
+import pytest
+
 from dgt.bench import allreduce
+from dgt.channels.duplex import NATIVE
 
 
-def test_bench_reports_times_ratios_and_agreement_with_gloo():
-    args = argparse.Namespace(ranks=3, mb=0.3, repeat=1, codec="dense", timeout=240.0)
+@pytest.mark.parametrize("hops", ["auto", "off"])
+def test_bench_reports_times_ratios_and_agreement_with_gloo(hops):
+    args = argparse.Namespace(ranks=3, mb=0.3, repeat=1, codec="dense", timeout=240.0, stream_hops=hops)
     out = allreduce.run(args)
+    assert out["ring_hops"] == ("session link" if hops == "off" else "native loop" if NATIVE else "python loop")
     sec = out["seconds"]
     assert set(sec) == {"gloo", "ring", "ps_sharded", "ps_central"} and all(v > 0 for v in sec.values())
     for k, ratio in out["speed_vs_gloo"].items():

@@ -51,7 +51,8 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
                 else:
                     res = await coll.allreduce(x, 0, SEGMENTS)
                     assert torch.equal(x, data(rank, rnd))  # the input is left alone
-                outs.append((res.tensor, res.stats.to_dict(), g.endpoint.stats().rounds_copied))
+                outs.append((res.tensor, res.stats.to_dict(), g.endpoint.stats().rounds_copied,
+                             g.endpoint.streams.exchanges))
             return outs
         finally:
             await g.aclose()
@@ -60,18 +61,25 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["ring", "ps:0", "ps:sharded"])
+@pytest.mark.parametrize("kind", ["ring", "ring:python", "ring:off", "ps:0", "ps:sharded"])
 def test_lossless_equals_dense_mean(world, kind):
-    """Round 0 into a new tensor, round 1 in place (``out=`` the input), round 2 into a NaN-filled ``out``."""
-    res = run_ranks(_worker, world, kind, "dense", {}, 3, timeout=90)
+    """Round 0 into a new tensor, round 1 in place (``out=`` the input), round 2 into a NaN-filled ``out``. The ring
+    runs on stream lanes (native hop loop, or with ``:python`` its Python twin) or, with ``:off``, on the session
+    link."""
+    kind, _, mode = kind.partition(":") if kind.startswith("ring") else (kind, "", "")
+    res = run_ranks(_worker, world, kind, "dense", {"stream_hops": mode or "auto"}, 3, timeout=90)
     for rnd in range(3):
         ref = torch.stack([data(r, rnd) for r in range(world)]).mean(0)
         for r in range(world):
             torch.testing.assert_close(res[r][rnd][0], ref, rtol=1e-5, atol=1e-5)
         # every rank ends with the identical tensor
         assert all(torch.equal(res[0][rnd][0], res[r][rnd][0]) for r in range(world))
-    if kind == "ring":  # after the first call (whose first hop may beat the receiver's post) every round lands in a
-        # buffer posted for it: each reduce-scatter scratch is posted for the next round once this round is done with it
+    # a lossless dense ring runs every call as one stream exchange, unless stream hops are off (PS never uses them)
+    exchanges = [res[r][-1][3] for r in range(world)]
+    assert exchanges == [3 if kind == "ring" and mode != "off" else 0] * world, exchanges
+    if kind == "ring" and mode == "off":  # after the first call (whose first hop may beat the receiver's post) every
+        # round lands in a buffer posted for it: each reduce-scatter scratch is posted for the next round once this
+        # round is done with it
         copied = [res[r][-1][2] - res[r][0][2] for r in range(world)]
         assert copied == [0] * world, copied
 
@@ -94,7 +102,7 @@ def test_dgt_lossless_when_nothing_drops():
 def test_ps_with_injected_loss_differs_only_in_dropped_blocks():
     world = 3
     res = run_ranks(_worker, world, "ps:0", "dgt:p=0.3", {"drop_fraction": 0.3}, 1, timeout=90)
-    out, server_stats, _ = res[0][0]
+    out, server_stats, *_ = res[0][0]
     layout = BucketLayout(SEGMENTS)
     xs = [data(r) for r in range(world)]
     important = []
@@ -147,11 +155,12 @@ def _dying_worker(rank, world, cfg_kwargs):
     trio.run(main)
 
 
-def test_killed_rank_fails_the_others_with_a_clear_error():
+@pytest.mark.parametrize("streams", ["auto", "off"])
+def test_killed_rank_fails_the_others_with_a_clear_error(streams):
     import time
 
     t0 = time.monotonic()
-    out = run_ranks(_dying_worker, 3, {"peer_timeout": 3.0}, timeout=60, allow_fail=True)
+    out = run_ranks(_dying_worker, 3, {"peer_timeout": 3.0, "stream_hops": streams}, timeout=60, allow_fail=True)
     elapsed = time.monotonic() - t0
     assert out[1][0] in ("missing", "error")
     for r in (0, 2):

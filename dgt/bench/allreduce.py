@@ -20,15 +20,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed trials per method (the best and the median are "
                    "reported, each trial timed by its slowest rank)")
     p.add_argument("--codec", default="dense", help="codec for the DGT collectives (dense = lossless)")
+    p.add_argument("--stream-hops", default="auto", choices=["auto", "native", "python", "off"],
+                   help="how the lossless ring's hops run: on stream lanes with the native loop (auto: when built) or "
+                   "its Python twin, or off: on the session link (see docs/transport.md)")
     p.add_argument("--timeout", type=float, default=300.0)
 
 
-def _rank(rank: int, world: int, numel: int, repeat: int, codec: str) -> dict:
+def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hops: str = "auto") -> dict:
     import torch
     import torch.distributed as dist
     import trio
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.endpoint import TransportConfig
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     store = dist.distributed_c10d._get_default_store()
@@ -53,7 +57,8 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str) -> dict:
     diffs = {}
 
     async def dgt_part():
-        g = await Group.create(rank, world, store=store, prefix="bench-allreduce", timeout=60)
+        g = await Group.create(rank, world, store=store, prefix="bench-allreduce", timeout=60,
+                               config=TransportConfig(stream_hops=stream_hops))
         portal = trio.lowlevel.current_trio_token()
         try:
             for name, coll in (("ring", RingAllReduce(g, codec, op="sum")),
@@ -78,13 +83,18 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str) -> dict:
 
 def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6 / 4)
-    res = run_ranks(_rank, args.ranks, numel, args.repeat, args.codec, timeout=args.timeout)
+    hops = getattr(args, "stream_hops", "auto")
+    res = run_ranks(_rank, args.ranks, numel, args.repeat, args.codec, hops, timeout=args.timeout)
     # a collective ends when its slowest rank does: per trial the slowest rank's time, then the best and the median
     trials = {k: [max(t) for t in zip(*(r["seconds"][k] for r in res.values()))] for k in res[0]["seconds"]}
     best = {k: min(v) for k, v in trials.items()}
     median = {k: statistics.median(v) for k, v in trials.items()}
     out = {"bench": "allreduce", "ranks": args.ranks, "mb": args.mb, "codec": args.codec, "repeat": args.repeat,
            "seconds": best, "median_seconds": median}  # fmt: skip
+    from dgt.endpoint import TransportConfig
+
+    out["ring_hops"] = ("session link" if hops == "off" else
+                        "native loop" if TransportConfig(stream_hops=hops).native_hops() else "python loop")
     # largest difference from Gloo's sum on any rank, relative to the sum's magnitude (NaN: a part never written)
     out["max_rel_diff_vs_gloo"] = {k: max(r["max_abs_diff"][k] / max(r["scale"], 1e-30) for r in res.values())
                                    for k in res[0]["max_abs_diff"]}  # fmt: skip

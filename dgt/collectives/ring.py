@@ -9,6 +9,8 @@ value the others receive.
 
 from __future__ import annotations
 
+import time
+
 import torch
 import trio
 
@@ -18,6 +20,7 @@ from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
+from dgt.transport.streams import Hop, streamable
 
 
 class RingAllReduce(Collective):
@@ -50,6 +53,10 @@ class RingAllReduce(Collective):
             src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
         ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
+        if direct and self._on_streams(src, flat):
+            # no await before this point: the exchange's ticket follows the order collectives were called in
+            await self._stream_steps(ch, src, flat, bucket_id, rnd, stats)
+            return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
         own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
         rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
@@ -101,6 +108,38 @@ class RingAllReduce(Collective):
                                       keep_own=(s == 0 and not direct), into=into)
                 if dec is not None and not direct:
                     ch.chunk(flat, (own - s - 1) % W).copy_(dec)
+
+    def _on_streams(self, src: torch.Tensor, flat: torch.Tensor) -> bool:
+        """Whether this call's hops run on stream lanes: a lossless float32 CPU bucket, stream hops switched on."""
+        ep = self.group.endpoint
+        cfg = getattr(ep, "cfg", None)
+        return (cfg is not None and cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
+                and streamable(src, add=True) and streamable(flat, add=True))
+
+    async def _stream_steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
+                            stats: CollectiveStats) -> None:
+        """The whole ring as one exchange on stream lanes (dgt.transport.streams): each reduce-scatter hop adds the
+        received chunk to this rank's input on arrival, straight into ``flat``; all-gather hops land in ``flat``."""
+        g = self.group
+        W, r = g.world, g.rank
+        nxt, prv, own = (r + 1) % W, (r - 1) % W, (r + 1) % W
+        hops = []
+        for s in range(W - 1):
+            a, c = (r - s) % W, (r - s - 1) % W
+            hops.append(Hop(transport_key(bucket_id, "rs", s, 0), rnd, nxt, ch.chunk(src if s == 0 else flat, a), prv,
+                            ch.chunk(flat, c), add_src=ch.chunk(src, c)))
+        for s in range(W - 1):
+            hops.append(Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
+                            ch.chunk(flat, (own - s - 1) % W)))
+        t0 = time.monotonic()
+        done = await g.endpoint.exchange(hops)
+        block = g.endpoint.cfg.block
+        for h, res in zip(hops, done):
+            stats.add_sent(0, h.payload.numel() * h.payload.element_size())
+            stats.bytes_received[0] = stats.bytes_received.get(0, 0) + res.received
+            stats.blocks += -(-h.land.numel() // block)
+        stats.phases["reduce_scatter"] = stats.phases.get("reduce_scatter", 0.0) + done[W - 2].finished - t0
+        stats.phases["all_gather"] = stats.phases.get("all_gather", 0.0) + done[-1].finished - done[W - 2].finished
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,
                    step: int, rnd: int, stats: CollectiveStats, state_key: int, reliable: bool = False,

@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass, field
 
 from dgt import wire
+from dgt.channels.duplex import NATIVE
 from dgt.channels.lanes import LaneSpec, default_lanes, validate_lanes
 from dgt.protocol.deadline import DeadlinePolicy, make_deadline
 
@@ -47,6 +48,8 @@ class TransportConfig:
     peer_timeout: silence after which a peer counts as gone; pending operations then fail with PeerTimeout.
     drop_fraction: test hook: the receiver discards this fraction of arriving datagrams (seeded by drop_seed).
     check_source: drop datagrams not sent from a connected peer's lane socket.
+    stream_hops: how lossless ring hops run on stream lanes (dgt.transport.streams): "auto" (the native loop when
+        it was built, else the Python one), "native", "python", or "off" (on the session link, as BULK frames).
     """
 
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
@@ -76,6 +79,7 @@ class TransportConfig:
     tcp_sndbuf: int | None = None
     udp_batch_bytes: int = 4 << 20
     max_buffered_results: int = 256
+    stream_hops: str = "auto"
     limits: wire.Limits = field(default_factory=lambda: wire.DEFAULT_LIMITS)
 
     def __post_init__(self) -> None:
@@ -87,6 +91,14 @@ class TransportConfig:
         if self.datagram_payload < 16 or self.datagram_payload > 65000:
             raise ValueError("datagram_payload must be in [16, 65000] bytes")
         make_deadline(self.deadline)  # fail early on a bad spec
+        if self.stream_hops not in ("auto", "native", "python", "off"):
+            raise ValueError("stream_hops must be auto, native, python or off")
+        if self.stream_hops == "native" and not NATIVE:
+            raise ValueError("stream_hops='native': dgt was installed without its native hop loop (no C compiler)")
+
+    def native_hops(self) -> bool:
+        """Whether stream hops run in the native loop."""
+        return self.stream_hops == "native" or (self.stream_hops == "auto" and NATIVE)
 
     @property
     def unreliable_lanes(self) -> int:

@@ -38,6 +38,7 @@ from dgt.scheduler.slot import Slot
 from dgt.transport import control
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
+from dgt.transport.streams import Hop, HopResult, StreamHub
 from dgt.wire import Flags, FrameType
 
 BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
@@ -150,6 +151,8 @@ class Endpoint:
         self._stopped = trio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
+        self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
+                                 self._link_error, native=c.native_hops())
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -246,6 +249,7 @@ class Endpoint:
         for job in list(self.scheduler.jobs):
             job.done.fail(error)
         self.scheduler.jobs.clear()
+        self.streams.close(error)
         self._close_sockets()
 
     def _close_sockets(self) -> None:
@@ -313,6 +317,42 @@ class Endpoint:
             raise PeerTimeout(f"rank {self.rank}: rank {rank} did not accept within {timeout:g} s") from None
         self._register(rank, addr, host, chan, reader)
 
+    async def _dial_stream(self, rank: int) -> TcpChannel:
+        """Open a stream lane to ``rank`` (see dgt.transport.streams): a second connection, welcomed like the first."""
+        link = self._link(rank)
+        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        try:
+            with trio.fail_after(timeout):
+                sock = await dial(link.address.host, link.address.tcp_port, self.cfg.lanes[0], timeout)
+                chan = self._tcp_channel(sock, rank)
+                try:
+                    hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
+                                            lanes=len(self.udp), stream=True)
+                    await chan.send_buffers([hello])
+                    # read the reply exactly, never past it: the stream's first message may follow right behind
+                    head = bytearray(wire.HEADER_SIZE)
+                    await chan.recv_exactly(memoryview(head))
+                    h = wire.decode_header(head, self.cfg.limits, self.token)
+                    body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
+                    await chan.recv_exactly(memoryview(body))
+                    peer, msg = control.parse(bytes(head + body), self.cfg.limits)
+                    if msg["op"] != control.WELCOME or peer != rank:
+                        raise ProtocolError(f"rank {rank} refused a stream lane: {msg.get('why', msg['op'])}")
+                except BaseException:
+                    chan.close()
+                    raise
+        except trio.TooSlowError:
+            why = f"rank {self.rank}: rank {rank} did not accept a stream lane within {timeout:g} s"
+            raise PeerTimeout(why) from None
+        return chan
+
+    def _link_error(self, rank: int) -> BaseException | None:
+        """Why the session link to ``rank`` is unusable (None: it is live)."""
+        link = self._links.get(rank)
+        if link is None:
+            return self._fatal or PeerClosed(f"rank {self.rank} is not connected to rank {rank}")
+        return link.error
+
     async def _await_link(self, rank: int, timeout: float) -> None:
         slot = self._link_ready.setdefault(rank, Slot())
         try:
@@ -336,6 +376,16 @@ class Endpoint:
                 rf = await reader.next(lambda h: KEEP)
                 rank, msg = control.parse(rf.frame, self.cfg.limits)
                 why = None
+                if msg["op"] == control.HELLO and msg.get("stream"):
+                    why = self.streams.refusal(rank)
+                    reply = control.control(self.token, self.rank, control.REFUSE, why=why) if why else \
+                        control.control(self.token, self.rank, control.WELCOME)
+                    await chan.send_buffers([reply])
+                    if why:
+                        chan.close()
+                    else:
+                        self.streams.accept(rank, chan)
+                    return
                 if msg["op"] != control.HELLO:
                     why = "expected hello"
                 elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
@@ -430,6 +480,9 @@ class Endpoint:
                 del self._sending[key]
         self._finished(self.receiver.abort(rank, trio.current_time()))
         self.bulk.abort(rank)
+        # after a goodbye the peer's stream lane stays readable (what it sent before it left may still be unread);
+        # any other failure shuts it down at once, waking a hop blocked on it
+        self.streams.abort(rank, error, graceful=link.said_bye)
         self._link_ready.pop(rank, None)
 
     def _link(self, peer: int) -> _Link:
@@ -818,6 +871,14 @@ class Endpoint:
         self._stats.rounds_sent += 1
         return PendingSend(stats, slot, t0, link.pacer)
 
+    async def exchange(self, hops: list[Hop], timeout: float | None = None) -> list[HopResult]:
+        """Run ``hops`` (see :class:`~dgt.transport.streams.Hop`) in order on stream lanes, off the trio loop: the
+        lossless path of a collective whose every rank knows the same sequence of messages (a ring all-reduce).
+        Exchanges run one at a time, in the order they were called, which must be the same on every rank.
+        ``timeout``: the longest a hop may make no progress (default: peer_timeout)."""
+        self._check_open()
+        return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout)
+
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
 
@@ -949,6 +1010,11 @@ class Endpoint:
             tcp.rx_bytes += link.chan.rx_bytes
             tcp.rx_calls += link.chan.rx_calls
             tcp.rx_frames += link.reader.frames
+        for chan in self.streams.channels():
+            tcp.tx_bytes += chan.tx_bytes
+            tcp.tx_calls += chan.tx_calls
+            tcp.rx_bytes += chan.rx_bytes
+            tcp.rx_calls += chan.rx_calls
         lanes.append(tcp)
         for lane, ch in self.udp.items():
             spec, cc = self.cfg.lanes[lane], ch.counters
@@ -980,6 +1046,11 @@ class Endpoint:
             r: {"dscp": get_dscp(ln.chan.sock), "priority": get_priority(ln.chan.sock)}
             for r, ln in self._links.items()
             if not ln.chan.closed
+        }
+        info["stream"] = {
+            r: {"dscp": get_dscp(ch.sock), "priority": get_priority(ch.sock)}
+            for r, ch in ((ln.peer, ln.chan) for ln in self.streams.lanes.values())
+            if not ch.closed
         }
         info["udp"] = {
             lane: {"dscp": get_dscp(ch.sock), "priority": get_priority(ch.sock), "gso": ch.gso, "gro": ch.gro,

@@ -1,0 +1,189 @@
+"""One full-duplex hop on stream lanes: send a message to one peer while receiving the expected one from another.
+
+A ring hop is the hot loop of a lossless all-reduce: it moves megabytes per call through two sockets at once, and in
+Python the work per system call costs about as much as the copy the kernel makes. So the loop comes in two twins
+with one contract: ``_duplex.c`` (built at install when a C compiler is there; it releases the GIL for the whole
+hop) and :func:`duplex_py` (pure Python, the fallback and the reference the native one is tested against). Both run
+in a worker thread, never on the trio loop: they block in ``poll``.
+
+Contract: the message is ``header + payload``; the receive expects exactly ``expect`` (the header the sender will
+write, derived from both sides' shared state) followed by ``len(land)`` bytes. A different header is a protocol
+error: the two ranks disagree on which message comes next, which only happens when they issued collectives in
+different orders. ``add_src`` (float32): the payload is added to it on arrival, ``land = add_src + received``, a
+stretch at a time through ``scratch`` while it is still in cache, instead of landing first and being added after.
+Memory is bounded by the caller's buffers whatever a header says: the receiver never sizes anything from it.
+"""
+
+from __future__ import annotations
+
+import errno
+import select
+import socket
+import time
+
+import numpy as np
+
+from dgt import wire
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError
+
+try:
+    from dgt.channels import _duplex
+except ImportError:  # built without a C compiler: the Python twin carries the hops
+    _duplex = None
+
+NATIVE = _duplex is not None
+LOWAT_MIN = 128 << 10  # as in _duplex.c: payload rests shorter than this are read as they come
+LOWAT_MAX = 1 << 20
+SCRATCH_BYTES = 256 << 10  # add mode: received bytes are summed in stretches of this size (fits L2)
+
+
+class HopCancelled(Exception):
+    """The cancel fd fired: the caller gave up on the hop (its stream lane is now mid-message)."""
+
+
+def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.socket | None, expect: bytes,
+              land, add_src, scratch, timeout: float, cancel_fd: int = -1) -> tuple[int, int, int, bytes]:
+    """The Python twin of ``_duplex.duplex``: same arguments (sockets instead of fds, ``timeout`` in seconds),
+    same ``(code, sent, received, header)`` result."""
+    out = [memoryview(header).cast("B"), memoryview(payload).cast("B")] if send is not None else []
+    out = [v for v in out if len(v)]
+    land_b = memoryview(land).cast("B")
+    rtot = len(expect) + len(land_b) if recv is not None else 0
+    hdr = bytearray(len(expect))
+    got = sent = pend = added = 0
+    if add_src is not None:
+        src = np.frombuffer(add_src, np.float32)
+        dst = np.frombuffer(land_b, np.float32)
+        scr_b = memoryview(scratch).cast("B")
+        scr = np.frombuffer(scr_b, np.uint8)
+    lowat, last, code = 1, time.monotonic(), 0
+    try:
+        while out or got < rtot:
+            progress = False
+            if out:
+                try:
+                    n = send.sendmsg(out)
+                    sent += n
+                    progress = True
+                    while n:
+                        k = min(n, len(out[0]))
+                        n -= k
+                        out[0] = out[0][k:]
+                        if not len(out[0]):
+                            out.pop(0)
+                except BlockingIOError:
+                    pass
+            if got < rtot:
+                try:
+                    before = got
+                    if got < len(expect):
+                        k = recv.recv_into(memoryview(hdr)[got:])
+                    elif add_src is not None:
+                        k = recv.recv_into(scr_b[pend:], min(len(scr_b) - pend, rtot - got))
+                    else:
+                        k = recv.recv_into(land_b[got - len(expect):])
+                    if k == 0:
+                        code = -errno.EPIPE
+                        break
+                    got += k
+                    progress = True
+                    if before < len(expect) <= got and bytes(hdr) != bytes(expect):
+                        code = -errno.EPROTO
+                        break
+                    if add_src is not None and before >= len(expect):
+                        pend += k
+                        if pend == len(scr_b) or got == rtot:
+                            whole = pend & ~3
+                            a = added // 4
+                            np.add(src[a : a + whole // 4], scr[:whole].view(np.float32),
+                                   out=dst[a : a + whole // 4])
+                            added += whole
+                            scr[: pend - whole] = scr[whole:pend]
+                            pend -= whole
+                except BlockingIOError:
+                    pass
+            if progress:
+                last = time.monotonic()
+                continue
+            wait = last + timeout - time.monotonic()
+            if wait <= 0:
+                code = -errno.ETIMEDOUT
+                break
+            events: dict[int, int] = {}  # one registration per fd: both neighbours may be one socket
+            if out:
+                events[send.fileno()] = select.POLLOUT
+            if got < rtot:
+                left = rtot - got
+                if add_src is not None and got >= len(expect):
+                    left = min(left, len(scr_b) - pend)
+                want = min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1
+                if want != lowat:
+                    recv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+                    lowat = want
+                events[recv.fileno()] = events.get(recv.fileno(), 0) | select.POLLIN
+            if cancel_fd >= 0:
+                events[cancel_fd] = select.POLLIN
+            poller = select.poll()
+            for fd, ev in events.items():
+                poller.register(fd, ev)
+            for fd, ev in poller.poll(wait * 1000):
+                if fd == cancel_fd and ev & select.POLLIN:
+                    code = -errno.ECANCELED
+                    break
+            if code:
+                break
+    except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
+        code = -exc.errno
+    except OSError as exc:
+        code = -(exc.errno or errno.EIO)
+    finally:
+        if lowat != 1:
+            try:
+                recv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
+            except OSError:
+                pass
+    return code, sent, got, bytes(hdr[: min(got, len(expect))])
+
+
+def describe(header: bytes) -> str:
+    """A BULK header in words (which message a rank sent), for protocol errors."""
+    if len(header) < wire.HEADER_SIZE:
+        return f"{len(header)} header bytes"
+    try:
+        h = wire.decode_header(header)
+    except Exception as exc:  # not even a header: say so
+        return f"an invalid header ({exc})"
+    return f"rank {int(h['rank'])}'s message {int(h['bucket']):#x} round {int(h['round'])} ({int(h['length'])} bytes)"
+
+
+def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.socket | None, expect: bytes, land,
+           add_src=None, scratch=None, *, timeout: float, cancel_fd: int = -1, native: bool = NATIVE,
+           label: str = "stream") -> tuple[int, int]:
+    """Run one hop to completion (blocking; call it from a worker thread). Returns (bytes sent, bytes received),
+    headers included. PeerClosed, PeerTimeout (no progress for ``timeout`` s), ProtocolError (another message than
+    ``expect`` came), :class:`HopCancelled`."""
+    if add_src is not None and scratch is None:
+        raise ValueError("add mode needs a scratch buffer")
+    if recv is None:
+        land, expect = bytearray(), b""
+    if native:
+        if _duplex is None:
+            raise RuntimeError("dgt was installed without its native hop loop (no C compiler at install time)")
+        code, sent, got, hdr = _duplex.duplex(-1 if send is None else send.fileno(), header, payload,
+                                              -1 if recv is None else recv.fileno(), expect, land, add_src, scratch,
+                                              max(1, int(timeout * 1000)), cancel_fd)
+    else:
+        code, sent, got, hdr = duplex_py(send, header, payload, recv, expect, land, add_src, scratch, timeout,
+                                         cancel_fd)
+    if code == 0:
+        return sent, got
+    if code == -errno.ECANCELED:
+        raise HopCancelled(label)
+    if code == -errno.EPROTO:
+        raise ProtocolError(f"{label}: expected {describe(expect)}, got {describe(hdr)}: the ranks issued "
+                            f"collectives in different orders")
+    if code == -errno.ETIMEDOUT:
+        raise PeerTimeout(f"{label}: no progress for {timeout:g} s (sent {sent}, received {got} bytes)")
+    if code in (-errno.EPIPE, -errno.ECONNRESET, -errno.ECONNABORTED, -errno.ENOTCONN, -errno.EBADF):
+        raise PeerClosed(f"{label}: the connection was closed mid-message (sent {sent}, received {got} bytes)")
+    raise OSError(-code, f"{label}: {errno.errorcode.get(-code, -code)}")

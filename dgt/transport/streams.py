@@ -1,0 +1,335 @@
+"""Stream lanes: a second TCP connection per peer for ordered lossless messages, driven off the trio loop.
+
+A lossless ring all-reduce is a fixed sequence of hops that both neighbours know in advance. On the session link
+every hop pays for trio's readiness waits, the framing reader and the writer task; here the whole sequence runs in
+one worker thread through :func:`dgt.channels.duplex.duplex`, each message one BULK frame (the same 48-byte header
+as on the session link, so captures dissect it alike), its header checked against the one this rank expects.
+
+The price is order: a stream carries one message after another, so the ranks must run their exchanges in the same
+order. Every rank already issues its collectives in the same order (the Group contract); an exchange takes a ticket
+when it is called, before its first await, and exchanges run one at a time in ticket order. Ranks that disagree
+anyway get a ProtocolError that names both messages, never a hang or a wrong sum.
+
+Lanes open lazily (the lower rank dials, with a hello that says ``stream``), are marked like lane 0 (EF), fail with
+their peer's session link, and are never reused after an error: a failed or cancelled exchange leaves its streams
+mid-message.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+import trio
+
+from dgt import wire
+from dgt.channels.duplex import NATIVE, SCRATCH_BYTES, HopCancelled, duplex
+from dgt.channels.tcp import TcpChannel
+from dgt.errors import PeerClosed, PeerTimeout
+from dgt.protocol.sender import raw_bytes
+from dgt.scheduler.slot import Slot
+from dgt.wire import FrameType
+
+MAX_MESSAGE_BYTES = (1 << 32) - 1  # a BULK header's length field
+
+
+@dataclass
+class Hop:
+    """Send ``payload`` to ``send_to`` while ``land`` fills from ``recv_from`` (either side may be None). With
+    ``add_src`` (float32, like ``land``) the received payload is added on arrival: ``land = add_src + received``.
+    ``bucket``/``round`` name the message in its header, as for a round on the session link."""
+
+    bucket: int
+    round: int
+    send_to: int | None = None
+    payload: torch.Tensor | None = None
+    recv_from: int | None = None
+    land: torch.Tensor | None = None
+    add_src: torch.Tensor | None = None
+
+
+@dataclass
+class HopResult:
+    sent: int  # bytes, header included
+    received: int
+    finished: float  # time.monotonic() when the hop completed
+
+
+def streamable(t: torch.Tensor, add: bool = False) -> bool:
+    """Whether a tensor can travel on a stream lane: contiguous, on the CPU, small enough for one BULK frame;
+    float32 when it is summed on arrival."""
+    return (t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() <= MAX_MESSAGE_BYTES
+            and (not add or t.dtype == torch.float32))
+
+
+class StreamLane:
+    """One stream connection to a peer. ``busy`` while a worker thread drives it: an abort then only shuts the
+    socket down (which wakes the thread), and the exchange closes it once the thread let go."""
+
+    def __init__(self, peer: int, chan: TcpChannel) -> None:
+        self.peer = peer
+        self.chan = chan
+        self.busy = False
+        self.error: BaseException | None = None
+
+    def abort(self, error: BaseException, graceful: bool = False) -> None:
+        """No further exchanges on this lane, and a hop under way wakes up with an error. ``graceful`` (the peer
+        said goodbye) changes nothing yet: what the peer sent before it left can still be read, and reading past it
+        ends the stream (PeerClosed). The endpoint's own close aborts it for good."""
+        if graceful:
+            return
+        if self.error is None:
+            self.error = error
+        try:
+            self.chan.sock.shutdown(2)  # SHUT_RDWR: a thread blocked in poll on it wakes up
+        except OSError:
+            pass
+        if not self.busy:
+            self.chan.close()
+
+    def release(self) -> None:
+        self.busy = False
+        if self.error is not None:
+            self.chan.close()
+
+
+class StreamHub:
+    """The endpoint's stream lanes: lazy connects, the ticket order, and exchanges run in a worker thread."""
+
+    def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int], Awaitable[TcpChannel]],
+                 link_error: Callable[[int], BaseException | None], native: bool = NATIVE) -> None:
+        self.rank = rank
+        self.token = token
+        self.timeout = timeout
+        self.native = native
+        self._dial = dial
+        self._link_error = link_error
+        self.lanes: dict[int, StreamLane] = {}
+        self._ready: dict[int, Slot] = {}
+        self._next = 0  # next ticket to hand out
+        self._turn = 0  # ticket whose exchange may run
+        self._skipped: set[int] = set()
+        self._turned = trio.Event()
+        self._cancel_r, self._cancel_w = os.pipe()
+        os.set_blocking(self._cancel_r, False)
+        os.set_blocking(self._cancel_w, False)
+        self._scratch = bytearray(SCRATCH_BYTES)
+        self._running = False  # a worker thread may be polling the cancel pipe
+        self.exchanges = 0
+        self.closed: BaseException | None = None
+
+    # -- lanes ------------------------------------------------------------------------------------------------
+    def refusal(self, peer: int) -> str | None:
+        """Why a stream hello from ``peer`` cannot be accepted (None: it can)."""
+        if self.closed is not None:
+            return "the endpoint is closing"
+        if self._link_error(peer) is not None:
+            return f"no live session link with rank {peer}"
+        if peer in self.lanes:
+            return f"rank {peer} already has a stream lane"
+        return None
+
+    def accept(self, peer: int, chan: TcpChannel) -> None:
+        """Take an accepted stream connection (after the welcome went out: nothing may precede it)."""
+        if self.refusal(peer) is not None:  # the situation changed while the welcome was sent
+            chan.close()
+            return
+        self._add(peer, chan)
+
+    def _add(self, peer: int, chan: TcpChannel) -> StreamLane:
+        chan.label = f"rank {self.rank} <-> rank {peer} (stream)"
+        lane = self.lanes[peer] = StreamLane(peer, chan)
+        self._ready.setdefault(peer, Slot()).set(lane)
+        return lane
+
+    async def lane(self, peer: int) -> StreamLane:
+        """The stream lane to ``peer``, connecting it first if need be (the lower rank dials)."""
+        lane = self.lanes.get(peer)
+        if lane is None:
+            if self.rank < peer:
+                chan = await self._dial(peer)
+                if self.closed is not None:
+                    chan.close()
+                    raise self.closed.with_traceback(None)
+                lane = self.lanes.get(peer) or self._add(peer, chan)
+            else:
+                try:
+                    with trio.fail_after(self.timeout):
+                        lane = await self._ready.setdefault(peer, Slot()).wait()
+                except trio.TooSlowError:
+                    raise PeerTimeout(f"rank {self.rank}: rank {peer} did not open its stream lane within "
+                                      f"{self.timeout:g} s") from None
+        if lane.error is not None:
+            raise lane.error.with_traceback(None)
+        return lane
+
+    def abort(self, peer: int, error: BaseException, graceful: bool = False) -> None:
+        """``peer``'s session link failed: its stream lane fails with it (and waiters for one)."""
+        lane = self.lanes.get(peer)
+        if lane is not None:
+            lane.abort(error, graceful)
+        slot = self._ready.get(peer)
+        if slot is not None and not slot.done:
+            slot.fail(error)
+
+    def close(self, error: BaseException) -> None:
+        """The endpoint is closing: fail every lane. The cancel pipe stays open while a thread may still poll it."""
+        self.closed = self.closed or error
+        for peer in list(set(self.lanes) | set(self._ready)):
+            self.abort(peer, error)
+        if not self._running:
+            self._close_pipe()
+
+    def _close_pipe(self) -> None:
+        for fd in (self._cancel_r, self._cancel_w):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self._cancel_r = self._cancel_w = -1
+
+    def channels(self) -> list[TcpChannel]:
+        return [ln.chan for ln in self.lanes.values()]
+
+    # -- exchanges --------------------------------------------------------------------------------------------
+    async def exchange(self, hops: list[Hop], timeout: float | None = None) -> list[HopResult]:
+        """Run ``hops`` in order (see the module docstring); the ticket is taken before the first await."""
+        ticket = self._next
+        self._next += 1
+        try:
+            while self._turn != ticket:
+                await self._turned.wait()
+            if self.closed is not None:
+                raise self.closed.with_traceback(None)
+            return await self._exchange(hops, timeout or self.timeout)
+        finally:
+            self._advance(ticket)
+
+    def _advance(self, ticket: int) -> None:
+        if self._turn != ticket:  # gave up before its turn: the turn skips it when it comes
+            self._skipped.add(ticket)
+            return
+        self._turn += 1
+        while self._turn in self._skipped:
+            self._skipped.discard(self._turn)
+            self._turn += 1
+        ev, self._turned = self._turned, trio.Event()
+        ev.set()
+
+    async def _exchange(self, hops: list[Hop], timeout: float) -> list[HopResult]:
+        peers = sorted({p for h in hops for p in (h.send_to, h.recv_from) if p is not None})
+        lanes: dict[int, StreamLane] = {}
+        async with trio.open_nursery() as n:  # connect both neighbours at once: each may be waiting for the other
+
+            async def get(p: int) -> None:
+                lanes[p] = await self.lane(p)
+
+            for p in peers:
+                n.start_soon(get, p)
+        plan = [self._plan(h, lanes) for h in hops]
+        for ln in lanes.values():
+            ln.busy = True
+        self._running = True
+        try:
+            results = await self._in_thread(lambda: self._run(plan, timeout))
+        except BaseException as exc:
+            # a stream left mid-message cannot carry another: fail the lanes, and report the peer's own failure
+            # (liveness, a BYE) when that is what ended the hop
+            for p, ln in lanes.items():
+                ln.abort(exc if isinstance(exc, Exception) else PeerClosed(f"stream lane to rank {p} abandoned"))
+            for p in peers:
+                err = self._link_error(p)
+                if err is not None and isinstance(exc, (PeerClosed, PeerTimeout)):
+                    raise err.with_traceback(None) from exc
+            raise
+        finally:
+            self._running = False
+            for ln in lanes.values():
+                ln.release()
+            if self.closed is not None:
+                self._close_pipe()
+        self.exchanges += 1
+        for (send, _, _, recv, *_), r in zip(plan, results):
+            if send is not None:
+                send.chan.tx_bytes += r.sent
+                send.chan.tx_calls += 1
+            if recv is not None:
+                recv.chan.rx_bytes += r.received
+                recv.chan.rx_calls += 1
+        return results
+
+    def _plan(self, h: Hop, lanes: dict[int, StreamLane]) -> tuple:
+        """What the thread needs for one hop: lanes, headers and buffer views, all built on the trio side."""
+        send = recv = None
+        header = expect = b""
+        payload = land = add = b""
+        if h.send_to is not None:
+            send = lanes[h.send_to]
+            payload = raw_bytes(h.payload)
+            header = self._header(self.rank, h, h.payload)
+        if h.recv_from is not None:
+            recv = lanes[h.recv_from]
+            land = raw_bytes(h.land)
+            expect = self._header(h.recv_from, h, h.land)
+            if h.add_src is not None:
+                add = raw_bytes(h.add_src)
+        label = f"rank {self.rank} stream hop (bucket {h.bucket:#x}, round {h.round})"
+        return send, header, payload, recv, expect, land, add if h.add_src is not None else None, label
+
+    def _header(self, sender: int, h: Hop, t: torch.Tensor) -> bytes:
+        n = t.numel()
+        return wire.encode_header(FrameType.BULK, token=self.token, rank=sender, round=h.round, bucket=h.bucket,
+                                  block=n, offset=0, count=n, length=n * t.element_size(),
+                                  dtype=wire.wire_dtype(t.dtype))
+
+    def _run(self, plan: list[tuple], timeout: float) -> list[HopResult]:
+        """The worker thread: every hop in order, no trio."""
+        out = []
+        for send, header, payload, recv, expect, land, add, label in plan:
+            sent, got = duplex(None if send is None else send.chan.sock, header, payload,
+                               None if recv is None else recv.chan.sock, expect, land, add,
+                               self._scratch if add is not None else None, timeout=timeout,
+                               cancel_fd=self._cancel_r, native=self.native, label=label)
+            out.append(HopResult(sent, got, time.monotonic()))
+        return out
+
+    async def _in_thread(self, fn: Callable[[], list[HopResult]]) -> list[HopResult]:
+        """``fn`` in a worker thread. Cancelling the caller writes the cancel pipe, which the hop loop polls, and
+        waits (shielded) until the thread has let go of the buffers: nothing lands in them after this returns."""
+        done = False
+
+        async def watch() -> None:
+            try:
+                await trio.sleep_forever()
+            finally:
+                if not done:
+                    try:
+                        os.write(self._cancel_w, b"x")
+                    except OSError:
+                        pass
+
+        async with trio.open_nursery() as n:
+            n.start_soon(watch)
+            try:
+                with trio.CancelScope(shield=True):
+                    results = await trio.to_thread.run_sync(fn)
+            except HopCancelled:
+                results = None
+            finally:
+                done = True
+                n.cancel_scope.cancel()
+                self._drain()
+        if results is None:  # cancelled: the enclosing scope raises Cancelled at the next checkpoint
+            await trio.lowlevel.checkpoint()
+            raise PeerClosed(f"rank {self.rank}: a stream exchange was cancelled")
+        return results
+
+    def _drain(self) -> None:
+        try:
+            while os.read(self._cancel_r, 64):
+                pass
+        except OSError:
+            pass

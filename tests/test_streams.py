@@ -1,0 +1,174 @@
+"""Stream lanes (dgt.transport.streams) between endpoints inside one trio run: exchanges land every byte and are
+counted, run one at a time in call order, and end with a clear error (wrong order, silence, a closed peer,
+cancellation) instead of a hang."""
+
+import pytest
+import torch
+import trio
+import trio.testing
+
+from dgt.channels.duplex import NATIVE
+from dgt.channels.sockopts import parse_dscp
+from dgt.endpoint import Endpoint, PeerClosed, PeerTimeout, TransportConfig
+from dgt.errors import ProtocolError
+from dgt.transport.streams import Hop
+
+TOKEN = 0x5EED_0002
+MODES = [pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native hop loop not built")), "python"]
+
+
+async def pair(mode="auto", timeout=5.0):
+    cfg = TransportConfig(peer_timeout=timeout, stream_hops=mode)
+    a = await Endpoint.open(0, TOKEN, cfg)
+    b = await Endpoint.open(1, TOKEN, cfg)
+    async with trio.open_nursery() as n:
+        n.start_soon(a.connect, {1: b.address})
+        n.start_soon(b.connect, {0: a.address})
+    return a, b
+
+
+async def both(fa, fb):
+    out = {}
+
+    async def run(name, f):
+        out[name] = await f()
+
+    async with trio.open_nursery() as n:
+        n.start_soon(run, "a", fa)
+        n.start_soon(run, "b", fb)
+    return out["a"], out["b"]
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode):
+    a, b = await pair(mode)
+    try:
+        n = 500_003
+        xa, xb, own = torch.randn(n), torch.randn(n), torch.randn(n)
+        la, lb = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
+        before = a.stats().lanes[0].tx_bytes
+        ra, rb = await both(
+            lambda: a.exchange([Hop(7, 0, 1, xa, 1, la, add_src=own)]),
+            lambda: b.exchange([Hop(7, 0, 0, xb, 0, lb)]))
+        assert torch.equal(la, own + xb) and torch.equal(lb, xa)
+        assert ra[0].sent == ra[0].received == rb[0].sent == 48 + 4 * n
+        extra = a.stats().lanes[0].tx_bytes - before - (48 + 4 * n)
+        assert 0 <= extra < 512, extra  # the message, plus the stream lane's hello (and perhaps a ping)
+        assert a.streams.exchanges == b.streams.exchanges == 1
+        info = a.socket_info()["stream"]
+        assert info[1]["dscp"] == parse_dscp(a.cfg.lanes[0].dscp)
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_exchanges_called_concurrently_run_one_at_a_time_in_call_order():
+    a, b = await pair()
+    try:
+        xs = [torch.randn(200_000) for _ in range(3)]
+        lands = [torch.empty(200_000) for _ in range(3)]
+
+        async def side(ep, peer, send):
+            async with trio.open_nursery() as n:
+                for i in range(3):  # each takes its ticket before the next one starts
+                    if send:
+                        n.start_soon(ep.exchange, [Hop(i, 0, send_to=peer, payload=xs[i])])
+                    else:
+                        n.start_soon(ep.exchange, [Hop(i, 0, recv_from=peer, land=lands[i])])
+                    await trio.testing.wait_all_tasks_blocked()
+
+        with trio.fail_after(20):
+            await both(lambda: side(a, 1, True), lambda: side(b, 0, False))
+        assert all(torch.equal(x, y) for x, y in zip(xs, lands))
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_different_orders_on_the_two_ranks_are_a_protocol_error_not_a_hang():
+    a, b = await pair()
+    try:
+        x = torch.randn(1000)
+        errors = []
+
+        async def run(ep, hops):
+            try:
+                await ep.exchange(hops)
+            except Exception as exc:
+                errors.append(exc)
+
+        with trio.fail_after(20):
+            await both(lambda: run(a, [Hop(1, 0, 1, x, 1, torch.empty(1000))]),
+                       lambda: run(b, [Hop(2, 0, 0, x, 0, torch.empty(1000))]))
+        assert errors and all(isinstance(e, (ProtocolError, PeerClosed)) for e in errors), errors
+        assert any(isinstance(e, ProtocolError) and "different orders" in str(e) for e in errors), errors
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_silence_times_out_and_the_lane_then_refuses_further_exchanges():
+    a, b = await pair(timeout=30)
+    try:
+        land = torch.empty(1000)
+        with trio.fail_after(10):
+            with pytest.raises(PeerTimeout, match="no progress"):
+                await a.exchange([Hop(1, 0, recv_from=1, land=land)], timeout=0.3)
+        # the lane failed with the hop (it may be mid-message): later exchanges say so instead of reading garbage
+        with pytest.raises(PeerTimeout):
+            await a.exchange([Hop(2, 0, recv_from=1, land=land)])
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_a_cancelled_exchange_returns_at_once_and_fails_its_lane():
+    a, b = await pair(timeout=30)
+    try:
+        land = torch.empty(1000)
+        x = torch.randn(1000)
+        await both(lambda: a.exchange([Hop(0, 0, send_to=1, payload=x)]),
+                   lambda: b.exchange([Hop(0, 0, recv_from=0, land=land)]))  # the lane is up
+        t0 = trio.current_time()
+        with trio.move_on_after(0.3) as scope:
+            await b.exchange([Hop(1, 0, recv_from=0, land=land)])  # nobody sends: waits until cancelled
+        assert scope.cancelled_caught and trio.current_time() - t0 < 5
+        with pytest.raises(PeerClosed):
+            await b.exchange([Hop(2, 0, recv_from=0, land=land)])
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_closing_the_peer_mid_exchange_fails_the_hop_and_data_sent_before_a_goodbye_is_still_read():
+    a, b = await pair(timeout=30)
+    try:
+        x = torch.randn(1000)
+        await a.exchange([Hop(1, 0, send_to=1, payload=x)])  # fits the socket buffers: done before b reads
+        await a.aclose()
+        await trio.sleep(0.2)  # b has seen the goodbye by now
+        land = torch.empty(1000)
+        await b.exchange([Hop(1, 0, recv_from=0, land=land)])
+        assert torch.equal(land, x)
+        with trio.fail_after(10):
+            with pytest.raises(PeerClosed, match="closed its endpoint"):
+                await b.exchange([Hop(2, 0, recv_from=0, land=land)])
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_an_unreachable_stream_peer_times_out_clearly():
+    cfg = TransportConfig(peer_timeout=5, connect_timeout=0.5)
+    a = await Endpoint.open(1, TOKEN, cfg)
+    b = await Endpoint.open(0, TOKEN, cfg)
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(a.connect, {0: b.address})
+            n.start_soon(b.connect, {1: a.address})
+        with trio.fail_after(10):  # rank 1 waits for rank 0 to dial, which never calls exchange
+            with pytest.raises(PeerTimeout, match="did not open its stream lane"):
+                await a.exchange([Hop(1, 0, recv_from=0, land=torch.empty(10))])
+    finally:
+        await a.aclose()
+        await b.aclose()
