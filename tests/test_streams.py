@@ -172,3 +172,30 @@ async def test_an_unreachable_stream_peer_times_out_clearly():
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_messages_larger_than_a_frame_go_as_several_and_uneven_hops_pair_up():
+    """With a 64 KiB frame limit, a 1.2 MB message crosses as 19 BULK frames; one side sends more pieces than it
+    receives (a ring's chunks differ in size), and the sums still come out exact."""
+    from dgt import wire
+
+    cfg = TransportConfig(peer_timeout=5, limits=wire.Limits(max_payload=64 << 10))
+    a = await Endpoint.open(0, TOKEN, cfg)
+    b = await Endpoint.open(1, TOKEN, cfg)
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(a.connect, {1: b.address})
+            n.start_soon(b.connect, {0: a.address})
+        big, small = torch.randn(300_001), torch.randn(10_000)
+        own = torch.randn(small.numel())
+        at_b, at_a = torch.empty(big.numel()), torch.empty(small.numel())
+        ra, rb = await both(
+            lambda: a.exchange([Hop(3, 1, 1, big, 1, at_a, add_src=own)]),
+            lambda: b.exchange([Hop(3, 1, 0, small, 0, at_b)]))
+        assert torch.equal(at_b, big) and torch.equal(at_a, own + small)
+        frames = -(-big.numel() * 4 // (64 << 10))
+        assert ra[0].sent == rb[0].received == frames * wire.HEADER_SIZE + big.numel() * 4
+        assert a.stats().lanes[0].tx_calls >= frames
+    finally:
+        await a.aclose()
+        await b.aclose()

@@ -152,7 +152,7 @@ class Endpoint:
         self._closing = False
         self._fatal: BaseException | None = None
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
-                                 self._link_error, native=c.native_hops())
+                                 self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload)
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -871,6 +871,7 @@ class Endpoint:
         self._stats.rounds_sent += 1
         return PendingSend(stats, slot, t0, link.pacer)
 
+    @one_error
     async def exchange(self, hops: list[Hop], timeout: float | None = None) -> list[HopResult]:
         """Run ``hops`` (see :class:`~dgt.transport.streams.Hop`) in order on stream lanes, off the trio loop: the
         lossless path of a collective whose every rank knows the same sequence of messages (a ring all-reduce).

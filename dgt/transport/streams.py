@@ -28,17 +28,16 @@ import trio
 from dgt import wire
 from dgt.channels.duplex import NATIVE, SCRATCH_BYTES, HopCancelled, duplex
 from dgt.channels.tcp import TcpChannel
-from dgt.errors import PeerClosed, PeerTimeout
+from dgt.errors import PeerClosed, PeerTimeout, single_error
 from dgt.protocol.sender import raw_bytes
 from dgt.scheduler.slot import Slot
 from dgt.wire import FrameType
 
-MAX_MESSAGE_BYTES = (1 << 32) - 1  # a BULK header's length field
-
 
 @dataclass
 class Hop:
-    """Send ``payload`` to ``send_to`` while ``land`` fills from ``recv_from`` (either side may be None). With
+    """Send ``payload`` to ``send_to`` while ``land`` fills from ``recv_from`` (either side may be None; tensors are
+    contiguous CPU tensors, sent and landed as flat bytes). With
     ``add_src`` (float32, like ``land``) the received payload is added on arrival: ``land = add_src + received``.
     ``bucket``/``round`` name the message in its header, as for a round on the session link."""
 
@@ -59,10 +58,8 @@ class HopResult:
 
 
 def streamable(t: torch.Tensor, add: bool = False) -> bool:
-    """Whether a tensor can travel on a stream lane: contiguous, on the CPU, small enough for one BULK frame;
-    float32 when it is summed on arrival."""
-    return (t.device.type == "cpu" and t.is_contiguous() and t.numel() * t.element_size() <= MAX_MESSAGE_BYTES
-            and (not add or t.dtype == torch.float32))
+    """Whether a tensor can travel on a stream lane: contiguous, on the CPU; float32 when it is summed on arrival."""
+    return t.device.type == "cpu" and t.is_contiguous() and (not add or t.dtype == torch.float32)
 
 
 class StreamLane:
@@ -100,8 +97,10 @@ class StreamHub:
     """The endpoint's stream lanes: lazy connects, the ticket order, and exchanges run in a worker thread."""
 
     def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int], Awaitable[TcpChannel]],
-                 link_error: Callable[[int], BaseException | None], native: bool = NATIVE) -> None:
+                 link_error: Callable[[int], BaseException | None], native: bool = NATIVE,
+                 frame_bytes: int = wire.DEFAULT_LIMITS.max_payload) -> None:
         self.rank = rank
+        self.frame_bytes = frame_bytes  # a message larger than a frame may be goes as several, in offset order
         self.token = token
         self.timeout = timeout
         self.native = native
@@ -229,7 +228,7 @@ class StreamHub:
 
             for p in peers:
                 n.start_soon(get, p)
-        plan = [self._plan(h, lanes) for h in hops]
+        plan = [self._plan(h, lanes) for h in hops]  # per hop, its pieces
         for ln in lanes.values():
             ln.busy = True
         self._running = True
@@ -252,47 +251,66 @@ class StreamHub:
             if self.closed is not None:
                 self._close_pipe()
         self.exchanges += 1
-        for (send, _, _, recv, *_), r in zip(plan, results):
-            if send is not None:
-                send.chan.tx_bytes += r.sent
-                send.chan.tx_calls += 1
-            if recv is not None:
-                recv.chan.rx_bytes += r.received
-                recv.chan.rx_calls += 1
+        for pieces in plan:
+            for send, _, _, recv, *_ in pieces:
+                if send is not None:
+                    send.chan.tx_calls += 1
+                if recv is not None:
+                    recv.chan.rx_calls += 1
+        for h, r in zip(hops, results):
+            if h.send_to is not None:
+                lanes[h.send_to].chan.tx_bytes += r.sent
+            if h.recv_from is not None:
+                lanes[h.recv_from].chan.rx_bytes += r.received
         return results
 
-    def _plan(self, h: Hop, lanes: dict[int, StreamLane]) -> tuple:
-        """What the thread needs for one hop: lanes, headers and buffer views, all built on the trio side."""
-        send = recv = None
-        header = expect = b""
-        payload = land = add = b""
-        if h.send_to is not None:
-            send = lanes[h.send_to]
-            payload = raw_bytes(h.payload)
-            header = self._header(self.rank, h, h.payload)
-        if h.recv_from is not None:
-            recv = lanes[h.recv_from]
-            land = raw_bytes(h.land)
-            expect = self._header(h.recv_from, h, h.land)
-            if h.add_src is not None:
-                add = raw_bytes(h.add_src)
+    def _plan(self, h: Hop, lanes: dict[int, StreamLane]) -> list[tuple]:
+        """What the thread needs for one hop, built on the trio side: lanes, headers and buffer views, one tuple per
+        piece. A message goes as BULK frames of at most ``frame_bytes`` (``offset``/``count`` say which elements),
+        so the receiver's frame limit holds; send and receive pieces are paired in order."""
+        payload, land, add_src = (None if t is None else t.reshape(-1) for t in (h.payload, h.land, h.add_src))
+        sends = self._pieces(self.rank, h, payload) if h.send_to is not None else []
+        recvs = self._pieces(h.recv_from, h, land) if h.recv_from is not None else []
         label = f"rank {self.rank} stream hop (bucket {h.bucket:#x}, round {h.round})"
-        return send, header, payload, recv, expect, land, add if h.add_src is not None else None, label
-
-    def _header(self, sender: int, h: Hop, t: torch.Tensor) -> bytes:
-        n = t.numel()
-        return wire.encode_header(FrameType.BULK, token=self.token, rank=sender, round=h.round, bucket=h.bucket,
-                                  block=n, offset=0, count=n, length=n * t.element_size(),
-                                  dtype=wire.wire_dtype(t.dtype))
-
-    def _run(self, plan: list[tuple], timeout: float) -> list[HopResult]:
-        """The worker thread: every hop in order, no trio."""
         out = []
-        for send, header, payload, recv, expect, land, add, label in plan:
-            sent, got = duplex(None if send is None else send.chan.sock, header, payload,
-                               None if recv is None else recv.chan.sock, expect, land, add,
-                               self._scratch if add is not None else None, timeout=timeout,
-                               cancel_fd=self._cancel_r, native=self.native, label=label)
+        for i in range(max(len(sends), len(recvs), 1)):
+            send = recv = add = None
+            header = expect = b""
+            send_view = land_view = b""
+            if i < len(sends):
+                send = lanes[h.send_to]
+                header, a, b = sends[i]
+                send_view = raw_bytes(payload[a:b])
+            if i < len(recvs):
+                recv = lanes[h.recv_from]
+                expect, a, b = recvs[i]
+                land_view = raw_bytes(land[a:b])
+                if add_src is not None:
+                    add = raw_bytes(add_src[a:b])
+            out.append((send, header, send_view, recv, expect, land_view, add, label))
+        return out
+
+    def _pieces(self, sender: int, h: Hop, t: torch.Tensor) -> list[tuple[bytes, int, int]]:
+        """(header, first element, end element) of each frame of ``t`` as ``sender`` sends it."""
+        n, isz = t.numel(), t.element_size()
+        per = max(1, self.frame_bytes // isz)
+        dt = wire.wire_dtype(t.dtype)
+        return [(wire.encode_header(FrameType.BULK, token=self.token, rank=sender, round=h.round, bucket=h.bucket,
+                                    block=n, offset=a, count=min(per, n - a), length=min(per, n - a) * isz, dtype=dt),
+                 a, min(a + per, n)) for a in range(0, max(n, 1), per)]
+
+    def _run(self, plan: list[list[tuple]], timeout: float) -> list[HopResult]:
+        """The worker thread: every hop (every piece of it) in order, no trio."""
+        out = []
+        for pieces in plan:
+            sent = got = 0
+            for send, header, payload, recv, expect, land, add, label in pieces:
+                s, g = duplex(None if send is None else send.chan.sock, header, payload,
+                              None if recv is None else recv.chan.sock, expect, land, add,
+                              self._scratch if add is not None else None, timeout=timeout,
+                              cancel_fd=self._cancel_r, native=self.native, label=label)
+                sent += s
+                got += g
             out.append(HopResult(sent, got, time.monotonic()))
         return out
 
@@ -311,17 +329,18 @@ class StreamHub:
                     except OSError:
                         pass
 
-        async with trio.open_nursery() as n:
-            n.start_soon(watch)
-            try:
-                with trio.CancelScope(shield=True):
-                    results = await trio.to_thread.run_sync(fn)
-            except HopCancelled:
-                results = None
-            finally:
-                done = True
-                n.cancel_scope.cancel()
-                self._drain()
+        with single_error():  # the hop's own error, not a group of it (trio >= 0.25 wraps nursery errors)
+            async with trio.open_nursery() as n:
+                n.start_soon(watch)
+                try:
+                    with trio.CancelScope(shield=True):
+                        results = await trio.to_thread.run_sync(fn)
+                except HopCancelled:
+                    results = None
+                finally:
+                    done = True
+                    n.cancel_scope.cancel()
+                    self._drain()
         if results is None:  # cancelled: the enclosing scope raises Cancelled at the next checkpoint
             await trio.lowlevel.checkpoint()
             raise PeerClosed(f"rank {self.rank}: a stream exchange was cancelled")
