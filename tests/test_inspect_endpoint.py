@@ -108,3 +108,40 @@ def test_capture_of_bulk_messages_matches_the_transport(tmp_path):
         assert m["frames"] == snd.reliable_frames == r.stats.lanes[0].frames
         assert m["bytes"] + m["frames"] * 48 == snd.reliable_bytes == r.stats.lanes[0].bytes
     assert s["rounds"] == [] and s["malformed"]["total"] == 0
+
+
+async def _stream_exchange(sizes: list[int]) -> tuple[list, list, object, object]:
+    """Stream-lane exchanges (a 2-rank ring's hops), with a frame limit small enough that the larger one splits."""
+    from dgt import wire
+    from dgt.transport.streams import Hop
+
+    async def body(a, b, sent, got) -> None:
+        for rnd, n in enumerate(sizes):
+            x, land = torch.randn(n), torch.empty(n)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.exchange, [Hop(5, rnd, send_to=1, payload=x)])
+                got.append(await b.exchange([Hop(5, rnd, recv_from=0, land=land)]))
+            sent.append(x)
+
+    return await _run_pair(endpoint.TransportConfig(limits=wire.Limits(max_payload=512 << 10)), body)
+
+
+def test_capture_of_stream_lanes_shows_their_bulk_frames_marked_ef(tmp_path):
+    path = str(tmp_path / "stream.pcap")
+    cap = LiveCapture(path, "lo").start()
+    try:
+        sent, got, addr_a, addr_b = trio.run(_stream_exchange, [300_000, 9])
+        time.sleep(0.2)
+    finally:
+        res = cap.stop()
+    assert res.kernel_drops == 0
+    # stream lanes connect to the same listener port as the session link
+    s = summarize(path, Options(auto=False, tcp_ports=(addr_a.tcp_port, addr_b.tcp_port)))
+    msgs = sorted((m for m in s["bulk"] if m["sender"] == 0 and m["bucket"] == 5), key=lambda m: m["round"])
+    assert [m["round"] for m in msgs] == [0, 1] and all(m["complete"] for m in msgs)
+    assert [m["frames"] for m in msgs] == [-(-300_000 * 4 // (512 << 10)), 1]
+    for m, x, r in zip(msgs, sent, got):
+        assert m["bytes"] == x.numel() * 4 and m["bytes"] + m["frames"] * 48 == r[0].received
+    assert s["malformed"]["total"] == 0, s["malformed"]
+    v = s["lanes"]["0"]
+    assert v["dscp"] == {str(endpoint.default_lanes()[0].dscp): v["packets"]}
