@@ -5,7 +5,8 @@ Such a group has no C++ backend of its own, and DDP's construction (parameter sh
 goes through C++ paths that look one up per device type, so the group registers an internal Gloo backend (created
 on the same store under its own prefix) for the device types it serves. Python calls and DDP's reducer reach the
 ``allreduce`` overridden here; every other collective (broadcast, all_gather, barrier, reduce_scatter, ...) goes to
-Gloo through the base class. Floating-point SUM/AVG all-reduces go over DGT, lossless (dense codec) unless
+the internal Gloo backend (those the C++ trampoline would call with the GIL held are forwarded explicitly, see
+``_TO_GLOO``). Floating-point SUM/AVG all-reduces go over DGT, lossless (dense codec) unless
 :class:`DGTBackendOptions` names a lossy codec; other dtypes and ops (MAX, MIN, PRODUCT, ...) go to Gloo.
 """
 
@@ -159,6 +160,31 @@ class DGTProcessGroup(dist.ProcessGroup):
 
     def __repr__(self) -> str:
         return f"DGTProcessGroup(rank={self._rank}, size={self._size}, codec={self.options.codec!r})"
+
+
+# Collectives a Python ProcessGroup subclass inherits from C++ (torch's PyProcessGroup trampoline, WORK_OVERRIDE).
+# For one not overridden in Python, the trampoline calls the base class *while still holding the GIL*, and the base
+# class enqueues on Gloo under Gloo's work mutex. Gloo's worker thread meanwhile frees the work it just finished
+# under that same mutex, and freeing a work's tensors takes the GIL: a deadlock, seen as both ranks of the shim test
+# stuck in dist.broadcast after a Gloo all-reduce (rank 1's main thread in ProcessGroupGloo::enqueue, its Gloo
+# worker in ~AsyncWork waiting for the GIL). Overriding them in Python and calling the Gloo backend's own binding,
+# which releases the GIL, breaks the cycle.
+_TO_GLOO = ("allgather", "allreduce_coalesced", "barrier", "broadcast", "reduce_scatter", "send", "recv")
+
+
+def _via_gloo(name: str):
+    def forward(self: DGTProcessGroup, *args: Any, **kwargs: Any) -> dist.Work:
+        if name == "allreduce_coalesced":  # an all-reduce, counted like those sent to Gloo by allreduce
+            self.stats["gloo"] += 1
+        return getattr(self.gloo, name)(*args, **kwargs)
+
+    forward.__name__ = forward.__qualname__ = name
+    forward.__doc__ = f"``{name}`` on the internal Gloo backend, called so that it runs without the GIL."
+    return forward
+
+
+for _name in _TO_GLOO:
+    setattr(DGTProcessGroup, _name, _via_gloo(_name))
 
 
 def _dgt_carries(t: torch.Tensor) -> bool:
