@@ -356,18 +356,26 @@ def test_cli_up_status_run_down(prefix: str, capsys: pytest.CaptureFixture[str])
     try:
         assert len(nsutil.list_ns(prefix)) == 4  # still up after the command returned
         topo = Topology.attach(prefix)
-        flood = cross_traffic(topo, 1, 2, dscp=8, rate="200mbit", duration=10)  # CS1 lands in LE
-        try:
-            Flow(topo, 0, 2, proto="tcp", dscp=46, duration=1.0, port=5202).start().wait()
-            flood.stop()
-        finally:
-            flood.kill()
-        capsys.readouterr()
-        assert main(["netem", "status", "--prefix", prefix]) == 0
-        text = capsys.readouterr().out
+        # a CS1 flood at twice the link rate beside an EF flow: LE must drop, EF not. Under the host's CPU steal the
+        # Python flood sender has been seen to fall short of the link rate (no LE drop at all), so a second round is
+        # tried before calling that a failure; the drop counters add up over both
+        tries = []
+        for attempt in range(2):
+            flood = cross_traffic(topo, 1, 2, dscp=8, rate="200mbit", duration=10)  # CS1 lands in LE
+            try:
+                Flow(topo, 0, 2, proto="tcp", dscp=46, duration=1.0, port=5202 + attempt).start().wait()
+                flood.stop()
+            finally:
+                flood.kill()
+            capsys.readouterr()
+            assert main(["netem", "status", "--prefix", prefix]) == 0
+            text = capsys.readouterr().out
+            rows = _table_rows(text)
+            tries.append(rows)
+            if rows.get(("sw0→h2", "LE"), 0) > 0:
+                break
         assert "sw0→h2" in text and "LE" in text and "EF" in text
-        rows = _table_rows(text)
-        assert rows[("sw0→h2", "LE")] > 0 and rows.get(("sw0→h2", "EF"), 0) == 0, rows
+        assert rows[("sw0→h2", "LE")] > 0 and rows.get(("sw0→h2", "EF"), 0) == 0, tries
         assert main(["netem", "status", "--prefix", prefix, "--json"]) == 0
         stats = json.loads(capsys.readouterr().out)
         drops = drops_by_class(stats)
