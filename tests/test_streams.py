@@ -2,6 +2,8 @@
 counted, run one at a time in call order, and end with a clear error (wrong order, silence, a closed peer,
 cancellation) instead of a hang."""
 
+from contextlib import asynccontextmanager
+
 import pytest
 import torch
 import trio
@@ -17,14 +19,20 @@ TOKEN = 0x5EED_0002
 MODES = [pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="native hop loop not built")), "python"]
 
 
-async def pair(mode="auto", timeout=5.0):
-    cfg = TransportConfig(peer_timeout=timeout, stream_hops=mode)
-    a = await Endpoint.open(0, TOKEN, cfg)
-    b = await Endpoint.open(1, TOKEN, cfg)
-    async with trio.open_nursery() as n:
-        n.start_soon(a.connect, {1: b.address})
-        n.start_soon(b.connect, {0: a.address})
-    return a, b
+@asynccontextmanager
+async def pair(mode="auto", timeout=5.0, ranks=(0, 1), **cfg):
+    """Two connected endpoints (ranks ``ranks``), closed on the way out."""
+    cfg = TransportConfig(peer_timeout=timeout, stream_hops=mode, **cfg)
+    a = await Endpoint.open(ranks[0], TOKEN, cfg)
+    b = await Endpoint.open(ranks[1], TOKEN, cfg)
+    try:
+        async with trio.open_nursery() as n:
+            n.start_soon(a.connect, {ranks[1]: b.address})
+            n.start_soon(b.connect, {ranks[0]: a.address})
+        yield a, b
+    finally:
+        await a.aclose()
+        await b.aclose()
 
 
 async def both(fa, fb):
@@ -41,8 +49,7 @@ async def both(fa, fb):
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode):
-    a, b = await pair(mode)
-    try:
+    async with pair(mode) as (a, b):
         n = 500_003
         xa, xb, own = torch.randn(n), torch.randn(n), torch.randn(n)
         la, lb = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
@@ -57,14 +64,10 @@ async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode):
         assert a.streams.exchanges == b.streams.exchanges == 1
         info = a.socket_info()["stream"]
         assert info[1]["dscp"] == parse_dscp(a.cfg.lanes[0].dscp)
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_exchanges_called_concurrently_run_one_at_a_time_in_call_order():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         xs = [torch.randn(200_000) for _ in range(3)]
         lands = [torch.empty(200_000) for _ in range(3)]
 
@@ -80,14 +83,10 @@ async def test_exchanges_called_concurrently_run_one_at_a_time_in_call_order():
         with trio.fail_after(20):
             await both(lambda: side(a, 1, True), lambda: side(b, 0, False))
         assert all(torch.equal(x, y) for x, y in zip(xs, lands))
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_different_orders_on_the_two_ranks_are_a_protocol_error_not_a_hang():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         x = torch.randn(1000)
         errors = []
 
@@ -102,14 +101,10 @@ async def test_different_orders_on_the_two_ranks_are_a_protocol_error_not_a_hang
                        lambda: run(b, [Hop(2, 0, 0, x, 0, torch.empty(1000))]))
         assert errors and all(isinstance(e, (ProtocolError, PeerClosed)) for e in errors), errors
         assert any(isinstance(e, ProtocolError) and "different orders" in str(e) for e in errors), errors
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_silence_times_out_and_the_lane_then_refuses_further_exchanges():
-    a, b = await pair(timeout=30)
-    try:
+    async with pair(timeout=30) as (a, b):
         land = torch.empty(1000)
         with trio.fail_after(10):
             with pytest.raises(PeerTimeout, match="no progress"):
@@ -117,14 +112,10 @@ async def test_silence_times_out_and_the_lane_then_refuses_further_exchanges():
         # the lane failed with the hop (it may be mid-message): later exchanges say so instead of reading garbage
         with pytest.raises(PeerTimeout):
             await a.exchange([Hop(2, 0, recv_from=1, land=land)])
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_a_cancelled_exchange_returns_at_once_and_fails_its_lane():
-    a, b = await pair(timeout=30)
-    try:
+    async with pair(timeout=30) as (a, b):
         land = torch.empty(1000)
         x = torch.randn(1000)
         await both(lambda: a.exchange([Hop(0, 0, send_to=1, payload=x)]),
@@ -135,14 +126,10 @@ async def test_a_cancelled_exchange_returns_at_once_and_fails_its_lane():
         assert scope.cancelled_caught and trio.current_time() - t0 < 5
         with pytest.raises(PeerClosed):
             await b.exchange([Hop(2, 0, recv_from=0, land=land)])
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_closing_the_peer_mid_exchange_fails_the_hop_and_data_sent_before_a_goodbye_is_still_read():
-    a, b = await pair(timeout=30)
-    try:
+    async with pair(timeout=30) as (a, b):
         x = torch.randn(1000)
         await a.exchange([Hop(1, 0, send_to=1, payload=x)])  # fits the socket buffers: done before b reads
         await a.aclose()
@@ -153,25 +140,13 @@ async def test_closing_the_peer_mid_exchange_fails_the_hop_and_data_sent_before_
         with trio.fail_after(10):
             with pytest.raises(PeerClosed, match="closed its endpoint"):
                 await b.exchange([Hop(2, 0, recv_from=0, land=land)])
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_an_unreachable_stream_peer_times_out_clearly():
-    cfg = TransportConfig(peer_timeout=5, connect_timeout=0.5)
-    a = await Endpoint.open(1, TOKEN, cfg)
-    b = await Endpoint.open(0, TOKEN, cfg)
-    try:
-        async with trio.open_nursery() as n:
-            n.start_soon(a.connect, {0: b.address})
-            n.start_soon(b.connect, {1: a.address})
+    async with pair(ranks=(1, 0), connect_timeout=0.5) as (a, b):
         with trio.fail_after(10):  # rank 1 waits for rank 0 to dial, which never calls exchange
             with pytest.raises(PeerTimeout, match="did not open its stream lane"):
                 await a.exchange([Hop(1, 0, recv_from=0, land=torch.empty(10))])
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_messages_larger_than_a_frame_go_as_several_and_uneven_hops_pair_up():
@@ -179,13 +154,7 @@ async def test_messages_larger_than_a_frame_go_as_several_and_uneven_hops_pair_u
     receives (a ring's chunks differ in size), and the sums still come out exact."""
     from dgt import wire
 
-    cfg = TransportConfig(peer_timeout=5, limits=wire.Limits(max_payload=64 << 10))
-    a = await Endpoint.open(0, TOKEN, cfg)
-    b = await Endpoint.open(1, TOKEN, cfg)
-    try:
-        async with trio.open_nursery() as n:
-            n.start_soon(a.connect, {1: b.address})
-            n.start_soon(b.connect, {0: a.address})
+    async with pair(limits=wire.Limits(max_payload=64 << 10)) as (a, b):
         big, small = torch.randn(300_001), torch.randn(10_000)
         own = torch.randn(small.numel())
         at_b, at_a = torch.empty(big.numel()), torch.empty(small.numel())
@@ -196,6 +165,3 @@ async def test_messages_larger_than_a_frame_go_as_several_and_uneven_hops_pair_u
         frames = -(-big.numel() * 4 // (64 << 10))
         assert ra[0].sent == rb[0].received == frames * wire.HEADER_SIZE + big.numel() * 4
         assert a.stats().lanes[0].tx_calls >= frames
-    finally:
-        await a.aclose()
-        await b.aclose()

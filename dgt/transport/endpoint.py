@@ -291,21 +291,34 @@ class Endpoint:
                     n.start_soon(self._await_link, rank, timeout)
 
     async def _dial(self, rank: int, addr: PeerAddress, timeout: float) -> None:
-        host = canonical_host(addr.host)
+        chan = await self._hello(rank, addr.host, addr.tcp_port, timeout)
+        self._register(rank, addr, canonical_host(addr.host), chan, FrameReader(chan, self.cfg.limits, self.token))
+
+    async def _dial_stream(self, rank: int) -> TcpChannel:
+        """Open a stream lane to ``rank`` (see dgt.transport.streams): a second connection, welcomed like the first."""
+        link = self._link(rank)
+        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True)
+
+    async def _hello(self, rank: int, host: str, port: int, timeout: float, what: str = "", **fields) -> TcpChannel:
+        """Dial ``rank``, say hello (plus ``fields``) and read its answer exactly, never past it (a stream lane's first
+        message may follow right behind); the connection once welcomed. ``what``: the connection, for errors."""
         try:
             with trio.fail_after(timeout):
-                sock = await dial(addr.host, addr.tcp_port, self.cfg.lanes[0], timeout)
+                sock = await dial(host, port, self.cfg.lanes[0], timeout)
                 chan = self._tcp_channel(sock, rank)
                 try:
-                    hello = control.control(
-                        self.token, self.rank, control.HELLO, address=self.address.to_dict(), lanes=len(self.udp)
-                    )
+                    hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
+                                            lanes=len(self.udp), **fields)
                     await chan.send_buffers([hello])
-                    reader = FrameReader(chan, self.cfg.limits, self.token)
-                    rf = await reader.next(lambda h: KEEP)
-                    peer, msg = control.parse(rf.frame, self.cfg.limits)
+                    head = bytearray(wire.HEADER_SIZE)
+                    await chan.recv_exactly(memoryview(head))
+                    h = wire.decode_header(head, self.cfg.limits, self.token)
+                    body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
+                    await chan.recv_exactly(memoryview(body))
+                    peer, msg = control.parse(bytes(head + body), self.cfg.limits)
                     if msg["op"] != control.WELCOME or peer != rank:
-                        raise ProtocolError(f"rank {rank} refused the session: {msg.get('why', msg['op'])}")
+                        raise ProtocolError(f"rank {rank} refused {what or 'the session'}: {msg.get('why', msg['op'])}")
                 except PeerClosed:
                     chan.close()
                     why = f"rank {self.rank}: rank {rank} hung up on our hello (another session token?)"
@@ -314,35 +327,7 @@ class Endpoint:
                     chan.close()
                     raise
         except trio.TooSlowError:
-            raise PeerTimeout(f"rank {self.rank}: rank {rank} did not accept within {timeout:g} s") from None
-        self._register(rank, addr, host, chan, reader)
-
-    async def _dial_stream(self, rank: int) -> TcpChannel:
-        """Open a stream lane to ``rank`` (see dgt.transport.streams): a second connection, welcomed like the first."""
-        link = self._link(rank)
-        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
-        try:
-            with trio.fail_after(timeout):
-                sock = await dial(link.address.host, link.address.tcp_port, self.cfg.lanes[0], timeout)
-                chan = self._tcp_channel(sock, rank)
-                try:
-                    hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), stream=True)
-                    await chan.send_buffers([hello])
-                    # read the reply exactly, never past it: the stream's first message may follow right behind
-                    head = bytearray(wire.HEADER_SIZE)
-                    await chan.recv_exactly(memoryview(head))
-                    h = wire.decode_header(head, self.cfg.limits, self.token)
-                    body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
-                    await chan.recv_exactly(memoryview(body))
-                    peer, msg = control.parse(bytes(head + body), self.cfg.limits)
-                    if msg["op"] != control.WELCOME or peer != rank:
-                        raise ProtocolError(f"rank {rank} refused a stream lane: {msg.get('why', msg['op'])}")
-                except BaseException:
-                    chan.close()
-                    raise
-        except trio.TooSlowError:
-            why = f"rank {self.rank}: rank {rank} did not accept a stream lane within {timeout:g} s"
+            why = f"rank {self.rank}: rank {rank} did not accept {what + ' ' if what else ''}within {timeout:g} s"
             raise PeerTimeout(why) from None
         return chan
 
