@@ -76,7 +76,8 @@ def test_every_registry_name_builds_and_round_trips() -> None:
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize(
-    "spec", ["slimdp", "slimdp:shared_seed=true", "qsgd", "olandraj", "dcd:bits=8", "ecd:quantizer=fixed"]
+    "spec", ["slimdp", "slimdp:shared_seed=true", "qsgd", "olandraj", "dcd:bits=8", "ecd:quantizer=fixed",
+             "naive-gossip:bits=8", "dgt:p=0.3", "dense", "dense:dtype=fp16"]
 )
 def test_cuda_round_trip_matches_cpu_semantics(spec: str) -> None:
     x = torch.randn(200_003, generator=torch.Generator().manual_seed(1)).cuda()
