@@ -438,3 +438,58 @@ def test_cuda_hook_matches_gloo_and_trains():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
         assert res[r]["dgt_totals"]["codec_buckets"] > 0
         assert all(v == v for v in res[r]["dgt_losses"])
+
+
+def _backend_device_rank(rank: int, world: int, device: str) -> dict:
+    """The ``dgt`` backend with tensors on ``device``: collectives, then DDP on the dgt group against DDP on Gloo."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import dgt.shim  # noqa: F401  (registers the backend)
+
+    dev = torch.device(device, rank % torch.cuda.device_count()) if device == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("dgt", rank=rank, world_size=world)
+    gloo = dist.new_group(backend="gloo")
+    out: dict = {}
+    t = (torch.arange(5000, dtype=torch.float32) * (rank + 1)).to(dev)
+    dist.all_reduce(t)
+    out["sum"] = (t.device.type, t.cpu())
+    a = torch.full((3,), float(rank + 1), device=dev)
+    dist.all_reduce(a, op=dist.ReduceOp.AVG)
+    out["avg"] = (a.device.type, a.cpu())
+    b = torch.full((4,), float(rank), device=dev)
+    dist.broadcast(b, src=1)
+    out["bcast"] = (b.device.type, b.cpu())
+    ids = [dev.index] if dev.type == "cuda" else None
+    for name, pg in (("gloo", gloo), ("dgt", None)):
+        ddp = DDP(_model().to(dev), device_ids=ids, bucket_cap_mb=0.01, process_group=pg)
+        x, y = _data(rank)
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
+        gen = torch.Generator().manual_seed(rank)
+        for _ in range(STEPS):
+            idx = torch.randint(len(x), (32,), generator=gen)
+            loss = torch.nn.functional.cross_entropy(ddp(x[idx].to(dev)), y[idx].to(dev))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+        out[name] = [p.detach().cpu() for p in ddp.module.parameters()]
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device")])])
+def test_backend_on_the_tensors_device(device):
+    """``init_process_group("dgt")`` with the model on ``device``: results stay there, and DDP on the dgt group
+    trains exactly like DDP on Gloo (dense and lossless by default)."""
+    res = run_ranks(_backend_device_rank, 2, device, timeout=240)
+    for r in (0, 1):
+        o = res[r]
+        assert {o[k][0] for k in ("sum", "avg", "bcast")} == {device}
+        torch.testing.assert_close(o["sum"][1], torch.arange(5000, dtype=torch.float32) * 3)
+        torch.testing.assert_close(o["avg"][1], torch.full((3,), 1.5))
+        assert o["bcast"][1].tolist() == [1.0] * 4
+        for a, b in zip(o["dgt"], o["gloo"]):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
