@@ -38,14 +38,16 @@ def _data(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, (x @ teacher).argmax(1)
 
 
-def _train(ddp, rank: int, steps: int, state=None, lr: float = 0.1) -> list[float]:
+def _train(ddp, rank: int, steps: int, state=None, lr: float = 0.1, device: torch.device | None = None
+           ) -> list[float]:
     x, y = _data(rank)
     opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
     gen = torch.Generator().manual_seed(rank)
     losses = []
     for _ in range(steps):
         idx = torch.randint(len(x), (32,), generator=gen)
-        loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
+        xb, yb = (x[idx], y[idx]) if device is None else (x[idx].to(device), y[idx].to(device))
+        loss = torch.nn.functional.cross_entropy(ddp(xb), yb)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -409,19 +411,8 @@ def _cuda_rank(rank: int, world: int) -> dict:
         if codec:
             st = dgt.shim.DGTState(codec=codec, warmup_iters=0)
             ddp.register_comm_hook(st, dgt.shim.hook)
-        x, y = _data(rank)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        gen = torch.Generator().manual_seed(rank)
-        losses = []
-        for _ in range(STEPS):
-            idx = torch.randint(len(x), (32,), generator=gen)
-            loss = torch.nn.functional.cross_entropy(ddp(x[idx].to(dev)), y[idx].to(dev))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        out[name + "_losses"] = _train(ddp, rank, STEPS, device=dev)
         out[name] = [p.detach().cpu() for p in ddp.module.parameters()]
-        out[name + "_losses"] = losses
         if st is not None:
             out[name + "_totals"] = dict(st.totals)
             st.close()
@@ -465,15 +456,7 @@ def _backend_device_rank(rank: int, world: int, device: str) -> dict:
     ids = [dev.index] if dev.type == "cuda" else None
     for name, pg in (("gloo", gloo), ("dgt", None)):
         ddp = DDP(_model().to(dev), device_ids=ids, bucket_cap_mb=0.01, process_group=pg)
-        x, y = _data(rank)
-        opt = torch.optim.SGD(ddp.parameters(), lr=0.1, momentum=0.9)
-        gen = torch.Generator().manual_seed(rank)
-        for _ in range(STEPS):
-            idx = torch.randint(len(x), (32,), generator=gen)
-            loss = torch.nn.functional.cross_entropy(ddp(x[idx].to(dev)), y[idx].to(dev))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
+        _train(ddp, rank, STEPS, device=dev)
         out[name] = [p.detach().cpu() for p in ddp.module.parameters()]
     dist.destroy_process_group()
     return out
