@@ -12,7 +12,8 @@ from dgt.channels.duplex import NATIVE
 
 @pytest.mark.parametrize("hops", ["auto", "off"])
 def test_bench_reports_times_ratios_and_agreement_with_gloo(hops):
-    args = argparse.Namespace(ranks=3, mb=0.3, repeat=1, codec="dense", timeout=240.0, stream_hops=hops)
+    args = argparse.Namespace(ranks=3, mb=0.3, repeat=2, codec="dense", timeout=240.0, stream_hops=hops,
+                              collectives="ring,ps_sharded,ps_central")
     out = allreduce.run(args)
     assert out["ring_hops"] == ("session link" if hops == "off" else "native loop" if NATIVE else "python loop")
     sec = out["seconds"]
@@ -24,3 +25,13 @@ def test_bench_reports_times_ratios_and_agreement_with_gloo(hops):
     diffs = out["max_rel_diff_vs_gloo"]
     assert set(diffs) == {"ring", "ps_sharded", "ps_central"}
     assert all(d < 1e-5 for d in diffs.values()), diffs
+
+
+def test_bench_times_only_the_collectives_asked_for():
+    args = argparse.Namespace(ranks=2, mb=0.1, repeat=2, codec="dense", timeout=240.0, stream_hops="auto",
+                              collectives="ps_central")
+    out = allreduce.run(args)
+    assert set(out["seconds"]) == {"gloo", "ps_central"} and "goal_met" not in out  # the goal is the ring's
+    assert out["max_rel_diff_vs_gloo"]["ps_central"] < 1e-5
+    with pytest.raises(SystemExit, match="unknown"):
+        allreduce.run(argparse.Namespace(**{**vars(args), "collectives": "ring,tree"}))
