@@ -86,7 +86,7 @@ def topk_mask(a: torch.Tensor, k: int, gen: torch.Generator) -> torch.Tensor:
         lo_r = int(math.floor(q * s - 6 * sd - 4))
         hi_r = int(math.ceil(q * s + 6 * sd + 4))
         above = a > samp[hi_r] if hi_r < s else torch.zeros_like(mask)
-        n_above = int(above.sum())
+        n_above = int(above.count_nonzero())
         band = (a > samp[lo_r]) if lo_r >= 0 else torch.ones_like(mask)
         band &= ~above
         bidx = band.nonzero().squeeze(1)
@@ -114,7 +114,7 @@ def sample_outside(excluded: torch.Tensor, k: int, gen: torch.Generator) -> torc
     """
     n = excluded.numel()
     device = excluded.device
-    free = n - int(excluded.sum())
+    free = n - int(excluded.count_nonzero())
     if k > free:
         raise ValueError(f"cannot draw {k} explorer entries from {free} free positions")
     if k == 0:
