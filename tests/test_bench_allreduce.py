@@ -15,7 +15,7 @@ def test_bench_reports_times_ratios_and_agreement_with_gloo(hops):
     args = argparse.Namespace(ranks=3, mb=0.3, repeat=2, codec="dense", timeout=240.0, stream_hops=hops,
                               collectives="ring,ps_sharded,ps_central")
     out = allreduce.run(args)
-    assert out["ring_hops"] == ("session link" if hops == "off" else "native loop" if NATIVE else "python loop")
+    assert out["ring_hops"].startswith("session link" if hops == "off" else "native loop" if NATIVE else "python loop")
     sec = out["seconds"]
     assert set(sec) == {"gloo", "ring", "ps_sharded", "ps_central"} and all(v > 0 for v in sec.values())
     for k, ratio in out["speed_vs_gloo"].items():
@@ -35,3 +35,15 @@ def test_bench_times_only_the_collectives_asked_for():
     assert out["max_rel_diff_vs_gloo"]["ps_central"] < 1e-5
     with pytest.raises(SystemExit, match="unknown"):
         allreduce.run(argparse.Namespace(**{**vars(args), "collectives": "ring,tree"}))
+
+
+@pytest.mark.skipif(not NATIVE, reason="hop threads are a native-loop setting")
+def test_bench_times_the_ring_once_per_hop_thread_count():
+    args = argparse.Namespace(ranks=2, mb=0.2, repeat=2, codec="dense", timeout=240.0, stream_hops="auto",
+                              collectives="ring", hop_threads="1,2")
+    out = allreduce.run(args)
+    assert set(out["seconds"]) == {"gloo", "ring/1t", "ring/2t"} and "goal_met" not in out
+    assert out["ring_hops"] == "native loop, 1/2 thread(s)"
+    assert all(d < 1e-5 for d in out["max_rel_diff_vs_gloo"].values()), out["max_rel_diff_vs_gloo"]
+    with pytest.raises(SystemExit, match="hop-threads"):
+        allreduce.run(argparse.Namespace(**{**vars(args), "hop_threads": "3"}))

@@ -150,9 +150,14 @@ def _dying_worker(rank, world, cfg_kwargs):
         await ring.allreduce(data(rank), 0, SEGMENTS)
         if rank == 1:
             os._exit(17)  # dies between collectives, without closing anything
-        await ring.allreduce(data(rank), 0, SEGMENTS)
+        res = await ring.allreduce(data(rank), 0, SEGMENTS)
+        # only reached if the dead rank went unnoticed: say what this rank got, for the failure message
+        truth = sum(data(r) for r in range(world))
+        return {"max_diff_from_sum": float((res.tensor - truth).abs().max()), "stats": repr(res.stats),
+                "stream_exchanges": g.endpoint.streams.exchanges,
+                "links": {k: repr(v.error) for k, v in g.endpoint._links.items()}}
 
-    trio.run(main)
+    return trio.run(main)
 
 
 @pytest.mark.parametrize("streams", ["auto", "off"])

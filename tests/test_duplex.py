@@ -15,12 +15,17 @@ from dgt import wire
 from dgt.channels import duplex as dx
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError
 
-TWINS = [pytest.param(True, id="native"), pytest.param(False, id="python")]
+# the native loop in one thread, the native loop with the send half on a second thread, the Python twin
+TWINS = [pytest.param(True, id="native"), pytest.param("split", id="native-split"), pytest.param(False, id="python")]
 
 
 def _skip_unbuilt(native):
     if native and not dx.NATIVE:
         pytest.skip("the native hop loop was not built (no C compiler at install time)")
+
+
+def _mode(native) -> dict:
+    return {"native": bool(native), "split": native == "split"}
 
 
 def test_native_loop_is_built_where_a_compiler_is():
@@ -48,7 +53,7 @@ def _run_both(native, left, right, timeout=10.0):
 
     def go(name, kw):
         try:
-            out[name] = dx.duplex(timeout=timeout, native=native, **kw)
+            out[name] = dx.duplex(timeout=timeout, **_mode(native), **kw)
         except Exception as exc:  # reported to the test
             out[name] = exc
 
@@ -95,7 +100,7 @@ def test_fused_add_equals_torch_add(native, inplace):
 
     def late_sender():  # starts after b waits: the add must cope with the bytes trickling in
         time.sleep(0.1)
-        dx.duplex(ab_a, ha, xa.numpy(), None, b"", b"", timeout=10, native=native)
+        dx.duplex(ab_a, ha, xa.numpy(), None, b"", b"", timeout=10, **_mode(native))
 
     sender = threading.Thread(target=late_sender)
     sender.start()
@@ -137,10 +142,10 @@ def test_a_different_message_is_a_protocol_error_naming_both(native):
 
 def _run_both_raise(native, a, b, sent, expected, x):
     t = threading.Thread(target=lambda: _quiet(dx.duplex, a, sent, x.numpy(), None, b"", b"", timeout=5,
-                                               native=native))
+                                               **_mode(native)))
     t.start()
     try:
-        dx.duplex(None, b"", b"", b, expected, torch.empty(x.numel()).numpy(), timeout=5, native=native)
+        dx.duplex(None, b"", b"", b, expected, torch.empty(x.numel()).numpy(), timeout=5, **_mode(native))
     finally:
         b.close()
         t.join(10)
@@ -159,7 +164,7 @@ def test_garbage_instead_of_a_header_is_a_protocol_error(native):
     a, b = _pair()
     a.send(b"\x00" * wire.HEADER_SIZE)
     with pytest.raises(ProtocolError, match="invalid header"):
-        dx.duplex(None, b"", b"", b, _header(0, 1, 10), torch.empty(10).numpy(), timeout=5, native=native)
+        dx.duplex(None, b"", b"", b, _header(0, 1, 10), torch.empty(10).numpy(), timeout=5, **_mode(native))
 
 
 @pytest.mark.parametrize("native", TWINS)
@@ -170,7 +175,7 @@ def test_peer_closing_mid_message_is_peer_closed(native):
     a.send(h + b"\x00" * 100)
     a.close()
     with pytest.raises(PeerClosed, match=f"received {wire.HEADER_SIZE + 100} bytes"):
-        dx.duplex(None, b"", b"", b, h, torch.empty(1000).numpy(), timeout=5, native=native)
+        dx.duplex(None, b"", b"", b, h, torch.empty(1000).numpy(), timeout=5, **_mode(native))
 
 
 @pytest.mark.parametrize("native", TWINS)
@@ -179,11 +184,11 @@ def test_silence_is_a_timeout_and_a_send_to_nobody_too(native):
     a, b = _pair()
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout, match="no progress for 0.3 s"):
-        dx.duplex(None, b"", b"", b, _header(0, 1, 10), torch.empty(10).numpy(), timeout=0.3, native=native)
+        dx.duplex(None, b"", b"", b, _header(0, 1, 10), torch.empty(10).numpy(), timeout=0.3, **_mode(native))
     assert time.monotonic() - t0 < 3
     big = torch.zeros(16 << 20)  # more than both socket buffers hold: the sender stalls with nobody reading
     with pytest.raises(PeerTimeout):
-        dx.duplex(a, _header(0, 1, big.numel()), big.numpy(), None, b"", b"", timeout=0.3, native=native)
+        dx.duplex(a, _header(0, 1, big.numel()), big.numpy(), None, b"", b"", timeout=0.3, **_mode(native))
 
 
 @pytest.mark.parametrize("native", TWINS)
@@ -195,7 +200,7 @@ def test_cancel_fd_stops_a_waiting_hop(native):
     t0 = time.monotonic()
     with pytest.raises(dx.HopCancelled):
         dx.duplex(None, b"", b"", b, _header(0, 1, 10), torch.empty(10).numpy(), timeout=30, cancel_fd=r,
-                  native=native)
+                  **_mode(native))
     assert time.monotonic() - t0 < 5
     os.close(r)
     os.close(w)
@@ -208,3 +213,50 @@ def test_add_mode_checks_its_buffers():
         with pytest.raises(ValueError, match="float32"):
             dx.duplex(None, b"", b"", None, b"", torch.empty(4).numpy(), add_src=torch.empty(3).numpy(),
                       scratch=bytearray(64), timeout=1)
+
+
+def test_split_hop_send_half_stops_when_the_receive_half_fails():
+    """The receive half meets a wrong header while the send half is stuck (nobody reads its peer): the hop ends
+    with the protocol error at once, not at the send half's timeout."""
+    _skip_unbuilt(True)
+    a, b = _pair()  # b receives garbage from a
+    c, _d = _pair()  # c sends to d, which nobody reads
+    a.send(b"\x00" * wire.HEADER_SIZE)
+    big = torch.zeros(16 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(ProtocolError, match="invalid header"):
+        dx.duplex(c, _header(0, 1, big.numel()), big.numpy(), b, _header(0, 1, 10), torch.empty(10).numpy(),
+                  timeout=20, native=True, split=True)
+    assert time.monotonic() - t0 < 5
+
+
+def test_split_hop_receive_half_stops_when_the_send_half_fails():
+    """The send half's peer is gone (a reset) while the receive half waits for a silent peer: PeerClosed at once."""
+    _skip_unbuilt(True)
+    a, b = _pair()  # b waits for a, which stays silent
+    c, d = _pair()
+    d.close()
+    big = torch.zeros(1 << 20)
+    t0 = time.monotonic()
+    with pytest.raises(PeerClosed):
+        dx.duplex(c, _header(0, 1, big.numel()), big.numpy(), b, _header(0, 1, 10), torch.empty(10).numpy(),
+                  timeout=20, native=True, split=True)
+    assert time.monotonic() - t0 < 5
+    a.close()
+
+
+@pytest.mark.parametrize("native", TWINS)
+def test_a_closed_socket_is_peer_closed_never_a_skipped_half(native):
+    """A closed socket's fd is -1, which the native loop reads as "no such side": the hop must fail, not return
+    0 bytes as a success (a ring would then hand back a result it never received)."""
+    _skip_unbuilt(native)
+    a, b = _pair()
+    c, _d = _pair()
+    b.close()
+    with pytest.raises(PeerClosed, match="receive connection is closed"):
+        dx.duplex(c, _header(0, 1, 10), torch.ones(10).numpy(), b, _header(0, 1, 10), torch.empty(10).numpy(),
+                  timeout=5, **_mode(native))
+    c.close()
+    with pytest.raises(PeerClosed, match="send connection is closed"):
+        dx.duplex(c, _header(0, 1, 10), torch.ones(10).numpy(), None, b"", b"", timeout=5, **_mode(native))
+    a.close()

@@ -47,9 +47,10 @@ async def both(fa, fb):
     return out["a"], out["b"]
 
 
+@pytest.mark.parametrize("hop_threads", [1, 2])
 @pytest.mark.parametrize("mode", MODES)
-async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode):
-    async with pair(mode) as (a, b):
+async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode, hop_threads):
+    async with pair(mode, hop_threads=hop_threads) as (a, b):
         n = 500_003
         xa, xb, own = torch.randn(n), torch.randn(n), torch.randn(n)
         la, lb = torch.full((n,), float("nan")), torch.full((n,), float("nan"))
@@ -63,7 +64,24 @@ async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode):
         assert 0 <= extra < 512, extra  # the message, plus the stream lane's hello (and perhaps a ping)
         assert a.streams.exchanges == b.streams.exchanges == 1
         info = a.socket_info()["stream"]
-        assert info[1]["dscp"] == parse_dscp(a.cfg.lanes[0].dscp)
+        assert info[1]["dscp"] == info[1]["rx_dscp"] == parse_dscp(a.cfg.lanes[0].dscp)
+        # one connection per direction: rank 0 sends on what rank 1 receives on, and the other way round
+        la, lb = a.streams.lanes[1], b.streams.lanes[0]
+        assert la.tx.sock.getsockname() == lb.rx.sock.getpeername()
+        assert la.rx.sock.getsockname() == lb.tx.sock.getpeername()
+        assert la.tx.sock.getsockname() != la.rx.sock.getsockname()
+        assert a.streams.split == b.streams.split == (hop_threads == 2 and mode == "native")
+
+
+async def test_a_second_connection_for_a_direction_is_refused():
+    async with pair() as (a, b):
+        await both(lambda: a.exchange([Hop(1, 0, 1, torch.ones(10), 1, torch.empty(10))]),
+                   lambda: b.exchange([Hop(1, 0, 0, torch.ones(10), 0, torch.empty(10))]))
+        for direction in (0, 1):
+            with pytest.raises(ProtocolError, match="already has a stream lane"):
+                await a._dial_stream(1, direction)
+        with pytest.raises(ProtocolError, match="not the lower rank"):
+            await b._dial_stream(0, 0)
 
 
 async def test_exchanges_called_concurrently_run_one_at_a_time_in_call_order():
@@ -165,3 +183,24 @@ async def test_messages_larger_than_a_frame_go_as_several_and_uneven_hops_pair_u
         frames = -(-big.numel() * 4 // (64 << 10))
         assert ra[0].sent == rb[0].received == frames * wire.HEADER_SIZE + big.numel() * 4
         assert a.stats().lanes[0].tx_calls >= frames
+
+
+async def test_a_lane_failing_between_lookup_and_run_fails_the_exchange(monkeypatch):
+    """The peer's link dies after its lane was looked up but before the hops run (on a 16-core host this window
+    was hit: the abort closed the idle lane's sockets, and the ring returned a sum it never received). The exchange
+    must raise, whatever the window."""
+    async with pair() as (a, b):
+        await both(lambda: a.exchange([Hop(1, 0, 1, torch.ones(10), 1, torch.empty(10))]),
+                   lambda: b.exchange([Hop(1, 0, 0, torch.ones(10), 0, torch.empty(10))]))
+        lookup = a.streams.lane
+
+        async def lane_then_link_fails(peer):
+            ln = await lookup(peer)
+            a.streams.abort(peer, PeerClosed("the link to rank 1 failed (injected)"))
+            return ln
+
+        monkeypatch.setattr(a.streams, "lane", lane_then_link_fails)
+        land = torch.full((10,), float("nan"))
+        with pytest.raises(PeerClosed, match="injected"):
+            await a.exchange([Hop(1, 1, 1, torch.ones(10), 1, land)])
+        assert a.streams.exchanges == 1

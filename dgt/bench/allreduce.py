@@ -26,6 +26,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "its Python twin, or off: on the session link (see docs/transport.md)")
     p.add_argument("--collectives", default="ring,ps_sharded,ps_central",
                    help="comma-separated DGT collectives to time against Gloo: ring, ps_sharded, ps_central")
+    p.add_argument("--hop-threads", default="0",
+                   help="threads per native ring hop: 0 auto, 1, 2 (send half on its own thread); a list such as 1,2 "
+                   "times the ring once per value in the same run, as ring/1t, ring/2t")
     p.add_argument("--timeout", type=float, default=300.0)
 
 
@@ -33,7 +36,7 @@ COLLECTIVES = ("ring", "ps_sharded", "ps_central")
 
 
 def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hops: str = "auto",
-          collectives: tuple[str, ...] = COLLECTIVES) -> dict:
+          collectives: tuple[str, ...] = COLLECTIVES, hop_threads: tuple[int, ...] = (0,)) -> dict:
     import torch
     import torch.distributed as dist
     import trio
@@ -73,8 +76,10 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                     diffs[name] = d if d != d or d > prev else prev
 
     async def dgt_part():
-        g = await Group.create(rank, world, store=store, prefix="bench-allreduce", timeout=60,
-                               config=TransportConfig(stream_hops=stream_hops))
+        groups = {t: await Group.create(rank, world, store=store, prefix=f"bench-allreduce-{t}", timeout=60,
+                                        config=TransportConfig(stream_hops=stream_hops, hop_threads=t))
+                  for t in hop_threads}  # fmt: skip
+        g = groups[hop_threads[0]]
         portal = trio.lowlevel.current_trio_token()
 
         def call(coll):
@@ -89,10 +94,15 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                 "ps_central": lambda: ParameterServer(g, codec, op="sum", server=0)}
         for name in collectives:
             methods[name] = (partial(call, make[name]()), poison)
+        if len(hop_threads) > 1 and "ring" in methods:
+            del methods["ring"]
+            for t, gt in groups.items():
+                methods[f"ring/{t}t"] = (partial(call, RingAllReduce(gt, codec, op="sum")), poison)
         try:
             await trio.to_thread.run_sync(trials, methods)
         finally:
-            await g.aclose()
+            for gt in groups.values():
+                await gt.aclose()
 
     trio.run(dgt_part)
     dist.barrier()
@@ -107,7 +117,13 @@ def run(args: argparse.Namespace) -> dict:
     unknown = sorted(set(colls) - set(COLLECTIVES))
     if unknown or not colls:
         raise SystemExit(f"--collectives: unknown {unknown}; choose from {', '.join(COLLECTIVES)}")
-    res = run_ranks(_rank, args.ranks, numel, args.repeat, args.codec, hops, colls, timeout=args.timeout)
+    try:
+        threads = tuple(dict.fromkeys(int(t) for t in str(getattr(args, "hop_threads", "0")).split(",")))
+    except ValueError:
+        raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2") from None
+    if not threads or set(threads) - {0, 1, 2}:
+        raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2")
+    res = run_ranks(_rank, args.ranks, numel, args.repeat, args.codec, hops, colls, threads, timeout=args.timeout)
     # a collective ends when its slowest rank does: per trial the slowest rank's time, then the best and the median
     trials = {k: [max(t) for t in zip(*(r["seconds"][k] for r in res.values()))] for k in res[0]["seconds"]}
     best = {k: min(v) for k, v in trials.items()}
@@ -116,8 +132,10 @@ def run(args: argparse.Namespace) -> dict:
            "seconds": best, "median_seconds": median}  # fmt: skip
     from dgt.endpoint import TransportConfig
 
-    out["ring_hops"] = ("session link" if hops == "off" else
-                        "native loop" if TransportConfig(stream_hops=hops).native_hops() else "python loop")
+    cfg = TransportConfig(stream_hops=hops, hop_threads=threads[0])
+    out["ring_hops"] = ("session link" if hops == "off" else "python loop" if not cfg.native_hops() else
+                        f"native loop, {cfg.hop_thread_count()} thread(s)" if len(threads) == 1 else
+                        f"native loop, {'/'.join(str(t) for t in threads)} thread(s)")
     # largest difference from Gloo's sum on any rank, relative to the sum's magnitude (NaN: a part never written)
     out["max_rel_diff_vs_gloo"] = {k: max(r["max_abs_diff"][k] / max(r["scale"], 1e-30) for r in res.values())
                                    for k in res[0]["max_abs_diff"]}  # fmt: skip

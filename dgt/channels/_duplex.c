@@ -14,10 +14,14 @@
 #include <Python.h>
 #include <errno.h>
 #include <poll.h>
+#include <pthread.h>
 #include <string.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
+#include <stdint.h>
 #include <time.h>
+#include <unistd.h>
 
 #define LOWAT_MIN (128 * 1024) /* rests shorter than this are read as they come */
 #define LOWAT_MAX (1024 * 1024) /* wake once at least this much of a large payload is in */
@@ -25,6 +29,7 @@
 
 typedef struct {
     int sfd, rfd, cancel_fd, timeout_ms;
+    int do_send, do_recv, abort_fd; /* split mode: this side's half of the hop; the other half's failure wakes it */
     const char *sh, *sb, *eh, *addsrc;
     size_t shn, sbn, ehn, rbn, scn;
     char *rb, *scratch;
@@ -49,8 +54,10 @@ static int set_lowat(int fd, int want, int *cur) {
     return *cur;
 }
 
+#define ABORTED (-100000) /* split mode: the other half failed first */
+
 static int run(hop_t *h) {
-    size_t stot = h->shn + h->sbn, rtot = h->ehn + h->rbn;
+    size_t stot = h->do_send ? h->shn + h->sbn : 0, rtot = h->do_recv ? h->ehn + h->rbn : 0;
     size_t pend = 0, added = 0; /* add mode: bytes waiting in scratch, payload bytes already summed */
     int lowat = 1, rc = 0;
     long long last = now_ms();
@@ -122,8 +129,12 @@ static int run(hop_t *h) {
             last = now_ms();
             continue;
         }
-        struct pollfd p[3];
+        struct pollfd p[4];
         int n = 0;
+        if (h->abort_fd >= 0) {
+            p[n].fd = h->abort_fd;
+            p[n++].events = POLLIN;
+        }
         if (h->sent < stot) {
             p[n].fd = h->sfd;
             p[n++].events = POLLOUT;
@@ -154,8 +165,55 @@ static int run(hop_t *h) {
             rc = -ECANCELED;
             break;
         }
+        if (h->abort_fd >= 0 && r > 0 && (p[0].revents & POLLIN)) {
+            rc = ABORTED;
+            break;
+        }
     }
     if (lowat != 1) set_lowat(h->rfd, 1, &lowat);
+    if (rc && rc != ABORTED && h->abort_fd >= 0) {
+        uint64_t one = 1;
+        if (write(h->abort_fd, &one, sizeof one) < 0) { /* the other half then ends at its own timeout */
+        }
+    }
+    return rc;
+}
+
+typedef struct {
+    hop_t *h;
+    int rc;
+} half_t;
+
+static void *send_half(void *arg) {
+    half_t *t = (half_t *)arg;
+    t->rc = run(t->h);
+    return NULL;
+}
+
+/* Split mode: the send half on a second thread, the receive half (header check, add) on this one, so that the two
+ * kernel copies of a hop run on two cores. They share nothing but the read-only hop description and the abort
+ * eventfd; each writes only its own counters. Falls back to one thread if no eventfd or thread can be had. */
+static int run_split(hop_t *h) {
+    int efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (efd < 0) return run(h);
+    hop_t tx = *h;
+    tx.do_recv = 0;
+    tx.abort_fd = efd;
+    h->do_send = 0;
+    h->abort_fd = efd;
+    half_t t = {&tx, 0};
+    pthread_t th;
+    if (pthread_create(&th, NULL, send_half, &t) != 0) {
+        close(efd);
+        h->do_send = 1;
+        h->abort_fd = -1;
+        return run(h);
+    }
+    int rc = run(h);
+    pthread_join(th, NULL);
+    close(efd);
+    h->sent = tx.sent;
+    if (rc == ABORTED || rc == 0) rc = t.rc == ABORTED ? 0 : t.rc;
     return rc;
 }
 
@@ -164,9 +222,12 @@ static PyObject *duplex(PyObject *self, PyObject *args) {
     memset(&h, 0, sizeof h);
     Py_buffer sh, sb, eh, rb, as = {0}, sc = {0};
     PyObject *addobj, *scobj;
-    if (!PyArg_ParseTuple(args, "iy*y*iy*w*OOii", &h.sfd, &sh, &sb, &h.rfd, &eh, &rb, &addobj, &scobj,
-                          &h.timeout_ms, &h.cancel_fd))
+    int split = 0;
+    if (!PyArg_ParseTuple(args, "iy*y*iy*w*OOii|p", &h.sfd, &sh, &sb, &h.rfd, &eh, &rb, &addobj, &scobj,
+                          &h.timeout_ms, &h.cancel_fd, &split))
         return NULL;
+    h.do_send = h.do_recv = 1;
+    h.abort_fd = -1;
     PyObject *res = NULL;
     int have_add = 0, have_sc = 0;
     if (eh.len > HEADER_MAX) {
@@ -195,7 +256,7 @@ static PyObject *duplex(PyObject *self, PyObject *args) {
     if (h.rfd < 0) h.ehn = h.rbn = 0;
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = run(&h);
+    rc = split && h.sfd >= 0 && h.rfd >= 0 ? run_split(&h) : run(&h);
     Py_END_ALLOW_THREADS
     res = Py_BuildValue("(inny#)", rc, (Py_ssize_t)h.sent, (Py_ssize_t)h.got, h.hdr,
                         (Py_ssize_t)(h.got < h.ehn ? h.got : h.ehn));
@@ -211,8 +272,8 @@ out:
 
 static PyMethodDef methods[] = {
     {"duplex", duplex, METH_VARARGS,
-     "duplex(send_fd, header, payload, recv_fd, expect, land, add_src, scratch, timeout_ms, cancel_fd)"
-     " -> (code, sent, received, header)"},
+     "duplex(send_fd, header, payload, recv_fd, expect, land, add_src, scratch, timeout_ms, cancel_fd, split=False)"
+     " -> (code, sent, received, header); split: send on a second thread"},
     {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_duplex", "Native full-duplex hop loop.", -1, methods};
 PyMODINIT_FUNC PyInit__duplex(void) { return PyModule_Create(&module); }

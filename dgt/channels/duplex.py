@@ -158,7 +158,7 @@ def describe(header: bytes) -> str:
 
 def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.socket | None, expect: bytes, land,
            add_src=None, scratch=None, *, timeout: float, cancel_fd: int = -1, native: bool = NATIVE,
-           label: str = "stream") -> tuple[int, int]:
+           label: str = "stream", split: bool = False) -> tuple[int, int]:
     """Run one hop to completion (blocking; call it from a worker thread). Returns (bytes sent, bytes received),
     headers included. PeerClosed, PeerTimeout (no progress for ``timeout`` s), ProtocolError (another message than
     ``expect`` came), :class:`HopCancelled`."""
@@ -166,12 +166,16 @@ def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.sock
         raise ValueError("add mode needs a scratch buffer")
     if recv is None:
         land, expect = bytearray(), b""
+    for sock, what in ((send, "send"), (recv, "receive")):
+        # fd -1 means "no such side" to the native loop: a closed socket must fail here, not skip its half
+        if sock is not None and sock.fileno() < 0:
+            raise PeerClosed(f"{label}: the {what} connection is closed")
     if native:
         if _duplex is None:
             raise RuntimeError("dgt was installed without its native hop loop (no C compiler at install time)")
         code, sent, got, hdr = _duplex.duplex(-1 if send is None else send.fileno(), header, payload,
                                               -1 if recv is None else recv.fileno(), expect, land, add_src, scratch,
-                                              max(1, int(timeout * 1000)), cancel_fd)
+                                              max(1, int(timeout * 1000)), cancel_fd, split)
     else:
         code, sent, got, hdr = duplex_py(send, header, payload, recv, expect, land, add_src, scratch, timeout,
                                          cancel_fd)

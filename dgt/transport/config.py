@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 from dgt import wire
@@ -36,6 +37,14 @@ class PeerAddress:
         return cls.from_dict(json.loads(text))
 
 
+def usable_cores() -> int:
+    """CPUs this process may run on (its affinity mask, not the machine's count)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @dataclass
 class TransportConfig:
     """Everything an endpoint needs to know; every field has a default that works over loopback and LANs.
@@ -50,6 +59,8 @@ class TransportConfig:
     check_source: drop datagrams not sent from a connected peer's lane socket.
     stream_hops: how lossless ring hops run on stream lanes (dgt.transport.streams): "auto" (the native loop when
         it was built, else the Python one), "native", "python", or "off" (on the session link, as BULK frames).
+    hop_threads: threads per native stream hop: 1 (send and receive in one loop) or 2 (the send half on a second
+        thread, so the kernel's two copies of a hop run on two cores); 0 = auto (see :meth:`hop_thread_count`).
     """
 
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
@@ -80,6 +91,7 @@ class TransportConfig:
     udp_batch_bytes: int = 4 << 20
     max_buffered_results: int = 256
     stream_hops: str = "auto"
+    hop_threads: int = 0
     limits: wire.Limits = field(default_factory=lambda: wire.DEFAULT_LIMITS)
 
     def __post_init__(self) -> None:
@@ -95,10 +107,18 @@ class TransportConfig:
             raise ValueError("stream_hops must be auto, native, python or off")
         if self.stream_hops == "native" and not NATIVE:
             raise ValueError("stream_hops='native': dgt was installed without its native hop loop (no C compiler)")
+        if self.hop_threads not in (0, 1, 2):
+            raise ValueError("hop_threads must be 0 (auto), 1 or 2")
 
     def native_hops(self) -> bool:
         """Whether stream hops run in the native loop."""
         return self.stream_hops == "native" or (self.stream_hops == "auto" and NATIVE)
+
+    def hop_thread_count(self) -> int:
+        """``hop_threads``, with auto resolved: 2 where this process may use at least 2 cores, else 1."""
+        if self.hop_threads:
+            return self.hop_threads
+        return 2 if usable_cores() >= 2 else 1
 
     @property
     def unreliable_lanes(self) -> int:

@@ -152,7 +152,8 @@ class Endpoint:
         self._closing = False
         self._fatal: BaseException | None = None
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
-                                 self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload)
+                                 self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
+                                 hop_threads=c.hop_thread_count())
 
     # ------------------------------------------------------------------------------------------------ lifecycle
     @classmethod
@@ -294,11 +295,13 @@ class Endpoint:
         chan = await self._hello(rank, addr.host, addr.tcp_port, timeout)
         self._register(rank, addr, canonical_host(addr.host), chan, FrameReader(chan, self.cfg.limits, self.token))
 
-    async def _dial_stream(self, rank: int) -> TcpChannel:
-        """Open a stream lane to ``rank`` (see dgt.transport.streams): a second connection, welcomed like the first."""
+    async def _dial_stream(self, rank: int, direction: int) -> TcpChannel:
+        """Open one direction of a stream lane to ``rank`` (see dgt.transport.streams): another connection, welcomed
+        like the first."""
         link = self._link(rank)
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
-        return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True)
+        return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True,
+                                 direction=direction)
 
     async def _hello(self, rank: int, host: str, port: int, timeout: float, what: str = "", **fields) -> TcpChannel:
         """Dial ``rank``, say hello (plus ``fields``) and read its answer exactly, never past it (a stream lane's first
@@ -362,14 +365,15 @@ class Endpoint:
                 rank, msg = control.parse(rf.frame, self.cfg.limits)
                 why = None
                 if msg["op"] == control.HELLO and msg.get("stream"):
-                    why = self.streams.refusal(rank)
+                    direction = msg.get("direction", 0)
+                    why = self.streams.refusal(rank, direction)
                     reply = control.control(self.token, self.rank, control.REFUSE, why=why) if why else \
                         control.control(self.token, self.rank, control.WELCOME)
                     await chan.send_buffers([reply])
                     if why:
                         chan.close()
                     else:
-                        self.streams.accept(rank, chan)
+                        self.streams.accept(rank, chan, direction)
                     return
                 if msg["op"] != control.HELLO:
                     why = "expected hello"
@@ -1034,9 +1038,10 @@ class Endpoint:
             if not ln.chan.closed
         }
         info["stream"] = {
-            r: {"dscp": get_dscp(ch.sock), "priority": get_priority(ch.sock)}
-            for r, ch in ((ln.peer, ln.chan) for ln in self.streams.lanes.values())
-            if not ch.closed
+            ln.peer: {"dscp": get_dscp(ln.tx.sock), "priority": get_priority(ln.tx.sock),
+                      "rx_dscp": get_dscp(ln.rx.sock), "rx_priority": get_priority(ln.rx.sock)}  # fmt: skip
+            for ln in self.streams.lanes.values()
+            if not (ln.tx.closed or ln.rx.closed)
         }
         info["udp"] = {
             lane: {"dscp": get_dscp(ch.sock), "priority": get_priority(ch.sock), "gso": ch.gso, "gro": ch.gro,
