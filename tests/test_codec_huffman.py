@@ -106,6 +106,23 @@ def test_every_decode_path(monkeypatch: pytest.MonkeyPatch, path: str, kind: str
         assert torch.equal(decode_message(encode_message(sym, 512, chunk), 512, sym.numel(), chunk), sym)
 
 
+@pytest.mark.parametrize("group_bits", [1 << 30, 50_000, 1])
+@pytest.mark.parametrize("chunk", [1, 64, 1000])
+def test_pointer_jumping_in_lane_groups(monkeypatch: pytest.MonkeyPatch, group_bits: int, chunk: int) -> None:
+    """The CUDA decode path, forced on CPU: one group, several groups, and a group per lane give the same symbols."""
+    monkeypatch.setattr(huffman, "_JUMP_GROUP_BITS", group_bits)
+    sym = _data("skewed", 60_000, 512, 4)
+    msg = encode_message(sym, 512, chunk)
+    lengths, used = huffman.unpack_lengths(msg.numpy(), 512)
+    lanes = -(-sym.numel() // chunk)
+    sb = msg[used : used + 2 * (lanes - 1)].to(torch.int64).view(-1, 2)
+    stream = msg[used + 2 * (lanes - 1) :]
+    codes = huffman.canonical_codes(lengths)
+    got = huffman.decode_symbols(stream, lengths, codes, sym.numel(), sb[:, 0] | (sb[:, 1] << 8), chunk, jump=True)
+    assert torch.equal(got, sym)
+    assert 8 * stream.numel() > 50_000  # so that 50_000 splits the lanes into groups
+
+
 def test_size_is_close_to_the_entropy() -> None:
     n, alphabet = 200_000, 1024
     for kind in ("skewed", "uniform"):

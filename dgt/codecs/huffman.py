@@ -9,11 +9,13 @@ cumulative sum, and every code OR-ed into a stream of 32-bit words with two ``in
 overlap, so the sum is the OR); the words are emitted big-endian: an MSB-first bit stream.
 
 Decode: the encoder also records where every ``chunk``-th symbol starts (sync points, 16 bits per chunk), and a
-2^16-entry table gives (symbol, length) for every 16-bit window. Small streams (<= 256 kbit): the table entry at every
-bit position, then pointer jumping (symbol j of a chunk starts at next^j(chunk start); log2(chunk) doubling steps, no
-loop over symbols). Larger streams: all chunks side by side, one symbol of every chunk per step, so the Python loop
-runs ``chunk`` times (256..4095, see :func:`auto_chunk`) whatever the tensor size, each step a few whole-tensor ops
-over ``ceil(n / chunk)`` lanes.
+2^16-entry table gives (symbol, length) for every 16-bit window. Pointer jumping (small streams, <= 256 kbit, on CPU;
+every stream on CUDA, in lane groups of ~16 Mbit to bound memory): the table entry at every bit position, then symbol
+j of a chunk starts at next^j(chunk start), log2(chunk) doubling steps, no loop over symbols, so a few dozen kernel
+launches per group. Larger streams on CPU: all chunks side by side, one symbol of every chunk per step, so the Python
+loop runs ``chunk`` times (256..4095, see :func:`auto_chunk`) whatever the tensor size, each step a few whole-tensor
+ops over ``ceil(n / chunk)`` lanes (on CPU this beats jumping's ~2 log2(chunk) passes over every bit; on a GPU the
+loop's 4 launches per step made a 25M-entry decode take 403 ms on an H100).
 
 Message layout (:func:`encode_message`, all uint8): presence bitmap of the alphabet (ceil(A/8) bytes), the lengths of
 the present symbols minus one as 4-bit nibbles (ceil(present/2) bytes), the bit length of every chunk but the last
@@ -30,7 +32,8 @@ import torch
 MAX_LEN = 16
 DEFAULT_CHUNK = 256
 _PRECOMPUTE_BITS = 1 << 22  # streams up to 4 Mbit decode from a per-bit-position table (16 MiB of int32)
-_JUMP_BITS = 1 << 18  # streams up to 256 kbit decode by pointer jumping over that table
+_JUMP_BITS = 1 << 18  # streams up to 256 kbit decode by pointer jumping over that table (any size on CUDA)
+_JUMP_GROUP_BITS = 1 << 24  # pointer jumping works on lane groups of about 16 Mbit: 4 x 64 MiB of int32 tables
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -220,10 +223,67 @@ def encode_symbols(
     return stream, chunk_bits
 
 
-def decode_symbols(
-    stream: torch.Tensor, lengths: np.ndarray, codes: np.ndarray, n: int, chunk_bits: torch.Tensor, chunk: int
+def _jump_lanes(
+    win: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, steps: int, lo: int, hi: int
 ) -> torch.Tensor:
-    """Decode ``n`` symbols; ``chunk_bits`` = bit length of each chunk (the last may be absent)."""
+    """Table entries of ``steps`` symbols for lanes whose codes all lie in bits [lo, hi): (steps, lanes) int32.
+
+    The table entry at every bit position of the span once (a code may start anywhere), then pointer jumping:
+    nxt[p] = where the code after the one at p starts, and symbol j of a lane starts at nxt^j(lane start). Doubling
+    gives rows [2^k, 2^(k+1)) from rows [0, 2^k): log2(steps) steps, no loop over symbols at all. Positions past the
+    span clamp to its end; only a lane's symbols past the message's last one ever land there, and they are cut."""
+    device = win.device
+    nb = hi - lo
+    pos = torch.arange(lo, hi, dtype=torch.int64 if hi >= 2**31 else torch.int32, device=device)
+    w = torch.index_select(win, 0, pos >> 3)
+    at = torch.index_select(table, 0, (w >> (8 - (pos & 7))) & 0xFFFF)
+    del w
+    nxt = (torch.arange(nb, dtype=torch.int32, device=device) + (at & 0xFF)).clamp_(max=nb - 1)
+    rows = (starts - lo).to(torch.int32)  # row-major (step, lane), grown by doubling
+    have = 1
+    while have < steps:
+        rows = torch.cat([rows, torch.index_select(nxt, 0, rows)])
+        have *= 2
+        if have < steps:
+            nxt = torch.index_select(nxt, 0, nxt)
+    return torch.index_select(at, 0, rows[: steps * starts.numel()]).view(steps, starts.numel())
+
+
+def _decode_by_jumping(
+    win: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, steps: int, nbits: int, group_bits: int
+) -> torch.Tensor:
+    """:func:`_jump_lanes` over groups of lanes spanning about ``group_bits`` each, so the per-bit tables stay
+    bounded (4 int32 per bit of the group) whatever the stream size: a handful of launches per group instead of
+    ``steps`` loop iterations (what decides the time on a GPU, where every op is a kernel launch)."""
+    lanes = starts.numel()
+    if nbits <= group_bits:
+        return _jump_lanes(win, table, starts, steps, 0, nbits)
+    s = starts.cpu().numpy()
+    cut = np.searchsorted(s, np.arange(group_bits, int(s[-1]) + 1, group_bits), side="left").tolist()
+    bounds = [0] + [c for c in cut if 0 < c < lanes] + [lanes]
+    out = []
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if a == b:
+            continue
+        hi = int(s[b]) if b < lanes else nbits
+        out.append(_jump_lanes(win, table, starts[a:b], steps, int(s[a]), hi))
+    return torch.cat(out, dim=1)
+
+
+def decode_symbols(
+    stream: torch.Tensor,
+    lengths: np.ndarray,
+    codes: np.ndarray,
+    n: int,
+    chunk_bits: torch.Tensor,
+    chunk: int,
+    jump: bool | None = None,
+) -> torch.Tensor:
+    """Decode ``n`` symbols; ``chunk_bits`` = bit length of each chunk (the last may be absent).
+
+    ``jump`` picks pointer jumping over lane groups (default: on CUDA, or for streams up to ``_JUMP_BITS``) over the
+    loop of one symbol per lane per step (default on CPU, where jumping's ~log2(chunk) passes over every bit cost
+    more than the loop's ``chunk`` small steps)."""
     device = stream.device
     if n == 0:
         return torch.zeros(0, dtype=torch.int64, device=device)
@@ -238,28 +298,19 @@ def decode_symbols(
     pad = 2 * steps + 8
     s = torch.cat([stream.reshape(-1).to(torch.int32), torch.zeros(pad, dtype=torch.int32, device=device)])
     win = (s[:-2] << 16) | (s[1:-1] << 8) | s[2:]
+    nbits = 8 * stream.numel() + 16 * steps + 16
+    if jump is None:
+        jump = device.type == "cuda" or nbits <= _JUMP_BITS
+    if jump:
+        sym = _decode_by_jumping(win, table, starts, steps, nbits, _JUMP_GROUP_BITS)
+        return (sym.T.reshape(-1)[:n] >> 8).to(torch.int64)
     out = torch.empty(steps, lanes, dtype=torch.int32, device=device)
     p = starts.to(idt)
-    nbits = 8 * stream.numel() + 16 * steps + 16
     if nbits <= _PRECOMPUTE_BITS:
-        # small streams: the table entry at every bit position once (a code may start anywhere)
+        # medium streams: the table entry at every bit position once, then one lookup per symbol
         pos = torch.arange(nbits, dtype=torch.int32, device=device)
         w = torch.index_select(win, 0, pos >> 3)
         at = torch.index_select(table, 0, (w >> (8 - (pos & 7))) & 0xFFFF)
-        if nbits <= _JUMP_BITS:
-            # pointer jumping: nxt[p] = where the code after the one at p starts; symbol j of a chunk starts at
-            # nxt^j(chunk start). Doubling gives rows [2^k, 2^(k+1)) from rows [0, 2^k): log2(chunk) steps, no loop
-            # over symbols at all.
-            nxt = (pos + (at & 0xFF)).clamp_(max=nbits - 1)
-            rows = starts.to(torch.int32)  # row-major (step, lane), grown by doubling
-            have = 1
-            while have < steps:
-                rows = torch.cat([rows, torch.index_select(nxt, 0, rows)])
-                have *= 2
-                if have < steps:
-                    nxt = torch.index_select(nxt, 0, nxt)
-            sym = torch.index_select(at, 0, rows[: steps * lanes]).view(steps, lanes)
-            return (sym.T.reshape(-1)[:n] >> 8).to(torch.int64)
         for j in range(steps):  # one symbol of every chunk per step: ``chunk`` iterations whatever n is
             entry = torch.index_select(at, 0, p)
             out[j] = entry
