@@ -223,6 +223,13 @@ def encode_symbols(
     return stream, chunk_bits
 
 
+def _entries(win: torch.Tensor, table: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """The table entry at every bit position in [lo, hi) (a code may start anywhere)."""
+    pos = torch.arange(lo, hi, dtype=torch.int64 if hi >= 2**31 else torch.int32, device=win.device)
+    w = torch.index_select(win, 0, pos >> 3)
+    return torch.index_select(table, 0, (w >> (8 - (pos & 7))) & 0xFFFF)
+
+
 def _jump_lanes(
     win: torch.Tensor, table: torch.Tensor, starts: torch.Tensor, steps: int, lo: int, hi: int
 ) -> torch.Tensor:
@@ -232,13 +239,9 @@ def _jump_lanes(
     nxt[p] = where the code after the one at p starts, and symbol j of a lane starts at nxt^j(lane start). Doubling
     gives rows [2^k, 2^(k+1)) from rows [0, 2^k): log2(steps) steps, no loop over symbols at all. Positions past the
     span clamp to its end; only a lane's symbols past the message's last one ever land there, and they are cut."""
-    device = win.device
     nb = hi - lo
-    pos = torch.arange(lo, hi, dtype=torch.int64 if hi >= 2**31 else torch.int32, device=device)
-    w = torch.index_select(win, 0, pos >> 3)
-    at = torch.index_select(table, 0, (w >> (8 - (pos & 7))) & 0xFFFF)
-    del w
-    nxt = (torch.arange(nb, dtype=torch.int32, device=device) + (at & 0xFF)).clamp_(max=nb - 1)
+    at = _entries(win, table, lo, hi)
+    nxt = (torch.arange(nb, dtype=torch.int32, device=win.device) + (at & 0xFF)).clamp_(max=nb - 1)
     rows = (starts - lo).to(torch.int32)  # row-major (step, lane), grown by doubling
     have = 1
     while have < steps:
@@ -307,10 +310,7 @@ def decode_symbols(
     out = torch.empty(steps, lanes, dtype=torch.int32, device=device)
     p = starts.to(idt)
     if nbits <= _PRECOMPUTE_BITS:
-        # medium streams: the table entry at every bit position once, then one lookup per symbol
-        pos = torch.arange(nbits, dtype=torch.int32, device=device)
-        w = torch.index_select(win, 0, pos >> 3)
-        at = torch.index_select(table, 0, (w >> (8 - (pos & 7))) & 0xFFFF)
+        at = _entries(win, table, 0, nbits)  # medium streams: every position once, then one lookup per symbol
         for j in range(steps):  # one symbol of every chunk per step: ``chunk`` iterations whatever n is
             entry = torch.index_select(at, 0, p)
             out[j] = entry
