@@ -61,12 +61,15 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("kind", ["ring", "ring:python", "ring:off", "ps:0", "ps:sharded"])
+@pytest.mark.parametrize("kind", ["ring", "ring:python", "ring:off", "ps:0", "ps:0:off", "ps:sharded",
+                                  "ps:sharded:python", "ps:sharded:off"])
 def test_lossless_equals_dense_mean(world, kind):
-    """Round 0 into a new tensor, round 1 in place (``out=`` the input), round 2 into a NaN-filled ``out``. The ring
-    runs on stream lanes (native hop loop, or with ``:python`` its Python twin) or, with ``:off``, on the session
-    link."""
-    kind, _, mode = kind.partition(":") if kind.startswith("ring") else (kind, "", "")
+    """Round 0 into a new tensor, round 1 in place (``out=`` the input), round 2 into a NaN-filled ``out``. Ring and
+    parameter server run on stream lanes (native hop loop, or with ``:python`` its Python twin) or, with ``:off``,
+    on the session link."""
+    parts = kind.split(":")
+    n = 1 if parts[0] == "ring" else 2
+    kind, mode = ":".join(parts[:n]), (parts[n] if len(parts) > n else "")
     res = run_ranks(_worker, world, kind, "dense", {"stream_hops": mode or "auto"}, 3, timeout=90)
     for rnd in range(3):
         ref = torch.stack([data(r, rnd) for r in range(world)]).mean(0)
@@ -74,9 +77,9 @@ def test_lossless_equals_dense_mean(world, kind):
             torch.testing.assert_close(res[r][rnd][0], ref, rtol=1e-5, atol=1e-5)
         # every rank ends with the identical tensor
         assert all(torch.equal(res[0][rnd][0], res[r][rnd][0]) for r in range(world))
-    # a lossless dense ring runs every call as one stream exchange, unless stream hops are off (PS never uses them)
+    # a lossless dense collective runs every call as one stream exchange, unless stream hops are off
     exchanges = [res[r][-1][3] for r in range(world)]
-    assert exchanges == [3 if kind == "ring" and mode != "off" else 0] * world, exchanges
+    assert exchanges == [3 if mode != "off" else 0] * world, exchanges
     if kind == "ring" and mode == "off":  # after the first call (whose first hop may beat the receiver's post) every
         # round lands in a buffer posted for it: each reduce-scatter scratch is posted for the next round once this
         # round is done with it

@@ -13,6 +13,7 @@ from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import CodecMismatch
+from dgt.transport.streams import streamable
 
 
 class Collective:
@@ -77,6 +78,13 @@ class Collective:
         if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         return out.detach().view(-1)
+
+    def on_streams(self, *tensors: torch.Tensor) -> bool:
+        """Whether this call can run as one ordered exchange on stream lanes (dgt.transport.streams): a lossless
+        codec, stream hops switched on, and contiguous float32 CPU tensors (received bytes are added on arrival)."""
+        cfg = getattr(self.group.endpoint, "cfg", None)
+        return (cfg is not None and cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
+                and all(streamable(t, add=True) for t in tensors))
 
     def chunking(self, segments: list[int], block: int, k: int) -> Chunking:
         """Block-aligned chunks of a bucket, cached per geometry (a bucket keeps its shape from step to step)."""

@@ -10,9 +10,14 @@ divides every element by K (a lost block biases that block towards zero, like pl
 worker gradients; needs codecs whose parts are element-aligned with the bucket, i.e. dense and dgt). Pulls travel on
 the reliable lane by default, so every worker gets the identical aggregate; ``lossy_pull=True`` lets the pull use
 the codec's lanes as well.
+
+Lossless dense float32 buckets on the CPU (stream hops on) skip the generic push/gather/pull and run as one ordered
+exchange on stream lanes, like the ring (:meth:`ParameterServer._stream_allreduce`).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import trio
@@ -20,9 +25,10 @@ import trio
 from dgt.codecs.base import Codec, Received
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts
+from dgt.collectives.parts import MAX_STEPS, as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import CodecMismatch, one_error
+from dgt.transport.streams import Hop
 
 
 class ParameterServer(Collective):
@@ -47,6 +53,9 @@ class ParameterServer(Collective):
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
         goes (``bucket`` itself for an in-place all-reduce); by default a new tensor."""
         g = self.group
+        if g.world > 1 and self._streams_fit(bucket, out):
+            # no await before this point: the exchange's ticket follows the order collectives were called in
+            return await self._stream_allreduce(bucket, bucket_id, segments or [bucket.numel()], out)
         if out is not None:
             res = await self.allreduce(bucket, bucket_id, segments)
             self.working_copy(res.tensor, out)
@@ -120,3 +129,56 @@ class ParameterServer(Collective):
                 nursery.start_soon(serve_shard, shard, owner)
         # results arrive already averaged by the server; op is applied there
         return CollectiveResult(out.view_as(bucket), stats)
+
+    def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
+        """Dense float32 in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps that fit a key."""
+        wire = getattr(self.codec, "wire_dtype", bucket.dtype)
+        return (self.codec.name == "dense" and wire == bucket.dtype and self.group.world <= MAX_STEPS
+                and self.on_streams(bucket) and (out is None or self.on_streams(out)))
+
+    async def _stream_allreduce(self, bucket: torch.Tensor, bucket_id: int, segments: list[int],
+                                out: torch.Tensor | None) -> CollectiveResult:
+        """The whole push and pull as one exchange on stream lanes (dgt.transport.streams); pushes are added on
+        arrival, straight into the owner's part of the result.
+
+        Sharded: at step s = 1..W-1 rank r sends shard r+s to its owner while shard r arrives from rank r-s (every
+        rank sends and receives at once), then the summed shard goes back the same way. Central: the server takes
+        the workers' buckets one after another, then sends the sum to each. Every rank applies ``op`` to the same
+        sum, so all end with identical tensors, as with the generic path."""
+        g = self.group
+        W, r = g.world, g.rank
+        src = bucket.detach().reshape(-1)
+        res = self.result_buffer(bucket, out)
+        rnd = g.next_round("ps", bucket_id)
+        push, pull = transport_key(bucket_id, "push"), transport_key(bucket_id, "pull")
+        hops: list[Hop] = []
+        if self.server == "sharded":
+            ch = self.chunking(segments, getattr(self.codec, "block", 1024), W)
+            mine = ch.chunk(res, r)
+            for s in range(1, W):
+                to, frm = (r + s) % W, (r - s) % W
+                hops.append(Hop(transport_key(bucket_id, "push", s), rnd, to, ch.chunk(src, to), frm, mine,
+                                add_src=ch.chunk(src, r) if s == 1 else mine))
+            for s in range(1, W):
+                to, frm = (r + s) % W, (r - s) % W
+                hops.append(Hop(transport_key(bucket_id, "pull", s), rnd, to, mine, frm, ch.chunk(res, frm)))
+        elif r == self.server:
+            workers = [w for w in range(W) if w != r]
+            hops = [Hop(push, rnd, recv_from=w, land=res, add_src=res if i else src) for i, w in enumerate(workers)]
+            hops += [Hop(pull, rnd, send_to=w, payload=res) for w in workers]
+        else:
+            hops = [Hop(push, rnd, send_to=self.server, payload=src), Hop(pull, rnd, recv_from=self.server, land=res)]
+        stats = CollectiveStats()
+        t0 = time.monotonic()
+        done = await g.endpoint.exchange(hops)
+        block = g.endpoint.cfg.block
+        for h, d in zip(hops, done):
+            if h.payload is not None:
+                stats.add_sent(0, h.payload.numel() * h.payload.element_size())
+            stats.bytes_received[0] = stats.bytes_received.get(0, 0) + d.received
+            if h.land is not None:
+                stats.blocks += -(-h.land.numel() // block)
+        pushed = done[len(hops) // 2 - 1].finished  # pushes come first, then as many pulls
+        stats.phases["push"] = pushed - t0
+        stats.phases["pull"] = done[-1].finished - pushed
+        return CollectiveResult(self.finish(res, inplace=True).view_as(bucket), stats)

@@ -20,7 +20,7 @@ from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
-from dgt.transport.streams import Hop, streamable
+from dgt.transport.streams import Hop
 
 
 class RingAllReduce(Collective):
@@ -53,7 +53,7 @@ class RingAllReduce(Collective):
             src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
         ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
-        if direct and self._on_streams(src, flat):
+        if direct and self.on_streams(src, flat):
             # no await before this point: the exchange's ticket follows the order collectives were called in
             await self._stream_steps(ch, src, flat, bucket_id, rnd, stats)
             return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
@@ -108,13 +108,6 @@ class RingAllReduce(Collective):
                                       keep_own=(s == 0 and not direct), into=into)
                 if dec is not None and not direct:
                     ch.chunk(flat, (own - s - 1) % W).copy_(dec)
-
-    def _on_streams(self, src: torch.Tensor, flat: torch.Tensor) -> bool:
-        """Whether this call's hops run on stream lanes: a lossless float32 CPU bucket, stream hops switched on."""
-        ep = self.group.endpoint
-        cfg = getattr(ep, "cfg", None)
-        return (cfg is not None and cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
-                and streamable(src, add=True) and streamable(flat, add=True))
 
     async def _stream_steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
                             stats: CollectiveStats) -> None:
