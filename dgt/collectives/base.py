@@ -86,6 +86,16 @@ class Collective:
         return (cfg is not None and cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
                 and all(streamable(t, add=True) for t in tensors))
 
+    @staticmethod
+    def count_exchange(stats: CollectiveStats, hops: list, done: list, block: int) -> None:
+        """Bytes and blocks of a stream exchange (hops and their results), all on lane 0."""
+        for h, d in zip(hops, done):
+            if h.payload is not None:
+                stats.add_sent(0, h.payload.numel() * h.payload.element_size())
+            stats.bytes_received[0] = stats.bytes_received.get(0, 0) + d.received
+            if h.land is not None:
+                stats.blocks += -(-h.land.numel() // block)
+
     def chunking(self, segments: list[int], block: int, k: int) -> Chunking:
         """Block-aligned chunks of a bucket, cached per geometry (a bucket keeps its shape from step to step)."""
         cache = self.__dict__.setdefault("_chunkings", {})

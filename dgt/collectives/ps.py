@@ -171,13 +171,7 @@ class ParameterServer(Collective):
         stats = CollectiveStats()
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops)
-        block = g.endpoint.cfg.block
-        for h, d in zip(hops, done):
-            if h.payload is not None:
-                stats.add_sent(0, h.payload.numel() * h.payload.element_size())
-            stats.bytes_received[0] = stats.bytes_received.get(0, 0) + d.received
-            if h.land is not None:
-                stats.blocks += -(-h.land.numel() // block)
+        self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
         pushed = done[len(hops) // 2 - 1].finished  # pushes come first, then as many pulls
         stats.phases["push"] = pushed - t0
         stats.phases["pull"] = done[-1].finished - pushed

@@ -126,11 +126,7 @@ class RingAllReduce(Collective):
                             ch.chunk(flat, (own - s - 1) % W)))
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops)
-        block = g.endpoint.cfg.block
-        for h, res in zip(hops, done):
-            stats.add_sent(0, h.payload.numel() * h.payload.element_size())
-            stats.bytes_received[0] = stats.bytes_received.get(0, 0) + res.received
-            stats.blocks += -(-h.land.numel() // block)
+        self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
         stats.phases["reduce_scatter"] = stats.phases.get("reduce_scatter", 0.0) + done[W - 2].finished - t0
         stats.phases["all_gather"] = stats.phases.get("all_gather", 0.0) + done[-1].finished - done[W - 2].finished
 

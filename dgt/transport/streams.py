@@ -214,12 +214,8 @@ class StreamHub:
     def close(self, error: BaseException) -> None:
         """The endpoint is closing: fail every lane. The cancel pipe stays open while a thread may still poll it."""
         self.closed = self.closed or error
-        for peer in list(set(self.lanes) | set(self._ready)):
-            self.abort(peer, error)
-        for halves in self._halves.values():
-            for chan in halves.values():
-                chan.close()
-        self._halves.clear()
+        for peer in list(set(self.lanes) | set(self._ready) | set(self._halves)):
+            self.abort(peer, error)  # also closes a lane's half that came in alone
         if not self._running:
             self._close_pipe()
 
