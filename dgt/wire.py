@@ -58,6 +58,7 @@ class Flags(IntFlag):
     RESEND = 4  # error-feedback data from an earlier round's drop report
     CLOSED = 8  # DROP_REPORT: the receiver has finalised the round
     NO_REPORT = 16  # ROUND_BEGIN: a lossless round whose sender does not wait for a drop report: send none
+    TIMING = 32  # DROP_REPORT: a timing trailer follows the bitmap (dgt.protocol.report)
 
 
 class WireDType(IntEnum):

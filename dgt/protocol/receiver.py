@@ -24,6 +24,7 @@ from dgt.errors import WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.geometry import Geometry
+from dgt.protocol.report import Timing, encode_timing
 from dgt.protocol.stats import ReceiverCounters, RoundStats
 from dgt.wire import Flags, FrameType
 
@@ -42,6 +43,13 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 @lru_cache(maxsize=64)
+def _timing(r: _Round) -> Timing:
+    """The drop report's timing trailer: what arrived on the unreliable lanes and when (dgt.protocol.report)."""
+    unimp = [ls for lane, ls in r.stats.lanes.items() if lane > 0]
+    return Timing(sum(ls.frames for ls in unimp), r.first_arrival, r.last_arrival, r.stats.deadline_wait,
+                  sum(ls.bytes for ls in unimp))
+
+
 def _layout(sizes: tuple[int, ...], block: int) -> BucketLayout:
     """Layouts by geometry: a bucket keeps its shape round after round (bounded: sizes come off the wire)."""
     return BucketLayout(list(sizes), block)
@@ -118,6 +126,7 @@ class _Round:
         self.end: tuple[int, int, int, int] | None = None
         self.imp_done_at: float | None = None
         self.last_arrival: float | None = None
+        self.first_arrival: float | None = None  # of the unimportant datagrams (the report's timing trailer)
         self.mean_gap: float | None = None
         self.batch_gap: float | None = None  # EWMA of the time between batches (GSO/GRO make arrivals bursty)
         self.unimp_frames = 0
@@ -540,6 +549,8 @@ class RoundReceiver:
             span = max(now - r.last_arrival, 0.0)
             r.batch_gap = span if r.batch_gap is None else 0.8 * r.batch_gap + 0.2 * span
         r.last_arrival = now
+        if r.first_arrival is None:
+            r.first_arrival = now
         r.unimp_frames += k
         return self._progress(r, now)
 
@@ -597,7 +608,9 @@ class RoundReceiver:
         st = r.stats
         st.important = int((mask & r.important).sum())
         st.unimportant_received = int((mask & ~r.important).sum())
-        st.dropped = g.nblocks - int(mask.sum())
+        missing = g.nblocks - int(mask.sum())
+        st.unsent = 0 if r.end is None else min(max(g.nblocks - r.end[0] - r.end[1], 0), missing)
+        st.dropped = missing - st.unsent  # sent and lost; unsent: kept back by the sender's send budget
         st.partial = int(partial.sum())
         st.deadline_wait = 0.0 if r.imp_done_at is None else max(now - r.imp_done_at, 0.0)
         st.closed_by = why
@@ -611,7 +624,7 @@ class RoundReceiver:
         report = None
         if r.want_report or st.dropped:  # a lossless round that lost blocks would be a protocol breach: say so
             report = wire.encode_frame(
-                FrameType.DROP_REPORT, np.packbits(mask).tobytes(), token=self.token, rank=self.rank, round=round_,
-                bucket=bucket, count=g.nblocks, flags=Flags.CLOSED,
+                FrameType.DROP_REPORT, np.packbits(mask).tobytes() + encode_timing(_timing(r)), token=self.token,
+                rank=self.rank, round=round_, bucket=bucket, count=g.nblocks, flags=Flags.CLOSED | Flags.TIMING,
             )
         return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout)

@@ -51,8 +51,12 @@ class TransportConfig:
 
     lanes: lane 0 the TCP lane, then UDP lanes in descending importance (block class k goes to lane k).
     datagram_payload: UDP payload bytes per datagram (fits a 1500-byte MTU; raise it on loopback or jumbo links).
-    pace_rate: bytes/s per peer over all unreliable lanes (None: unpaced unless adaptive).
-    adaptive_pacing: move the rate with the loss that drop reports show, starting at pace_rate or pace_start.
+    pace_rate: bytes/s per peer over all unreliable lanes, fixed (only without congestion_control).
+    congestion_control: a less-than-best-effort controller per peer (dgt.protocol.congestion: LEDBAT-like, queuing
+        delay target ``cc_target`` seconds, back-off on loss) sets the unreliable lanes' rate from the drop reports,
+        starting at pace_start within [pace_min, pace_max], and a send budget (dgt.protocol.budget) keeps back the
+        unimportant blocks that rate cannot deliver before the round's expected close: they go into error feedback
+        as ``unsent``. False: today's behaviour (unpaced, or paced at a fixed pace_rate; every block sent).
     deadline: "adaptive", "fixed:SECONDS", seconds, or a DeadlinePolicy.
     peer_timeout: silence after which a peer counts as gone; pending operations then fail with PeerTimeout.
     drop_fraction: test hook: the receiver discards this fraction of arriving datagrams (seeded by drop_seed).
@@ -66,9 +70,10 @@ class TransportConfig:
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
     datagram_payload: int = 1400
     pace_rate: float | None = None
-    adaptive_pacing: bool = False
-    pace_start: float = 100e6
-    pace_min: float = 1e6
+    congestion_control: bool = True
+    cc_target: float = 0.010
+    pace_start: float = 12.5e6
+    pace_min: float = 100e3
     pace_max: float = 10e9
     pace_burst: int = 256 << 10
     deadline: str | float | DeadlinePolicy = "adaptive"

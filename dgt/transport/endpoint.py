@@ -20,18 +20,20 @@ import trio
 
 from dgt import wire
 from dgt.channels.framing import KEEP, FrameReader
-from dgt.channels.pacing import AdaptiveRate, Pacer
+from dgt.channels.pacing import Pacer
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
 from dgt.layout import BucketLayout
+from dgt.protocol.budget import RoundWindow
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
+from dgt.protocol.congestion import Feedback, LedbatRate
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 from dgt.protocol.stats import LaneStats as RoundLaneStats
 from dgt.protocol.stats import RoundStats
-from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
+from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler, sent_summary
 from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
 from dgt.scheduler.slot import Slot
@@ -42,7 +44,6 @@ from dgt.transport.streams import Hop, HopResult, StreamHub
 from dgt.wire import Flags, FrameType
 
 BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
-_BLOCK_FIELD = slice(28, 32)  # byte range of the big-endian block index inside a 48-byte header
 
 
 @dataclass
@@ -62,6 +63,7 @@ class _Link:
     last_ping: float = 0.0
     said_bye: bool = False
     dirty: set[int] = field(default_factory=set)  # buckets whose residual holds folded losses
+    window: RoundWindow = field(default_factory=RoundWindow)  # expected round length, for the send budget
 
 
 @dataclass
@@ -71,6 +73,8 @@ class _SendTrack:
     report: Slot = field(default_factory=Slot)
     jobs: list[DatagramJob] = field(default_factory=list)
     detached: bool = False  # send_round returned without waiting for the report
+    t0: float = 0.0  # when the round started (the send budget learns the round's length from its report)
+    cls: np.ndarray | None = None  # lane class per block (per-lane loss accounting)
 
 
 class PendingSend:
@@ -142,6 +146,8 @@ class Endpoint:
         self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
         self._rx_dropped_hook: dict[int, int] = dict.fromkeys(self.udp, 0)
         self._tx_abandoned: dict[int, int] = dict.fromkeys(self.udp, 0)
+        self._tx_unsent: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks the send budget kept back
+        self._tx_lost: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks sent that the peers reported missing
         self._stats = TransportStats(self.rank, [])
         self._lane_delivered: dict[int, list[int]] = {}
         self.scheduler = DatagramScheduler(self.udp, self._round_closed, self._pacer_of)
@@ -414,9 +420,9 @@ class Endpoint:
             self._sources[(host, p)] = rank
         pacer = None
         now = trio.current_time()
-        if c.adaptive_pacing:
+        if c.congestion_control:
             start = c.pace_rate or c.pace_start
-            pacer = Pacer(start, c.pace_burst, AdaptiveRate(start, c.pace_min, c.pace_max), now)
+            pacer = Pacer(start, c.pace_burst, LedbatRate(start, c.pace_min, c.pace_max, target=c.cc_target), now)
         elif c.pace_rate:
             pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
         sender = RoundSender(
@@ -693,9 +699,7 @@ class Endpoint:
             return
         track = self._sending.get((peer, frame.bucket, frame.round))
         if track is not None:
-            if link.pacer is not None and track.jobs:
-                sent, lost = self._loss_of(track, frame)
-                link.pacer.on_report(sent, lost)
+            self._account_report(link, track, info)
             track.report.set(info)
             if track.detached:
                 del self._sending[(peer, frame.bucket, frame.round)]
@@ -703,28 +707,19 @@ class Endpoint:
             link.dirty.add(frame.bucket)
         self.scheduler.poke()
 
-    @staticmethod
-    def _loss_of(track: _SendTrack, frame: wire.Frame) -> tuple[int, int]:
-        """Unimportant blocks wholly sent before the report, and how many of those the receiver missed."""
-        nb = frame.count
-        if len(frame.payload) * 8 < nb:
-            return 0, 0
-        got = np.unpackbits(np.frombuffer(frame.payload, np.uint8), count=nb).astype(bool)
-        sent_blocks = []
-        for job in track.jobs:
-            rows = job.rows[: job.pos]
-            if len(rows) == 0:
-                continue
-            blk = np.ascontiguousarray(rows[:, _BLOCK_FIELD]).view(">u4").reshape(-1).astype(np.int64)
-            if job.pos < len(job.rows):  # the block being sent when the report came is not wholly sent
-                cut = int(np.ascontiguousarray(job.rows[job.pos, _BLOCK_FIELD]).view(">u4")[0])
-                blk = blk[blk != cut]
-            sent_blocks.append(blk)
-        if not sent_blocks:
-            return 0, 0
-        blocks = np.unique(np.concatenate(sent_blocks))
-        blocks = blocks[blocks < nb]
-        return len(blocks), int((~got[blocks]).sum())
+    def _account_report(self, link: _Link, track: _SendTrack, info) -> None:
+        """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
+        if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
+            lanes, counts = np.unique(track.cls[info.lost_mask], return_counts=True)
+            for lane, n in zip(lanes.tolist(), counts.tolist()):
+                self._tx_lost[lane] = self._tx_lost.get(lane, 0) + n
+        if link.pacer is None or link.pacer.cc is None or info.timing is None or not track.jobs:
+            return
+        now = trio.current_time()
+        t = info.timing
+        n, nbytes, first, last = sent_summary(track.jobs)
+        link.pacer.on_feedback(Feedback(n, nbytes, t.datagrams, t.nbytes, first, last, t.first, t.last), now)
+        link.window.observe(now - track.t0, t.wait)
 
     # ------------------------------------------------------------------------------------------------ sending
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
@@ -785,10 +780,18 @@ class Endpoint:
         link.dirty.discard(bucket)
         data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet)
+        budget = None
+        if not lossless and link.pacer is not None and link.pacer.cc is not None:
+            budget = link.window.budget(link.pacer.rate)
+        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
-                          len(plan.reliable), plan.reliable_bytes, copied=copy)  # fmt: skip
-        track = self._sending[key] = _SendTrack()
+                          len(plan.reliable), plan.reliable_bytes, copied=copy,
+                          unsent_blocks=plan.unsent_blocks)  # fmt: skip
+        for lane, n in plan.unsent_lanes.items():
+            self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
+        if plan.unsent_blocks and self.cfg.error_feedback:
+            link.dirty.add(bucket)  # the blocks kept back are in the residual: the next round adds it
+        track = self._sending[key] = _SendTrack(t0=t0, cls=plan.cls)
         finished = False
         try:
             with trio.fail_after(timeout) if timeout else nullcontext():
@@ -1011,7 +1014,8 @@ class Endpoint:
             lanes.append(LaneStats(
                 lane, spec.name, spec.kind, spec.dscp, spec.so_priority,
                 tx_bytes=cc.tx_bytes, tx_frames=cc.tx_datagrams, tx_calls=cc.tx_calls, tx_gso_calls=cc.tx_gso_calls,
-                tx_abandoned=self._tx_abandoned.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
+                tx_abandoned=self._tx_abandoned.get(lane, 0), tx_unsent_blocks=self._tx_unsent.get(lane, 0),
+                tx_lost_blocks=self._tx_lost.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
                 rx_frames=cc.rx_datagrams, rx_calls=cc.rx_calls, rx_gro_reads=cc.rx_gro_reads,
                 rx_dropped_hook=self._rx_dropped_hook.get(lane, 0), rx_unknown_source=cc.rx_unknown_source,
                 rx_truncated=cc.rx_truncated, rx_kernel_drops=ch.kernel_drops(), gso=ch.gso, gro=ch.gro,

@@ -1,0 +1,73 @@
+"""The send budget of the unreliable lanes, sans-IO.
+
+Per round and peer the sender puts on the unreliable lanes only as many unimportant blocks, most important first,
+as the lane's current rate (:mod:`dgt.protocol.congestion`) can deliver before the round is expected to close. The
+rest are *unsent*: they go straight into the error-feedback residual (:func:`fold_blocks`) at planning time, so
+nothing is lost whether or not a drop report ever comes, and the round's ROUND_END announces only the blocks that
+are sent, so the receiver can close the round "complete" as soon as those are in.
+
+The expected close is learnt from the drop reports: a round ends for the sender when its report is in, and the
+report's timing trailer says how long the receiver waited after the important blocks were complete. The difference
+is the time the reliable lane took (:class:`RoundWindow`); the unimportant blocks that fit in it at the lane's rate
+ride along without holding the round open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dgt import wire
+from dgt.layout import BucketLayout
+from dgt.protocol.geometry import Geometry
+
+
+@dataclass
+class RoundWindow:
+    """EWMA of the seconds from a round's start to the moment its important blocks were all in at the receiver."""
+
+    alpha: float = 0.25
+    floor: float = 0.005  # the budget never covers less than this much time (so the lane keeps probing)
+    value: float | None = None
+
+    def observe(self, duration: float, wait: float) -> None:
+        """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait."""
+        sample = max(duration - max(wait, 0.0), 0.0)
+        self.value = sample if self.value is None else (1 - self.alpha) * self.value + self.alpha * sample
+
+    def budget(self, rate: float) -> int | None:
+        """Bytes the unreliable lanes may carry in the next round at ``rate`` (None: no estimate yet, no limit)."""
+        if self.value is None:
+            return None
+        return int(rate * max(self.value, self.floor))
+
+
+def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:
+    """Datagram bytes (payload + one header per fragment) each of ``blocks`` costs on an unreliable lane."""
+    return geom.block_len[blocks] * itemsize + geom.frags_needed[blocks] * wire.HEADER_SIZE
+
+
+def split_budget(geom: Geometry, unimp: np.ndarray, itemsize: int, budget: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(sent, unsent): the longest prefix of ``unimp`` (most important first) whose datagrams fit in ``budget``
+    bytes, and the rest. At least one block is sent when there is any, so the lane is never starved of samples."""
+    if budget is None or len(unimp) == 0:
+        return unimp, unimp[:0]
+    cum = np.cumsum(wire_bytes_of_blocks(geom, unimp, itemsize))
+    k = max(int(np.searchsorted(cum, budget, side="right")), 1)
+    return unimp[:k], unimp[k:]
+
+
+def fold_blocks(residual: torch.Tensor, sent: torch.Tensor, layout: BucketLayout, blocks: torch.Tensor) -> int:
+    """``residual[b] += sent[b]`` for every block in ``blocks``, by one index_add over their elements only (the
+    work follows the number of blocks, not the bucket size). Returns the elements folded."""
+    if len(blocks) == 0:
+        return 0
+    lens = layout.block_len[blocks]
+    folded = int(lens.sum())
+    first = torch.cumsum(lens, 0) - lens
+    idx = torch.repeat_interleave(layout.block_start[blocks] - first, lens, output_size=folded)
+    idx += torch.arange(folded)
+    residual.index_add_(0, idx, sent[idx])
+    return folded
