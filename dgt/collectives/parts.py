@@ -82,11 +82,11 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
                      order))
         _count_sent(stats, part, cls)
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
-        await _send_one(*jobs[0])
+        await _send_one(stats, *jobs[0])
         return
     async with trio.open_nursery() as nursery:
         for job in jobs:
-            nursery.start_soon(_send_one, *job)
+            nursery.start_soon(_send_one, stats, *job)
 
 
 def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
@@ -100,10 +100,14 @@ def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
     stats.add_sent(1, part.nbytes - rel)
 
 
-async def _send_one(ep, peer, key, rnd, data, layout, cls, order) -> None:
+async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cls, order) -> None:
     # a lossless round has nothing to learn from its drop report: do not spend a round trip waiting for it
     lossless = cls == 0 if isinstance(cls, int) else not bool((cls != 0).any())
-    await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order, wait=not lossless)
+    st = await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order, wait=not lossless)
+    unsent = getattr(st, "unsent_bytes", 0)
+    if unsent:  # the send budget kept these back (error feedback carries them): not sent on the unreliable lane
+        stats.add_sent(1, -unsent)
+        stats.bytes_unsent += unsent
 
 
 async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],

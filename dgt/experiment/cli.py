@@ -45,6 +45,9 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
     g.add_argument("--deadline", default=defaults.deadline,
                    help="how long a receiver waits for unimportant blocks after the last important one "
                         "(default: %(default)s)")
+    g.add_argument("--cc", action=argparse.BooleanOptionalAction, default=defaults.congestion_control,
+                   help="congestion control of the UDP lanes (LEDBAT-like rate + send budget; --no-cc: every "
+                        "unimportant block is sent, unpaced, as before) (default: %(default)s)")
     g.add_argument("--dgt-codec", default=defaults.codecs["dgt"], help="the DGT codec spec (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=defaults.out_dir, help="directory for results.json, report.md, PNGs, logs "
@@ -61,7 +64,7 @@ def _config(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> E
         base, network=net, workers=args.workers, target=args.target, max_iters=args.max_iters,
         max_time=args.max_time, eval_every=args.eval_every, batch=args.batch, lr=args.lr, momentum=args.momentum,
         seed=args.seed, server=args.server, lossy_pull=args.lossy_pull, deadline=args.deadline, codecs=codecs,
-        out_dir=args.out, plots=not args.no_plots, **extra,
+        out_dir=args.out, plots=not args.no_plots, congestion_control=args.cc, **extra,
     )
 
 

@@ -67,6 +67,7 @@ class ExperimentConfig:
     peer_timeout: float = 30.0
     round_timeout: float = 60.0  # one all-reduce taking longer than this fails the run (a hang, not slowness)
     loss_smoothing: float = 0.0
+    congestion_control: bool = True  # TransportConfig.congestion_control: LEDBAT-like UDP rate and send budget
     codecs: dict[str, str] = field(default_factory=lambda: dict(PROTOCOLS))
     network: NetworkConfig = field(default_factory=NetworkConfig)
     out_dir: str = "dgt-results"
@@ -101,7 +102,7 @@ class ExperimentConfig:
             target=self.target, eval_every=self.eval_every, max_iters=self.max_iters, max_time=self.max_time,
             server=self.server, lossy_pull=self.lossy_pull, deadline=self.deadline, gso=self.gso,
             peer_timeout=self.peer_timeout, round_timeout=self.round_timeout, loss_smoothing=self.loss_smoothing,
-            out_dir=out_dir,
+            out_dir=out_dir, congestion_control=self.congestion_control,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +140,7 @@ class RunSpec:
     loss_smoothing: float
     out_dir: str
     pace_rate: float | None = None  # bytes/s on every socket (loopback mode)
+    congestion_control: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -39,6 +39,7 @@ class RoundPlan:
     unimportant_blocks: int = 0  # those sent (announced in ROUND_END)
     unsent_blocks: int = 0  # beyond the send budget: folded into error feedback, never sent
     unsent_lanes: dict[int, int] = field(default_factory=dict)  # lane class -> unsent blocks
+    unsent_bytes: int = 0  # payload bytes of the unsent blocks
     cls: np.ndarray | None = None  # lane class per block (int8)
 
     @property
@@ -240,6 +241,7 @@ class RoundSender:
         if len(unsent):
             lanes, counts = np.unique(cls_np[unsent], return_counts=True)
             plan.unsent_lanes = dict(zip(lanes.tolist(), counts.tolist()))
+            plan.unsent_bytes = int(geom.block_len[unsent].sum()) * isz
         for lane in range(1, self.lanes):
             blocks = unimp[cls_np[unimp] == lane]
             if len(blocks):

@@ -51,12 +51,13 @@ class TransportConfig:
 
     lanes: lane 0 the TCP lane, then UDP lanes in descending importance (block class k goes to lane k).
     datagram_payload: UDP payload bytes per datagram (fits a 1500-byte MTU; raise it on loopback or jumbo links).
-    pace_rate: bytes/s per peer over all unreliable lanes, fixed (only without congestion_control).
+    pace_rate: bytes/s per peer over all unreliable lanes: fixed without congestion_control, the ceiling with it.
     congestion_control: a less-than-best-effort controller per peer (dgt.protocol.congestion: LEDBAT-like, queuing
         delay target ``cc_target`` seconds, back-off on loss) sets the unreliable lanes' rate from the drop reports,
-        starting at pace_start within [pace_min, pace_max], and a send budget (dgt.protocol.budget) keeps back the
-        unimportant blocks that rate cannot deliver before the round's expected close: they go into error feedback
-        as ``unsent``. False: today's behaviour (unpaced, or paced at a fixed pace_rate; every block sent).
+        starting at pace_start within [pace_min, pace_max] (pace_max capped by pace_rate), and a send budget
+        (dgt.protocol.budget) keeps back the unimportant blocks that rate cannot deliver before the round's expected
+        close: they go into error feedback as ``unsent``. False: the behaviour before (unpaced, or paced at a fixed
+        pace_rate; every unimportant block sent).
     deadline: "adaptive", "fixed:SECONDS", seconds, or a DeadlinePolicy.
     peer_timeout: silence after which a peer counts as gone; pending operations then fail with PeerTimeout.
     drop_fraction: test hook: the receiver discards this fraction of arriving datagrams (seeded by drop_seed).

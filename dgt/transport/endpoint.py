@@ -421,8 +421,9 @@ class Endpoint:
         pacer = None
         now = trio.current_time()
         if c.congestion_control:
-            start = c.pace_rate or c.pace_start
-            pacer = Pacer(start, c.pace_burst, LedbatRate(start, c.pace_min, c.pace_max, target=c.cc_target), now)
+            top = min(c.pace_max, c.pace_rate or c.pace_max)  # a configured pace_rate is the start and the ceiling
+            cc = LedbatRate(min(c.pace_start, top), min(c.pace_min, top), top, target=c.cc_target)
+            pacer = Pacer(cc.rate, c.pace_burst, cc, now)
         elif c.pace_rate:
             pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
         sender = RoundSender(
@@ -786,7 +787,7 @@ class Endpoint:
         plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
-                          unsent_blocks=plan.unsent_blocks)  # fmt: skip
+                          unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
         for lane, n in plan.unsent_lanes.items():
             self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
         if plan.unsent_blocks and self.cfg.error_feedback:

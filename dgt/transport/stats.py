@@ -59,6 +59,7 @@ class SendStats:
     report: bool = False  # the receiver's drop report arrived
     lost_blocks: int = 0  # blocks sent that the receiver missed (from the drop report)
     unsent_blocks: int = 0  # unimportant blocks the send budget kept back (into error feedback, not lost)
+    unsent_bytes: int = 0  # their payload bytes
     folded_elems: int = 0  # elements folded into the error-feedback residual
     copied: bool = False  # the bucket was copied (error-feedback residual added)
     elapsed: float = 0.0
