@@ -99,12 +99,16 @@ def test_delay_above_target_backs_off_in_proportion_and_below_probes_up():
 
 
 def test_loss_backs_off_to_what_arrived():
-    cc = LedbatRate(100e6)
-    fb = Feedback(1000, 1448000, 30, 43440, 0.0, 0.1, 3.0, 3.1)  # 97 % lost; 434 kB/s arrived
+    cc = LedbatRate(100e6, min_rate=10e3)
+    fb = Feedback(1000, 1448000, 30, 43440, 0.0, 0.1, 3.0, 3.1)  # 97 % lost (or late); 43 kB in 0.2 s arrived
     cc.on_feedback(fb, 0.2)
     assert cc.loss_backoffs == 1
-    assert cc.rate == pytest.approx(434400.0, rel=1e-6) or cc.rate == cc.min_rate
-    assert cc.rate == cc.min_rate  # 434 kB/s is below the 1 MB/s floor
+    assert cc.rate == pytest.approx(43440 / 0.2)  # the round's goodput, not half of 100 MB/s
+    cc.on_feedback(Feedback(10, 14480, 0, 0, 1.0, 1.01), 1.2)  # nothing arrived: down to the floor
+    assert cc.rate == cc.min_rate
+    mild = LedbatRate(10e6)
+    mild.on_feedback(Feedback(100, 144800, 90, 130320, 0.0, 0.01, 3.0, 3.01), 0.02)  # 10 % lost, goodput 6.5 MB/s
+    assert mild.rate == pytest.approx(5e6)  # beta wins
 
 
 def test_nothing_sent_changes_nothing_and_bounds_hold():

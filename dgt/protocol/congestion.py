@@ -10,8 +10,9 @@ One-way delay samples are ``receiver clock at arrival - sender clock at send``. 
 as in LEDBAT the offset cancels against the *base delay*, the minimum sample over a bounded history of intervals, so
 ``queuing delay = sample - base``. The rate then moves:
 
-* loss above ``loss_threshold`` (datagrams sent that never arrived): multiplicative back-off by ``beta``, and never
-  above what the receiver saw arrive (``delivered bytes / arrival span``: the path's share that the lane got);
+* loss above ``loss_threshold`` (datagrams sent that never arrived, or arrived after the round closed):
+  multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
+  send)``, sender clock: what the lane got through before the round closed);
 * otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
   ``beta``; below the target it probes up, above it backs off in proportion to how far above it is.
 
@@ -58,13 +59,11 @@ class Feedback:
             out.append(self.recv_last - self.last_sent)
         return tuple(out)
 
-    @property
-    def delivery_rate(self) -> float | None:
-        """Bytes/s that arrived between the first and last arrival (None: too few arrivals to tell)."""
-        if self.recv_first is None or self.recv_last is None or self.delivered_datagrams < 2:
+    def goodput(self, now: float) -> float | None:
+        """Bytes/s delivered from the first send to the report (``now``, sender clock); None: nothing was sent."""
+        if self.first_sent is None or now <= self.first_sent:
             return None
-        span = self.recv_last - self.recv_first
-        return self.delivered_bytes / span if span > 0 else None
+        return self.delivered_bytes / (now - self.first_sent)
 
 
 @dataclass
@@ -129,9 +128,9 @@ class LedbatRate:
             return self.rate  # nothing was sent: nothing learnt about the path
         if fb.loss > self.loss_threshold:
             new = self.rate * self.beta
-            dr = fb.delivery_rate
-            if dr is not None:
-                new = min(new, dr)
+            gp = fb.goodput(now)
+            if gp is not None:
+                new = min(new, gp)
             self.rate = self._clamp(new)
             self.loss_backoffs += 1
             self.decreases += 1

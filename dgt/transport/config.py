@@ -74,7 +74,7 @@ class TransportConfig:
     congestion_control: bool = True
     cc_target: float = 0.010
     pace_start: float = 12.5e6
-    pace_min: float = 100e3
+    pace_min: float = 10e3
     pace_max: float = 10e9
     pace_burst: int = 256 << 10
     deadline: str | float | DeadlinePolicy = "adaptive"
