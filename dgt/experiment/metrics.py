@@ -35,6 +35,11 @@ def _transport_lanes(ranks: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
     return out
 
 
+def _block_delivery(lane: dict[str, int]) -> float | None:
+    got, lost = lane.get("delivered_blocks", 0), lane.get("tx_lost_blocks", 0)
+    return got / (got + lost) if got + lost else None
+
+
 def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """One run: rank 0's clock is the run's clock (it is the evaluator and, as the server, the last to finish an
     iteration). Time to target = training time (sum of BCTs, evaluation pauses excluded) at the first evaluation
@@ -43,6 +48,7 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     receiver's dropped blocks."""
     r0 = ranks[0]
     recs = r0["records"]
+    lanes = _transport_lanes(ranks)
     evals = r0["evals"]
     hit = next((e for e in evals if e["acc"] >= target), None)
     n = hit["it"] if hit else len(recs)
@@ -77,8 +83,11 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "dropped_blocks": dropped,
         "unsent_blocks": unsent,  # kept back by the senders' send budget (error feedback carries them; not lost)
         "bytes_unsent": unsent_bytes,
+        # bytes delivered (headers included) / payload bytes sent on UDP, until the target
         "udp_delivery": recv_upto.get("1", 0) / sent_upto["1"] if sent_upto.get("1") else None,
-        "transport_lanes": _transport_lanes(ranks),
+        "transport_lanes": lanes,
+        # whole run, blocks: delivered / (delivered + lost) on lane 1 (unsent blocks are neither)
+        "udp_block_delivery": _block_delivery(lanes.get("1", {})),
         "received_blocks": blocks,
         "drop_rate": dropped / blocks if blocks else 0.0,
         "iterations_run": len(recs),
