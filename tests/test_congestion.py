@@ -84,8 +84,19 @@ def test_backs_off_when_delay_rises_and_recovers_when_it_falls():
     assert sum(rates[-20:]) / 20 >= 0.75 * 5e6
 
 
+def test_slow_start_doubles_until_the_first_decrease():
+    cc = LedbatRate(1e6, target=0.01)
+    for i in range(3):
+        cc.on_feedback(Feedback(100, 144800, 100, 144800, i, i + 0.01, 5.0 + i, 5.01 + i), i + 0.1)
+    assert cc.rate == pytest.approx(8e6) and cc.slow_start
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 3.0, 3.01, 8.0, 8.03), 3.1)  # 20 ms queue: back off
+    assert not cc.slow_start and cc.rate == pytest.approx(6e6)
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 4.0, 4.01, 9.0, 9.01), 4.1)  # clean again: LEDBAT steps
+    assert cc.rate == pytest.approx(7.5e6)
+
+
 def test_delay_above_target_backs_off_in_proportion_and_below_probes_up():
-    cc = LedbatRate(10e6, target=0.01, gain=0.25)
+    cc = LedbatRate(10e6, target=0.01, gain=0.25, slow_start=False)
     base = Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01)
     cc.on_feedback(base, 0.1)  # qdelay 0: probes up by gain
     assert cc.rate == pytest.approx(12.5e6)

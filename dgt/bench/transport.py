@@ -316,6 +316,8 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
         datagrams=last["datagrams"],
         abandoned=last["abandoned"],
         lost_blocks=[s["lost_blocks"] for s in sent["rows"]],
+        unsent_blocks=[s.get("unsent_blocks", 0) for s in sent["rows"]],
+        pace_rate=[s.get("pace_rate") for s in sent["rows"]],
         udp_lanes={ln["lane"]: {k: ln[k] for k in ("gso", "gro", "rx_frames", "rx_calls", "rx_gro_reads",
                                                    "rx_kernel_drops", "rcvbuf")}
                    for ln in got["stats"]["lanes"] if ln["kind"] == "udp"},  # fmt: skip
@@ -346,6 +348,8 @@ def run(args: argparse.Namespace) -> dict:
         if not args.quick:
             res["dgt-lossless-fresh"] = _dgt_run(pair, base, numel, 1.0, reps, use_out=False)
         res["dgt-p30-gso"] = _dgt_run(pair, base, numel, args.p, reps, use_out=True)
+        # the same without congestion control and send budget (every unimportant block sent, unpaced)
+        res["dgt-p30-gso-nocc"] = _dgt_run(pair, base | {"congestion_control": False}, numel, args.p, reps, True)
         if not args.quick:
             res["dgt-p30-nogso"] = _dgt_run(pair, base | {"gso": False, "gro": False}, numel, args.p, reps, True)
     finally:

@@ -14,7 +14,9 @@ as in LEDBAT the offset cancels against the *base delay*, the minimum sample ove
   multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
   send)``, sender clock: what the lane got through before the round closed);
 * otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
-  ``beta``; below the target it probes up, above it backs off in proportion to how far above it is.
+  ``beta``; below the target it probes up, above it backs off in proportion to how far above it is;
+* until the first decrease (*slow start*) a report with no loss and a queuing delay under half the target doubles
+  the rate, so a fast idle path is found in a few rounds instead of dozens.
 
 The endpoint applies the rate with a token bucket (:class:`dgt.channels.pacing.Pacer`) and derives the send budget
 of a round from it (:mod:`dgt.protocol.budget`). Nothing here reads a clock: every time is passed in.
@@ -103,6 +105,7 @@ class LedbatRate:
     loss_threshold: float = 0.02
     base: BaseDelay = field(default_factory=BaseDelay)
     qdelay: float | None = None  # last queuing delay estimate
+    slow_start: bool = True  # doubling per clean report until the first decrease
     decreases: int = 0
     increases: int = 0
     loss_backoffs: int = 0
@@ -132,6 +135,7 @@ class LedbatRate:
             if gp is not None:
                 new = min(new, gp)
             self.rate = self._clamp(new)
+            self.slow_start = False
             self.loss_backoffs += 1
             self.decreases += 1
             return self.rate
@@ -139,9 +143,12 @@ class LedbatRate:
             return self.rate
         off = (self.target - self.qdelay) / self.target  # 1 at an empty queue, negative above the target
         step = max(self.beta, 1.0 + self.gain * off)
+        if self.slow_start and off > 0.5:
+            step = 2.0
         if step > 1.0:
             self.increases += 1
         elif step < 1.0:
             self.decreases += 1
+            self.slow_start = False
         self.rate = self._clamp(self.rate * step)
         return self.rate
