@@ -57,14 +57,15 @@ def test_split_budget_keeps_the_most_important_prefix_that_fits():
 
 
 def test_round_window_learns_the_reliable_part_of_a_round():
-    w = RoundWindow(alpha=0.5, floor=0.01)
-    assert w.budget(1e6) is None
+    w = RoundWindow(alpha=0.5, floor=0.01, initial=0.05)
+    assert abs(w.budget(1e6) - 50_000) <= 1  # no report yet: the initial window
     w.observe(0.30, 0.10)  # 0.3 s to the report, of which the receiver waited 0.1 s for unimportant blocks
     assert w.value == pytest.approx(0.2) and abs(w.budget(1e6) - 200_000) <= 1
-    w.observe(0.10, 0.0)
-    assert w.value == pytest.approx(0.15)
-    for _ in range(8):
-        w.observe(0.001, 0.0)
+    w.observe(0.50, 0.0)  # a longer round: averaged in
+    assert w.value == pytest.approx(0.35)
+    w.observe(0.10, 0.0)  # a shorter one: taken at once, so the budget never holds rounds open
+    assert w.value == pytest.approx(0.1)
+    w.observe(0.001, 0.0)
     assert abs(w.budget(1e6) - 10_000) <= 1  # the floor
 
 

@@ -254,7 +254,7 @@ async def test_bytes_and_tensors_lossless_in_order():
 async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
     """A paced sender is still sending a round's unimportant datagrams when the receiver closes it at its
     deadline: the rest is abandoned and the next round goes out without waiting behind it."""
-    cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10)
+    cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10, congestion_control=False)  # fixed pace
     a, b = await pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02"))
     try:
         layout = BucketLayout([200_000])
@@ -311,9 +311,10 @@ async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carrie
         layout = BucketLayout([64 * 1024])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.25)
-        s0, r0 = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
-        assert s0.unsent_blocks == 0 and r0.stats.unsent == 0  # no estimate of the round yet: no budget
         link = a._links[1]
+        link.window.initial = 10.0  # round 0: a budget that covers every block
+        s0, r0 = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        assert s0.unsent_blocks == 0 and r0.stats.unsent == 0 and r0.mask.all()
         assert link.window.value is not None
         budget = link.window.budget(link.pacer.rate)
         total = s0.unimportant_blocks

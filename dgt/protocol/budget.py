@@ -26,22 +26,26 @@ from dgt.protocol.geometry import Geometry
 
 @dataclass
 class RoundWindow:
-    """EWMA of the seconds from a round's start to the moment its important blocks were all in at the receiver."""
+    """The seconds from a round's start to the moment its important blocks were all in at the receiver: a shorter
+    round is taken at once (the budget must not hold rounds open), a longer one through an EWMA of weight ``alpha``.
+    Before the first report the budget covers ``initial`` seconds."""
 
     alpha: float = 0.25
     floor: float = 0.005  # the budget never covers less than this much time (so the lane keeps probing)
+    initial: float = 0.05
     value: float | None = None
 
     def observe(self, duration: float, wait: float) -> None:
         """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait."""
         sample = max(duration - max(wait, 0.0), 0.0)
-        self.value = sample if self.value is None else (1 - self.alpha) * self.value + self.alpha * sample
+        if self.value is None or sample <= self.value:
+            self.value = sample
+        else:
+            self.value = (1 - self.alpha) * self.value + self.alpha * sample
 
-    def budget(self, rate: float) -> int | None:
-        """Bytes the unreliable lanes may carry in the next round at ``rate`` (None: no estimate yet, no limit)."""
-        if self.value is None:
-            return None
-        return int(rate * max(self.value, self.floor))
+    def budget(self, rate: float) -> int:
+        """Bytes the unreliable lanes may carry in the next round at ``rate``."""
+        return int(rate * max(self.initial if self.value is None else self.value, self.floor))
 
 
 def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:

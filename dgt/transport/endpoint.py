@@ -781,7 +781,7 @@ class Endpoint:
         link.dirty.discard(bucket)
         data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        budget = None  # only with error feedback, which carries the blocks kept back (else they would be lost)
+        budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
             budget = link.window.budget(link.pacer.rate)
         plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget)
