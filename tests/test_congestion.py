@@ -109,6 +109,18 @@ def test_delay_above_target_backs_off_in_proportion_and_below_probes_up():
     assert cc.rate == pytest.approx(12.5e6 * 0.75 * 0.5)
 
 
+def test_a_round_held_open_by_the_lane_counts_as_delay():
+    cc = LedbatRate(10e6, target=0.01, slow_start=False)
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.0), 0.1)
+    assert cc.rate == pytest.approx(12.5e6)
+    # no queue in the samples, but the receiver waited 20 ms for our datagrams after the important blocks
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.01, hold=0.02), 1.1)
+    assert cc.qdelay == pytest.approx(0.0) and cc.rate == pytest.approx(12.5e6 * 0.75)
+    ss = LedbatRate(10e6, target=0.01)
+    ss.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.03), 0.1)
+    assert not ss.slow_start and ss.rate == pytest.approx(5e6)
+
+
 def test_loss_backs_off_to_what_arrived():
     cc = LedbatRate(100e6, min_rate=10e3)
     fb = Feedback(1000, 1448000, 30, 43440, 0.0, 0.1, 3.0, 3.1)  # 97 % lost (or late); 43 kB in 0.2 s arrived

@@ -15,6 +15,8 @@ as in LEDBAT the offset cancels against the *base delay*, the minimum sample ove
   send)``, sender clock: what the lane got through before the round closed);
 * otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
   ``beta``; below the target it probes up, above it backs off in proportion to how far above it is;
+* the time the receiver held the round open for unimportant blocks after the important ones were in counts as
+  queuing delay too (the lane is that far behind, wherever the queue is: a link, a socket, a busy CPU);
 * until the first decrease (*slow start*) a report with no loss and a queuing delay under half the target doubles
   the rate, so a fast idle path is found in a few rounds instead of dozens.
 
@@ -45,6 +47,7 @@ class Feedback:
     last_sent: float | None = None
     recv_first: float | None = None
     recv_last: float | None = None
+    hold: float = 0.0  # seconds the receiver kept the round open for unimportant blocks after the important ones
 
     @property
     def loss(self) -> float:
@@ -141,7 +144,8 @@ class LedbatRate:
             return self.rate
         if not samples:
             return self.rate
-        off = (self.target - self.qdelay) / self.target  # 1 at an empty queue, negative above the target
+        behind = max(self.qdelay, fb.hold)
+        off = (self.target - behind) / self.target  # 1 at an empty queue, negative above the target
         step = max(self.beta, 1.0 + self.gain * off)
         if self.slow_start and off > 0.5:
             step = 2.0

@@ -719,7 +719,7 @@ class Endpoint:
         now = trio.current_time()
         t = info.timing
         n, nbytes, first, last = sent_summary(track.jobs)
-        link.pacer.on_feedback(Feedback(n, nbytes, t.datagrams, t.nbytes, first, last, t.first, t.last), now)
+        link.pacer.on_feedback(Feedback(n, nbytes, t.datagrams, t.nbytes, first, last, t.first, t.last, t.wait), now)
         link.window.observe(now - track.t0, t.wait)
 
     # ------------------------------------------------------------------------------------------------ sending
