@@ -9,7 +9,7 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
-from dgt.protocol.budget import RoundWindow, split_budget, wire_bytes_of_blocks
+from dgt.protocol.budget import RoundWindow, fold_blocks, split_budget, wire_bytes_of_blocks
 from dgt.protocol.deadline import FixedGrace
 from dgt.protocol.geometry import Geometry
 from dgt.protocol.receiver import RoundDone, RoundReceiver
@@ -135,3 +135,18 @@ def test_budget_unsent_blocks_go_to_error_feedback_and_nothing_is_lost(lost):
     assert done2.mask.all() and plan2.unsent_blocks == 0
     total = done.data + done2.data
     assert torch.equal(total, x)  # nothing lost, bit-exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_fold_blocks_equals_the_elementwise_definition(dtype):
+    layout = BucketLayout([3000, 1024, 7, 5000])  # partial tail blocks, starts not multiples of the block
+    g = torch.Generator().manual_seed(1)
+    sent = torch.randn(layout.numel, generator=g).to(dtype)
+    res = torch.randn(layout.numel, generator=g).to(dtype)
+    blocks = torch.tensor([0, 2, 3, 4, 6, 8, 9])  # 2, 4 and 9 are partial tails
+    want = res.clone()
+    for b in blocks.tolist():
+        s, n = int(layout.block_start[b]), int(layout.block_len[b])
+        want[s : s + n] += sent[s : s + n]
+    n = fold_blocks(res, sent, layout, blocks)
+    assert n == int(layout.block_len[blocks].sum()) and torch.equal(res, want)

@@ -64,8 +64,27 @@ def split_budget(geom: Geometry, unimp: np.ndarray, itemsize: int, budget: int |
 
 
 def fold_blocks(residual: torch.Tensor, sent: torch.Tensor, layout: BucketLayout, blocks: torch.Tensor) -> int:
-    """``residual[b] += sent[b]`` for every block in ``blocks``, by one index_add over their elements only (the
-    work follows the number of blocks, not the bucket size). Returns the elements folded."""
+    """``residual[b] += sent[b]`` for every (distinct) block in ``blocks``; the work follows the number of blocks, not
+    the bucket size. Full blocks of a numpy-representable dtype: one row-wise add over block-long rows of an
+    overlapping strided view (the rows of distinct blocks are disjoint); the rest: one index_add over their
+    elements. Returns the elements folded."""
+    if len(blocks) == 0:
+        return 0
+    if residual.dtype != torch.bfloat16 and residual.device.type == "cpu":
+        full = layout.block_len[blocks] == layout.block
+        if bool(full.any()):
+            b = layout.block
+            starts = layout.block_start[blocks[full]].numpy()
+            r, s = residual.numpy(), sent.numpy()
+            rows = np.lib.stride_tricks.as_strided(r, (len(r) - b + 1, b), (r.itemsize, r.itemsize))
+            srows = np.lib.stride_tricks.as_strided(s, (len(s) - b + 1, b), (s.itemsize, s.itemsize))
+            rows[starts] += srows[starts]
+            rest = blocks[~full]
+            return len(starts) * b + _fold_elems(residual, sent, layout, rest)
+    return _fold_elems(residual, sent, layout, blocks)
+
+
+def _fold_elems(residual: torch.Tensor, sent: torch.Tensor, layout: BucketLayout, blocks: torch.Tensor) -> int:
     if len(blocks) == 0:
         return 0
     lens = layout.block_len[blocks]
