@@ -37,7 +37,7 @@ class DatagramRows:
     """``len(offsets)`` datagrams of ``HEADER_SIZE + payload`` bytes each: header ``i`` is ``headers[i]`` (uint8
     ``[k, 48]``), its payload the ``payload`` bytes of ``raw`` (the bucket as uint8) from ``offsets[i]``."""
 
-    __slots__ = ("headers", "raw", "offsets", "payload")
+    __slots__ = ("headers", "raw", "offsets", "payload", "_rows")
 
     def __init__(self, headers: np.ndarray, raw: np.ndarray, offsets: np.ndarray, payload: int) -> None:
         if headers.ndim != 2 or headers.shape[1] != wire.HEADER_SIZE or len(headers) != len(offsets):
@@ -48,6 +48,14 @@ class DatagramRows:
         self.raw = raw
         self.offsets = offsets
         self.payload = payload
+        self._rows = byte_rows(raw, payload)  # every payload-sized row of the bucket (a view, made once)
+
+    def _part(self, i: slice) -> DatagramRows:
+        """Rows ``i`` of these (checked already: no second pass over the offsets, no new strided view)."""
+        part = object.__new__(DatagramRows)
+        part.headers, part.raw, part.offsets = self.headers[i], self.raw, self.offsets[i]
+        part.payload, part._rows = self.payload, self._rows
+        return part
 
     @property
     def seg(self) -> int:
@@ -66,7 +74,7 @@ class DatagramRows:
 
     def __getitem__(self, i):
         if isinstance(i, slice):
-            return DatagramRows(self.headers[i], self.raw, self.offsets[i], self.payload)
+            return self._part(i)
         j = operator.index(i)
         j = j + len(self) if j < 0 else j
         if not 0 <= j < len(self):
@@ -95,7 +103,7 @@ class DatagramRows:
         dst[:, : wire.HEADER_SIZE] = h
         # numpy, not torch's index_select: a batch is small (<= 64 KiB), and index_select into this strided
         # destination ran 20x slower with more than one torch thread on a loaded 2-core host (measured)
-        dst[:, wire.HEADER_SIZE :] = byte_rows(self.raw, self.payload)[offs]
+        dst[:, wire.HEADER_SIZE :] = self._rows[offs]
         return dst
 
 
