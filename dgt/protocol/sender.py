@@ -27,7 +27,9 @@ class RoundPlan:
         (packed scattered blocks); the byte stream is always a valid sequence of frames.
     datagrams: per unreliable lane, the equal-size datagrams (header + fragment, most important block first; ready
         for UDP GSO) as :class:`DatagramRows`: headers plus views of the bucket, packed only when sent (reads like a
-        [k, seg] uint8 array); and a list of odd-size datagrams (partial tensor tails).
+        [k, seg] uint8 array); and a list of odd-size datagrams (partial tensor tails). Like the reliable lane's
+        zero-copy runs, they read the bucket when sent: it must stay unchanged until then (``Endpoint.send_round``
+        returns only once every datagram job is sent or abandoned).
     """
 
     bucket: int
