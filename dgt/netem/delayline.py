@@ -1,7 +1,8 @@
 """The delay line's core, sans-IO: frames go in with a clock reading, come out when they are due.
 
 Used by the relay (relay.py) that stands in for sch_netem on kernels without it. Each pushed frame is due at
-``now + delay + U(-jitter, +jitter)`` (uniform, which is also what netem draws without a distribution table).
+``now + delay + U(-jitter, +jitter)`` (uniform, which is also what netem draws without a distribution table;
+never before ``now``).
 Frames leave in the order they came: a draw that would overtake the frame ahead is raised to that frame's due
 time, so jitter spreads the delay but never reorders by itself. With ``reorder = p`` a share p of the frames is
 sent at once, without the delay, overtaking those held (netem's semantics for ``reorder``).
@@ -43,9 +44,6 @@ class DelayLine:
                  seed: int | None = None) -> None:
         if delay < 0 or jitter < 0:
             raise DgtError(f"delay and jitter must not be negative (delay {delay}, jitter {jitter})")
-        if jitter > delay:
-            raise DgtError(f"jitter {jitter * 1e3:g}ms exceeds the delay {delay * 1e3:g}ms: a frame cannot leave "
-                           "before it arrived")
         if not 0.0 <= reorder <= 1.0:
             raise DgtError(f"reorder must be a fraction in [0, 1], got {reorder}")
         if capacity < 1:
@@ -67,6 +65,7 @@ class DelayLine:
         due = np.full(n, now + self.delay)
         if self.jitter:
             due += self.rng.uniform(-self.jitter, self.jitter, n)
+            np.maximum(due, now, out=due)  # jitter larger than the delay: never before arrival
         now_out: list[bytes] = []
         if self.reorder:
             jump = self.rng.random(n) < self.reorder
