@@ -43,6 +43,7 @@ def test_constant_delay_in_order_and_counted() -> None:
     assert line.next_due() == pytest.approx(1.035)
     assert ids(line.pop_due(2.0)) == [3, 4] and line.next_due() is None
     c = line.counters
+    assert c.late_max == pytest.approx(2.0 - 1.035) and c.late_sum == pytest.approx(2 * 2.0 - 1.035 - 1.035)
     assert (c.received, c.sent, c.held, c.max_held, c.reordered, c.overflow) == (5, 5, 0, 5, 0, 0)
 
 

@@ -32,8 +32,10 @@ class LineCounters:
     overflow: int = 0  # dropped because the line held `capacity` frames
     held: int = 0  # frames inside the line now
     max_held: int = 0
+    late_sum: float = 0.0  # seconds released frames left after their due time, summed (caller's lateness)
+    late_max: float = 0.0
 
-    def to_dict(self) -> dict[str, int]:
+    def to_dict(self) -> dict[str, float]:
         return asdict(self)
 
 
@@ -99,6 +101,9 @@ class DelayLine:
             if k <= self._head:
                 break
             out.extend(frames[self._head:k])
+            late = now - due[self._head:k]
+            self.counters.late_sum += float(late.sum())
+            self.counters.late_max = max(self.counters.late_max, float(late.max()))
             if k == len(frames):
                 self._chunks.popleft()
                 self._head = 0

@@ -292,6 +292,9 @@ class Topology:
                 idx = ipr.link_lookup(ifname=h.ifname)[0]
                 ipr.addr("add", index=idx, address=h.addr, prefixlen=self.plen)
                 ipr.link("set", index=idx, state="up")
+        if self.relayed_links:  # frames a relay copies must carry finished checksums
+            for h in self.hosts:
+                nsutil.run_in_ns(h.ns, offload.disable_tx_checksum, h.ifname)
         for d in self.directions:
             spec = self.spec_for(d)
             if self.offloads_off:
