@@ -297,7 +297,7 @@ class Topology:
                 nsutil.run_in_ns(h.ns, offload.disable_tx_checksum, h.ifname)
         for d in self.directions:
             spec = self.spec_for(d)
-            if self.offloads_off:
+            if self.offloads_off or self.relayed(spec):  # a relay forwards wire-size frames only
                 nsutil.run_in_ns(d.tx_ns, offload.disable_segmentation, d.tx_dev)
             if self.relayed(spec):  # the relay delays; netem (if any) only loses
                 spec = dataclasses.replace(spec, delay=0.0, jitter=0.0, reorder=0.0)
