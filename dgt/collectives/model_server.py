@@ -93,10 +93,15 @@ class ModelServer(Collective):
 
     def __init__(self, group: Group, codec: str | Codec = "dense", pull: str | Codec | None = None, *,
                  model: torch.Tensor, lr: float, server: int = 0, server_trains: bool = True,
-                 segments: list[int] | None = None, bucket_id: int = 0) -> None:
+                 segments: list[int] | None = None, bucket_id: int = 0, every: int = 1) -> None:
         super().__init__(group, codec, op="sum")
         if not 0 <= server < group.world:
             raise ValueError("server must be a rank")
+        if int(every) != every or every < 1:
+            raise ValueError(f"every (the communication frequency p) must be an integer >= 1, not {every!r}")
+        self.every = int(every)  # Slim-DP's p: push/pull on every p-th step, deltas accumulated in between
+        self._calls = 0
+        self._pending: torch.Tensor | None = None
         self.server = server
         self.server_trains = server_trains
         self.lr = float(lr)
@@ -139,13 +144,25 @@ class ModelServer(Collective):
     async def step(self, delta: torch.Tensor | None, local: torch.Tensor | None) -> CollectiveResult:
         """Push ``delta`` (this rank's accumulated gradient), pull, and return ``local`` merged with the pull.
 
-        A server that does not train passes None for both and gets its model ``w`` back (a copy)."""
+        A server that does not train passes None for both and gets its model ``w`` back (a copy).
+
+        With ``every=p`` (Slim-DP's communication frequency) only every p-th call communicates: the other calls add
+        ``delta`` to a pending sum and return ``local`` unchanged (the server's ``w``), with empty stats, so that the
+        p-th call pushes the delta accumulated over p mini-batches. Every rank must call step equally often."""
         g = self.group
         stats = ModelServerStats()
-        rnd = g.next_round("model-server", self.bucket_id)
         trains = not self.is_server or self.server_trains
         if trains and (delta is None or local is None):
             raise ValueError("a training rank passes its delta and its local model")
+        if self.every > 1:
+            self._calls += 1
+            if trains:
+                d = delta.detach().reshape(-1)
+                self._pending = d.clone() if self._pending is None else self._pending.add_(d)
+            if self._calls % self.every:
+                return CollectiveResult(local if trains else self.w.clone(), stats)
+            delta, self._pending = self._pending, None
+        rnd = g.next_round("model-server", self.bucket_id)
         parts = self.push_tx.encode(delta.detach().reshape(-1), self.push_tx_state) if trains else []
         if not self.is_server:
             with self.phase(stats, "push"):
