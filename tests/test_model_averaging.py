@@ -64,3 +64,15 @@ def test_model_averaging_over_the_transport_equals_the_simulation(spec):
             assert out[r]["sent"][-1] == out[r]["bytes"]  # exactly the codec's message (headers included)
     if spec != "dense":
         assert out[1]["bits"] == pytest.approx(sim["bits_per_param"], rel=0.2)
+
+
+def test_model_server_checks_the_communication_frequency():
+    from dgt.collectives import Group
+    from dgt.collectives.model_server import ModelServer
+
+    g = Group(None, 0, 2, 1)
+    for bad in (0, -1, 1.5):
+        with pytest.raises(ValueError, match="every"):
+            ModelServer(g, "dense", model=torch.zeros(8), lr=0.1, every=bad)
+    ms = ModelServer(g, "olandraj", model=torch.zeros(8), lr=0.1, every=3, average=True)
+    assert ms.every == 3 and ms.average and ms.pull_codec.name == "dense"  # the mean comes back in fp32
