@@ -409,10 +409,11 @@ def test_byte_accounting_per_phase_ring():
     assert ratio > 100
 
 
-def test_byte_accounting_per_phase_ps():
+@pytest.mark.parametrize("codes", ["leader", "all"])
+def test_byte_accounting_per_phase_ps(codes):
     sizes = [640, 20000, 60000, 1290]
     steps, warmup, ae_iters = 6, 2, 2
-    res = _run("ps", 3, steps, sizes, dedicated=True, warmup=warmup, ae_iters=ae_iters)
+    res = _run("ps", 3, steps, sizes, dedicated=True, warmup=warmup, ae_iters=ae_iters, ps_codes=codes)
     runners = [r for r, _ in res]
     workers = [r for r in runners if r.is_worker]
     server = [r for r in runners if not r.is_worker][0]
@@ -425,12 +426,14 @@ def test_byte_accounting_per_phase_ps():
         assert b["overhead"] == warmup * (1 + 3 + entry_overhead(3))
         assert "down" not in b
     assert server.bytes["dense"]["down"] > 2 * warmup * plan.numel * 4  # dense mean to both workers
-    # compressed phase: the leader sends the code, the other worker does not
+    # compressed phase: the leader sends the code, the other worker does not (ps_codes=all: both send one)
     n_c = steps - warmup - ae_iters
     lead, other = (w.bytes["compressed"]["ae"] for w in sorted(workers, key=lambda w: w.codec.worker))
     code = latent_numel(plan.mu("ae")) * 4
-    assert lead - other - n_c * (code + entry_overhead(code)) in range(-8 * n_c, 8 * n_c + 1)  # DEFLATE varies
-    assert server.bytes["topk"]["ctl"] == sum(p.numel() for p in Encoder().state_dict().values()) * 4
+    extra = n_c * (code + entry_overhead(code)) if codes == "leader" else 0
+    assert lead - other - extra in range(-8 * n_c, 8 * n_c + 1)  # DEFLATE varies
+    shipped = 1 if codes == "leader" else 2  # the encoder goes to every worker that sends a code
+    assert server.bytes["topk"]["ctl"] == shipped * sum(p.numel() for p in Encoder().state_dict().values()) * 4
     for w in workers:
         ratio = plan.numel_of("ae") * 4 * n_c / (w.bytes["compressed"]["ae"] + w.bytes["compressed"]["overhead"])
         assert ratio > 100
@@ -473,3 +476,56 @@ def test_ablation_zeroes_the_decoded_ae_update(variant, order):
                 assert nz == 0  # nothing but the (zeroed) decoded output reaches the AE layers
             else:
                 assert 0 < nz <= 2 * math.ceil(0.2 * plan.mu("ae"))  # only the exactly-sent innovation values
+
+
+@pytest.mark.parametrize("variant", ["ps", "ring"])
+def test_template_ablation_decodes_the_mean_training_target(variant):
+    """ae_ablate=template: the compressed phase's decoded AE output is the running mean of the AE's training targets
+    (times the round's scale; PS: with the exact innovation written back), whatever code was sent."""
+    sizes = [20, 3000, 2000, 300]
+    res = _run(variant, 2, 7, sizes, warmup=2, ae_iters=2, topk=0.01, ae_ablate="template", record=True)
+    recs = [d for r, _ in res for d in r.state.values.get("diag", []) if "rec" in d]
+    assert len(recs) >= 3  # one per compressed round (ring) or per worker and round (PS)
+    for d in recs:
+        assert d["rec"].abs().sum() > 0
+        assert torch.allclose(d["rec"], d["template"])
+
+
+def test_ps_codes_all_every_worker_sends_and_decodes_its_own_code():
+    sizes = [20, 3000, 2000, 300]
+    res = _run("ps", 3, 7, sizes, dedicated=True, warmup=2, ae_iters=2, topk=0.01, ps_codes="all", sim_weight=0.0)
+    workers = [(r, rows) for r, rows in res if r.is_worker]
+    assert all("encoder" in r.state.values for r, _ in workers)  # the trained encoder reached every worker
+    codec = workers[0][0].codec
+    plan = workers[0][0].plan
+    from dgt.codecs.lgc.plan import Phase
+    assert "ae:code" in codec.layout(Phase.COMPRESSED, plan, leader=codec._sends_code(1))
+    outs = [rows[-1][2] for _, rows in workers]
+    assert torch.isfinite(outs[0]).all() and torch.equal(outs[0], outs[1])
+    summ = workers[1][0].summary()  # the non-leader now pays for a code too
+    assert summ["bytes_sent"]["compressed"]["ae"] > 0
+    with pytest.raises(ValueError, match="ps_codes"):
+        LGCCodec(variant="ps", ps_codes="some")
+
+
+def test_ae_replay_trains_on_a_bounded_buffer_of_past_rounds():
+    from dgt.codecs.lgc.codec import REPLAY_ROUNDS
+
+    res = _run("ps", 2, 6, [20, 3000, 2000, 300], warmup=1, ae_iters=4, topk=0.01, ae_replay=3)
+    server = next(r for r, _ in res if "srv_ae" in r.state.values)
+    assert len(server.state.values["srv_replay"]) == 4 <= REPLAY_ROUNDS  # one entry per training round
+    assert server.state.values["srv_trained"] == 4
+    for bad in ({"ae_replay": -1}, {"ae_loss": "max"}, {"ps_common": "x"}, {"ae_ablate": "ones"}):
+        with pytest.raises(ValueError):
+            LGCCodec(variant="ps", **bad)
+
+
+def test_ps_autoencoder_batched_step_matches_the_single_round_step():
+    """A (1, K, mu) batch is the same step as the (K, mu) round: the replay path changes nothing without replay."""
+    x, innov = torch.randn(2, 57), torch.zeros(2, 57)
+    a, b = PSAutoencoder(2, opt="adam", seed=3), PSAutoencoder(2, opt="adam", seed=3)
+    la, lb = a.train_step(x, innov), b.train_step(x.unsqueeze(0), innov.unsqueeze(0))
+    assert la == lb
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    batch = PSAutoencoder(2, opt="adam", seed=3).train_step(torch.randn(5, 2, 57), torch.zeros(5, 2, 57))
+    assert batch["rec"] > 0 and batch["energy"] > 0

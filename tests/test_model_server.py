@@ -283,3 +283,26 @@ def test_slimdp_model_server_on_cuda():
         assert sum(out[1][0]["stats"][t]["bytes_sent"].values()) == want
     assert torch.isfinite(out[0][0]["w"]).all()
     torch.testing.assert_close(out[0][1]["w"], cpu[0]["w"], rtol=1e-4, atol=1e-5)
+
+
+def test_slimdp_communication_frequency_matches_the_simulation(one_thread):
+    """Slim-DP's p (``every``): 7 local steps with p=3 push the summed deltas of steps 1-3 and 4-6 and nothing
+    after step 7; over the transport the models equal the simulation's bit for bit, and only every p-th step sends."""
+    world, rounds, lr, seed, p = 3, 7, 0.1, 0, 3
+    both = _run(world, (SLIM, {"every": p}), rounds, lr, seed, {**NOEF, "deadline": "fixed:10"}, timeout=120)
+    sim = train_ps(SLIM, SLIM, k=world, rounds=rounds, lr=lr, batch=32, seed=seed, every=p)
+    once = train_ps(SLIM, SLIM, k=world, rounds=rounds, lr=lr, batch=32, seed=seed)
+    assert not torch.equal(sim["final_params"], once["final_params"])  # p changes the training
+    assert torch.equal(both[0]["w"], sim["final_params"])
+    for r in range(world):
+        assert torch.equal(both[r]["local"], sim["local_models"][r])
+    for t in range(rounds):
+        sent = both[1]["stats"][t]["bytes_sent"]
+        assert (sum(sent.values()) > 0) == ((t + 1) % p == 0), (t, sent)
+    assert sim["push_bytes_per_round_per_worker"] * rounds == pytest.approx(
+        once["push_bytes_per_round_per_worker"] * (rounds // p), rel=0.2)  # ~1/p of the bytes per mini-batch
+
+
+def test_communication_frequency_is_checked():
+    with pytest.raises(ValueError, match="every"):
+        train_ps(SLIM, SLIM, k=2, rounds=2, every=0)

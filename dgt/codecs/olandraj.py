@@ -76,6 +76,8 @@ class OlandRajCodec(Codec):
 
     name = "olandraj"
     capabilities = Capabilities(summable=False, lossy_tolerant=False)
+    variable_length = True  # a layer's message length depends on its bits and Huffman code: receivers take it from
+    # the transport (every part is reliable and self-describing)
 
     def __init__(
         self,

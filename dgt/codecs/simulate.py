@@ -208,10 +208,18 @@ def train_ps(
     model: MLP | None = None,
     eval_every: int = 0,
     iid: bool = True,
+    every: int = 1,
 ) -> dict:
     """Synchronous PS training: each round every worker takes one local SGD step on its mini-batch, pushes its
     gradient (dense when ``push`` is None), the server applies ``w <- w - lr * sum_k decoded_k`` and every worker
-    pulls (dense copy of w when ``pull`` is None; otherwise the server encodes w once and each worker merges)."""
+    pulls (dense copy of w when ``pull`` is None; otherwise the server encodes w once and each worker merges).
+
+    ``every=p`` (Slim-DP's communication frequency): the push/pull happens after every p-th local step only, with
+    the gradients of those p steps summed (the accumulated update delta_k); ``rounds`` counts local steps, so the
+    bytes per round are per mini-batch (``ModelServer(every=p)`` does the same over the transport)."""
+    if int(every) != every or every < 1:
+        raise ValueError("every must be an integer >= 1")
+    pending: list[torch.Tensor | None] = [None] * k
     model = model or MLP()
     data = digits()
     shards = Shards(data, k, seed, iid)
@@ -236,12 +244,21 @@ def train_ps(
             xb, yb = shards.batch(r, batch)
             g = model.loss_grad(local[r], xb, yb)
             local[r] -= lr * g
+            if every > 1:
+                pending[r] = g.clone() if pending[r] is None else pending[r].add_(g)
+                if (t + 1) % every:
+                    continue
+                g, pending[r] = pending[r], None
             if push_rx is None:
                 wire_up.bytes += g.numel() * g.element_size()
                 decoded.append(g)
             else:
                 parts = push_tx[r].encode(g, push_tx_state[r])
                 decoded.append(push_rx.decode(wire_up.send(parts), push_rx_state[r], g))
+        if not decoded:  # a local step without communication (every > 1)
+            if eval_every and (t + 1) % eval_every == 0:
+                history.append({"round": t + 1, **model.evaluate(w, data)})
+            continue
         agg = push_rx.aggregate(decoded) if push_rx is not None else torch.stack(decoded).sum(0)
         w -= lr * agg
         if pull_tx is None:

@@ -89,13 +89,22 @@ class ModelServer(Collective):
     """
 
     name = "model server"
+    serves_stateful_server = True
 
     def __init__(self, group: Group, codec: str | Codec = "dense", pull: str | Codec | None = None, *,
                  model: torch.Tensor, lr: float, server: int = 0, server_trains: bool = True,
-                 segments: list[int] | None = None, bucket_id: int = 0) -> None:
+                 segments: list[int] | None = None, bucket_id: int = 0, every: int = 1,
+                 average: bool = False) -> None:
         super().__init__(group, codec, op="sum")
         if not 0 <= server < group.world:
             raise ValueError("server must be a rank")
+        if int(every) != every or every < 1:
+            raise ValueError(f"every (the communication frequency p) must be an integer >= 1, not {every!r}")
+        self.every = int(every)  # Slim-DP's p: push/pull on every p-th step, deltas accumulated in between
+        self._calls = 0
+        self._pending: torch.Tensor | None = None
+        # model averaging (Oland & Raj): workers push their parameters, the server's w becomes their mean
+        self.average = bool(average)
         self.server = server
         self.server_trains = server_trains
         self.lr = float(lr)
@@ -138,13 +147,31 @@ class ModelServer(Collective):
     async def step(self, delta: torch.Tensor | None, local: torch.Tensor | None) -> CollectiveResult:
         """Push ``delta`` (this rank's accumulated gradient), pull, and return ``local`` merged with the pull.
 
-        A server that does not train passes None for both and gets its model ``w`` back (a copy)."""
+        A server that does not train passes None for both and gets its model ``w`` back (a copy).
+
+        With ``every=p`` (Slim-DP's communication frequency) only every p-th call communicates: the other calls add
+        ``delta`` to a pending sum and return ``local`` unchanged (the server's ``w``), with empty stats, so that the
+        p-th call pushes the delta accumulated over p mini-batches. Every rank must call step equally often.
+
+        With ``average=True`` (Oland & Raj's model averaging) a worker pushes its parameters ``local`` (``delta`` is
+        ignored), the server sets ``w`` to the mean of the decoded pushes and every worker continues from it."""
         g = self.group
         stats = ModelServerStats()
-        rnd = g.next_round("model-server", self.bucket_id)
         trains = not self.is_server or self.server_trains
-        if trains and (delta is None or local is None):
+        if trains and (local is None or (delta is None and not self.average)):
             raise ValueError("a training rank passes its delta and its local model")
+        if self.average and trains:
+            delta = local  # model averaging pushes the parameters themselves
+        if self.every > 1:
+            self._calls += 1
+            if trains and not self.average:
+                d = delta.detach().reshape(-1)
+                self._pending = d.clone() if self._pending is None else self._pending.add_(d)
+            if self._calls % self.every:
+                return CollectiveResult(local if trains else self.w.clone(), stats)
+            if not self.average:
+                delta, self._pending = self._pending, None
+        rnd = g.next_round("model-server", self.bucket_id)
         parts = self.push_tx.encode(delta.detach().reshape(-1), self.push_tx_state) if trains else []
         if not self.is_server:
             with self.phase(stats, "push"):
@@ -169,8 +196,11 @@ class ModelServer(Collective):
             like = self.w
             decoded = [self.codec.decode(received[w], self.push_rx_states[w], like).to(like.dtype)
                        for w in self.workers]
-            agg = self.codec.aggregate(decoded)
-            self.w -= self.lr * agg
+            if self.average:  # the same reduction as simulate.train_model_averaging
+                self.w = torch.stack(decoded).mean(0)
+            else:
+                agg = self.codec.aggregate(decoded)
+                self.w -= self.lr * agg
         with self.phase(stats, "pull"):
             pull = self.pull_codec.encode(self.w, self.pull_tx_state)
             async with trio.open_nursery() as nursery:
@@ -224,7 +254,9 @@ class ModelServer(Collective):
         for res, part in zip(results, geometry):
             stats.add_round(res.stats)
             n = res.data.numel()
-            if n != part.data.numel():
+            if getattr(codec, "variable_length", False):  # self-describing reliable parts (Oland-Raj's Huffman)
+                part = Part(res.data, part.lane_class, part.block_elems, part.name, [n])
+            elif n != part.data.numel():
                 raise ValueError(f"part {part.name!r} from rank {peer}: {n} elements, expected {part.data.numel()}")
             clayout = BucketLayout(part.segments or [n], part.block_elems)
             mask = codec_block_mask(res.mask, res.layout, clayout)

@@ -103,8 +103,13 @@ def _optimizer(params, kind: str, lr: float) -> torch.optim.Optimizer:
 class PSAutoencoder(nn.Module):
     """Shared encoder, one decoder per worker (with the innovation channel); trained on the server."""
 
-    def __init__(self, workers: int, opt: str = "sgd", lr: float = 1e-3, sim_weight: float = 0.5, seed: int = 0):
+    def __init__(self, workers: int, opt: str = "sgd", lr: float = 1e-3, sim_weight: float = 0.5, seed: int = 0,
+                 common: int | None = None, loss_sum: bool = False):
         super().__init__()
+        self.loss_sum = loss_sum  # True: the paper's plain squared-error sums; False: divided by mu
+        # None: a random worker's code is the common one each step (paper); -1: every decoder gets its own worker's
+        # code (ps_codes=all); else that worker's code
+        self.common = common
         self.encoder = Encoder()
         self.decoders = nn.ModuleList(Decoder(innovation=True) for _ in range(workers))
         seeded_init(self, seed)
@@ -123,30 +128,43 @@ class PSAutoencoder(nn.Module):
         return out.reshape(-1)[:mu]
 
     def train_step(self, x: torch.Tensor, innov: torch.Tensor) -> dict[str, float]:
-        """x, innov: (K, mu). Loss = L_rec + sim_weight * L_sim; a randomly chosen worker's code is the common one."""
+        """x, innov: (K, mu), or (B, K, mu) for a batch of B rounds (the current one first). Loss = L_rec +
+        sim_weight * L_sim, averaged over the rounds; the common code is a randomly chosen worker's (the paper), that
+        worker's with ``common`` set, or every worker's own with ``common=-1``. Reports the first round's errors."""
         if self._opt is None:
             self._opt = _optimizer(self.parameters(), self.opt_kind, self.lr)
-        k, mu = x.shape
-        codes = self.encode(x)  # (K, 4, L)
-        diff = codes.unsqueeze(0) - codes.unsqueeze(1)  # (K, K, 4, L); the diagonal is zero
-        l_sim = diff.pow(2).sum() / mu
-        j = int(torch.randint(k, (1,), generator=self._gen))
-        common = codes[j : j + 1]
-        sig_innov = to_signal(innov)  # (K, 1, P)
-        recs = torch.cat([self.decoders[w](common, sig_innov[w : w + 1]) for w in range(k)])[:, 0, :mu]
-        l_rec = (recs - x).pow(2).sum() / mu
-        loss = l_rec + self.sim_weight * l_sim
+        if x.dim() == 2:
+            x, innov = x.unsqueeze(0), innov.unsqueeze(0)
+        b, k, mu = x.shape
+        codes = self.encode(x.reshape(b * k, mu)).reshape(b, k, LATENT_CHANNELS, -1)
+        diff = codes.unsqueeze(1) - codes.unsqueeze(2)  # (B, K, K, 4, L); the diagonal is zero
+        norm = 1.0 if self.loss_sum else mu
+        l_sim = diff.pow(2).flatten(1).sum(1) / norm  # (B,)
+        rows = torch.arange(b)
+        if self.common == -1:
+            src = torch.arange(k).expand(b, k)
+        else:
+            j = torch.randint(k, (b,), generator=self._gen) if self.common is None else torch.full((b,), self.common)
+            src = j.unsqueeze(1).expand(b, k)
+        sig_innov = to_signal(innov.reshape(b * k, mu)).reshape(b, k, 1, -1)
+        recs = torch.stack([self.decoders[w](codes[rows, src[:, w]], sig_innov[:, w]) for w in range(k)], 1)
+        l_rec = (recs[:, :, 0, :mu] - x).pow(2).flatten(1).sum(1) / norm  # (B,)
+        loss = (l_rec + self.sim_weight * l_sim).mean()
         self._opt.zero_grad(set_to_none=True)
         loss.backward()
         self._opt.step()
-        return {"loss": loss.item(), "rec": l_rec.item(), "sim": l_sim.item(), "energy": x.pow(2).sum().item() / mu}
+        per = mu if self.loss_sum else 1.0  # report per-element means either way
+        l_rec, l_sim = l_rec.detach(), l_sim.detach()
+        return {"loss": float(l_rec[0] + self.sim_weight * l_sim[0]) / per, "rec": float(l_rec[0]) / per,
+                "sim": float(l_sim[0]) / per, "energy": x[0].pow(2).sum().item() / mu}
 
 
 class RingAutoencoder(nn.Module):
     """One encoder, one decoder reconstructing the mean vector from the mean latent code (no innovation)."""
 
-    def __init__(self, opt: str = "sgd", lr: float = 1e-3, seed: int = 0):
+    def __init__(self, opt: str = "sgd", lr: float = 1e-3, seed: int = 0, loss_sum: bool = False):
         super().__init__()
+        self.loss_sum = loss_sum
         self.encoder = Encoder()
         self.decoder = Decoder(innovation=False)
         seeded_init(self, seed)
@@ -167,8 +185,9 @@ class RingAutoencoder(nn.Module):
         z = self.encode(x).mean(0, keepdim=True)
         rec = self.decoder(z)[0, 0, :mu]
         target = x.mean(0)
-        loss = (rec - target).pow(2).sum() / mu
+        loss = (rec - target).pow(2).sum() / (1.0 if self.loss_sum else mu)
         self._opt.zero_grad(set_to_none=True)
         loss.backward()
         self._opt.step()
-        return {"loss": loss.item(), "rec": loss.item(), "energy": target.pow(2).sum().item() / mu}
+        rec_mean = loss.item() / (mu if self.loss_sum else 1.0)
+        return {"loss": rec_mean, "rec": rec_mean, "energy": target.pow(2).sum().item() / mu}

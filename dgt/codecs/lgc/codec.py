@@ -36,6 +36,8 @@ from dgt.codecs.lgc.wire import (
 )
 from dgt.codecs.registry import register
 
+REPLAY_ROUNDS = 256  # ae_replay: training rounds kept on the PS server
+
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
     """RMS of a vector as a 1-element tensor (1 where the vector is all zero)."""
@@ -136,6 +138,10 @@ class LGCCodec(Codec):
                 state.values["mom"] = u
         return v, idx
 
+    def _sends_code(self, worker: int) -> bool:
+        """PS compressed phase: does this worker send a latent code (the leader; every worker with ps_codes=all)?"""
+        return self.config.ps_codes == "all" or worker == self.config.leader
+
     def _n_innovation(self, mu: int) -> int:
         return min(mu, max(1, math.ceil(self.config.innovation * mu)))
 
@@ -227,7 +233,7 @@ class LGCCodec(Codec):
             return parts + [Part(x, name="ae:vals"), Part(self._enc_ae_idx(idx["ae"]), name="ae:idx")]
         scale = _rms(x) if cfg.normalize else x.new_ones(1)
         self._record(state, worker=self.worker, idx=idx["ae"], x=x, scale=scale)
-        if self.worker == cfg.leader:
+        if self._sends_code(self.worker):
             enc = state.values.get("encoder")
             if enc is None:
                 raise RuntimeError("the PS leader has no trained encoder (control_in was not called)")
@@ -246,10 +252,10 @@ class LGCCodec(Codec):
         return self._decode_ring(parts, state, like)
 
     def _decode_ps(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
-        cfg, plan = self.config, self._plan(state)
+        plan = self._plan(state)
         meta = _data(parts[0]).to("cpu", torch.int64).tolist()
         phase, worker = Phase(meta[0]), meta[1] | (meta[2] << 8)
-        names = self.layout(phase, plan, leader=worker == cfg.leader)
+        names = self.layout(phase, plan, leader=self._sends_code(worker))
         if len(names) != len(parts):
             raise ValueError(f"LGC PS payload of worker {worker}: {len(parts)} parts, expected {names}")
         d, out = self._dense_regions(names, parts, plan, phase, like.device)
@@ -294,7 +300,10 @@ class LGCCodec(Codec):
         ae = state.values.get("srv_ae")
         if ae is None:
             cfg = self.config
-            ae = PSAutoencoder(self.workers, cfg.ae_opt, cfg.ae_lr, cfg.sim_weight, cfg.seed).to(device)
+            ae = PSAutoencoder(self.workers, cfg.ae_opt, cfg.ae_lr, cfg.sim_weight, cfg.seed,
+                               common=-1 if cfg.ps_codes == "all" else None if cfg.ps_common == "random"
+                               else cfg.leader,
+                               loss_sum=cfg.ae_loss == "sum").to(device)
             state.values["srv_ae"] = ae
         return ae
 
@@ -306,12 +315,27 @@ class LGCCodec(Codec):
         self._note_target(state, x)
         pos = torch.topk(x.abs(), self._n_innovation(x.shape[1]), dim=1, sorted=False).indices
         innov = torch.zeros_like(x).scatter_(1, pos, x.gather(1, pos))
-        logs = [ae.train_step(x, innov) for _ in range(cfg.ae_steps)]
+        xb, ib = self._ps_replay(state, x, innov)
+        logs = [ae.train_step(xb, ib) for _ in range(cfg.ae_steps)]
         state.values.setdefault("ae_history", []).append(logs[0])  # measured before this round's update
         state.values["srv_trained"] = state.values.get("srv_trained", 0) + 1
         if state.values["srv_trained"] == cfg.ae_iters:
             weights = flatten_module_state(ae.encoder)
-            state.values["srv_outbox"] = [(cfg.leader, Part(weights, name="ctl:encoder"))]
+            to = range(self.workers) if cfg.ps_codes == "all" else (cfg.leader,)
+            state.values["srv_outbox"] = [(w, Part(weights, name="ctl:encoder")) for w in to]
+
+    def _ps_replay(self, state: BucketState, x: torch.Tensor, innov: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``ae_replay=n``: the current round plus n rounds drawn (seeded, with replacement) from the last
+        REPLAY_ROUNDS training rounds kept on the server (host memory bounded); n=0: the current round alone."""
+        n = self.config.ae_replay
+        if not n:
+            return x, innov
+        buf = state.values.setdefault("srv_replay", [])
+        gen = state.values.setdefault("srv_replay_gen", torch.Generator().manual_seed(self.config.seed + 17))
+        pick = [buf[i] for i in torch.randint(len(buf), (n,), generator=gen).tolist()] if buf else []
+        buf.append((x.detach(), innov.detach()))
+        del buf[:-REPLAY_ROUNDS]
+        return (torch.stack([x] + [p[0] for p in pick]), torch.stack([innov] + [p[1] for p in pick]))
 
     def _ps_reconstruct(self, state: BucketState, comp: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
         cfg, plan = self.config, self._plan(state)
@@ -320,10 +344,9 @@ class LGCCodec(Codec):
             raise RuntimeError("LGC PS: the leader's latent code is missing")
         dev = leader["ae:code"].device
         ae = self._server_ae(state, dev)
-        code = leader["ae:code"].float()
         mu = plan.mu("ae")
         out = torch.zeros(plan.numel, dtype=torch.float32, device=dev)
-        tmpl = self.template(state) if cfg.record else None
+        tmpl = self.template(state) if cfg.record or cfg.ae_ablate == "template" else None
         for w in range(self.workers):
             d = comp[w]
             scale = d["ae:scale"].float()
@@ -331,9 +354,12 @@ class LGCCodec(Codec):
             ivals = d["ae:ivals"].float()
             innov = torch.zeros(mu, device=dev)
             innov[pos] = ivals / scale
+            code = (d if cfg.ps_codes == "all" else leader)["ae:code"].float()
             rec = ae.decode(w, code, innov, mu) * scale
             if cfg.ae_ablate == "zero":
                 rec = torch.zeros_like(rec)
+            elif cfg.ae_ablate == "template":  # a code-free decoder: the mean training target, rescaled
+                rec = tmpl[w].to(dev) * scale
             if cfg.exact_innovation:
                 rec[pos] = ivals
             idx = self._dec_ae_idx(d["ae:idx"], dev)
@@ -355,7 +381,7 @@ class LGCCodec(Codec):
         if state.step != self.config.switch_step:
             return False
         if self.config.variant == "ps":
-            return self.worker == self.config.leader and "encoder" not in state.values
+            return self._sends_code(self.worker) and "encoder" not in state.values
         return not state.values.get("ae_loaded", False)
 
     def control_in(self, data: torch.Tensor, state: BucketState) -> None:
@@ -367,7 +393,12 @@ class LGCCodec(Codec):
             state.values["encoder"] = enc
         else:
             ae = RingAutoencoder(cfg.ae_opt, cfg.ae_lr).to(data.device)
-            load_module_state(ae, data.float())
+            data = data.float()
+            if cfg.ae_ablate == "template":  # weights + the template (mu floats), see train_ring
+                n = sum(t.numel() for t in ae.state_dict().values())
+                data, tmpl = data[:n], data[n:]
+                state.values["ae_target_sum"], state.values["ae_target_n"] = tmpl.clone(), 1
+            load_module_state(ae, data)
             state.values["ring_ae"] = ae
             state.values["ae_loaded"] = True
 
@@ -458,7 +489,8 @@ class LGCCodec(Codec):
         x = torch.stack([t.float() for t in gathered])
         ae = state.values.get("ring_ae")
         if ae is None:
-            ae = state.values["ring_ae"] = RingAutoencoder(cfg.ae_opt, cfg.ae_lr, cfg.seed).to(x.device)
+            ae = state.values["ring_ae"] = RingAutoencoder(cfg.ae_opt, cfg.ae_lr, cfg.seed,
+                                                                  loss_sum=cfg.ae_loss == "sum").to(x.device)
         if cfg.normalize:
             x = x / _rms(x[state.values["last_selector"]])
         self._note_target(state, x.mean(0))
@@ -466,7 +498,10 @@ class LGCCodec(Codec):
         state.values.setdefault("ae_history", []).append(logs[0])  # measured before this round's update
         state.values["ring_trained"] = state.values.get("ring_trained", 0) + 1
         if state.values["ring_trained"] == cfg.ae_iters:
-            state.values["srv_outbox"] = [(None, Part(flatten_module_state(ae), name="ctl:ae"))]
+            weights = flatten_module_state(ae)
+            if cfg.ae_ablate == "template":  # the code-free ablation decoder needs the template on every rank
+                weights = torch.cat([weights, self.template(state).reshape(-1).to(weights)])
+            state.values["srv_outbox"] = [(None, Part(weights, name="ctl:ae"))]
 
     @staticmethod
     def _dense_regions(names: list[str], parts: list[Received], plan, phase, dev) -> tuple[dict, torch.Tensor]:
@@ -499,11 +534,13 @@ class LGCCodec(Codec):
             k, scale = self.workers, state.values["last_scale"]
             with torch.no_grad():
                 rec = state.values["ring_ae"].decode(d["ae:code"].to(dev).float() / k, plan.mu("ae"))
+            tmpl = self.template(state)
             if self.config.ae_ablate == "zero":
                 rec = torch.zeros_like(rec)
+            elif self.config.ae_ablate == "template":  # a code-free decoder: the mean training target
+                rec = tmpl.to(dev)
             out[idx["ae"]] = rec * scale * k
             if self.config.record:
-                tmpl = self.template(state)
                 self._record(state, idx=idx["ae"], x=state.values.pop("last_x"), scale=scale, rec=rec * scale,
                              template=tmpl * scale if tmpl is not None else None)
         return out.to(like.dtype)

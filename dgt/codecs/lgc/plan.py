@@ -30,17 +30,21 @@ class LGCConfig:
     momentum_correction: bool = False  # DGC-style: u = m u + g; v = v + u; select on v
     momentum: float = 0.9
     normalize: bool = True  # divide the AE input by its RMS and send that scale as one float
-    sim_weight: float = 0.5  # PS: lambda_2 of L_rec + lambda_2 L_sim
+    sim_weight: float = 0.0  # PS: lambda_2 of L_rec + lambda_2 L_sim (the paper: 0.5, with one shared code)
     ae_order: str = "value"  # value: AE input ordered by descending value (indices sent in that order) | index
     ae_opt: str = "adam"  # adam | sgd (the paper's; barely moves the AE in a few hundred steps, see docs/lgc.md)
     ae_lr: float = 1e-3
+    ae_replay: int = 15  # PS: also train each step on this many past rounds drawn from a buffer of the last 256
+    ae_loss: str = "mean"  # mean: squared-error sums divided by mu | sum: the paper's plain sums
     ae_steps: int = 1  # optimizer steps per training iteration (batch 1 = that iteration's K vectors)
     exact_innovation: bool = True  # PS: the server puts the exactly-sent innovation values back after decoding
     leader: int = 0  # PS: the worker (index among workers) that sends the latent code
     trainer: int = 0  # ring: the rank that trains the autoencoder
     seed: int = 0  # seeds the ring selector sequence and the PS common-code choice
     record: bool = False  # keep per-round diagnostics (true AE inputs, reconstructions) in the state, for the bench
-    ae_ablate: str = ""  # "zero": replace the decoded AE output by zeros (ablation; PS keeps the exact innovation)
+    ae_ablate: str = ""  # ablation decoders: "zero" (zeros) | "template" (the running mean of the training targets)
+    ps_codes: str = "all"  # PS compressed phase: only the leader sends a code (paper) | all: every worker its own
+    ps_common: str = "random"  # PS training: whose code is the common one: random worker (paper) | leader (as used)
 
     def __post_init__(self) -> None:
         if self.variant not in ("ps", "ring"):
@@ -53,8 +57,16 @@ class LGCConfig:
             raise ValueError(f"lgc ae_opt must be sgd or adam, not {self.ae_opt!r}")
         if self.ae_order not in ("value", "index"):
             raise ValueError(f"lgc ae_order must be value or index, not {self.ae_order!r}")
-        if self.ae_ablate not in ("", "zero"):
-            raise ValueError(f"lgc ae_ablate must be empty or zero, not {self.ae_ablate!r}")
+        if self.ae_ablate not in ("", "zero", "template"):
+            raise ValueError(f"lgc ae_ablate must be empty, zero or template, not {self.ae_ablate!r}")
+        if self.ae_replay < 0:
+            raise ValueError("lgc ae_replay must be >= 0")
+        if self.ae_loss not in ("mean", "sum"):
+            raise ValueError(f"lgc ae_loss must be mean or sum, not {self.ae_loss!r}")
+        if self.ps_codes not in ("leader", "all"):
+            raise ValueError(f"lgc ps_codes must be leader or all, not {self.ps_codes!r}")
+        if self.ps_common not in ("random", "leader"):
+            raise ValueError(f"lgc ps_common must be random or leader, not {self.ps_common!r}")
 
     @classmethod
     def from_kwargs(cls, **kwargs: object) -> LGCConfig:
