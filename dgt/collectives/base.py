@@ -46,7 +46,7 @@ class Collective:
                 f"serve {self.name}; use the parameter server (gather-then-reduce) or a summable codec (dense, dgt)"
             )
 
-    def state(self, key: int, t: torch.Tensor, segments: list[int] | None) -> BucketState:
+    def state(self, key: int | tuple, t: torch.Tensor, segments: list[int] | None) -> BucketState:
         return self.codec.state_for(key, t, segments)
 
     @staticmethod

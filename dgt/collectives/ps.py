@@ -25,7 +25,16 @@ import trio
 from dgt.codecs.base import Codec, Received
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import MAX_STEPS, as_received, like_parts, recv_parts, send_parts, transport_key
+from dgt.collectives.parts import (
+    MAX_STEPS,
+    as_received,
+    check_world,
+    like_parts,
+    recv_parts,
+    send_parts,
+    state_key,
+    transport_key,
+)
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import CodecMismatch, one_error
 from dgt.transport.streams import Hop
@@ -43,6 +52,8 @@ class ParameterServer(Collective):
             raise CodecMismatch(f"normalize='contributors' needs an element-aligned codec; {self.codec.name!r} is not")
         if server != "sharded" and not (isinstance(server, int) and 0 <= server < group.world):
             raise ValueError("server must be a rank or 'sharded'")
+        if server == "sharded":
+            check_world(group.world, "sharded parameter server")
         self.server = server
         self.normalize = normalize
         self.lossy_pull = lossy_pull
@@ -80,8 +91,7 @@ class ParameterServer(Collective):
             if piece.numel() == 0:
                 return
             sg = ch.segments[shard]
-            key = bucket_id * 1024 + shard
-            parts = self.codec.encode(piece, self.state(key, piece, sg))
+            parts = self.codec.encode(piece, self.state(state_key("push", bucket_id, shard), piece, sg))
             if owner != g.rank:  # worker: push, then pull
                 with self.phase(stats, "push"):
                     await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats)
@@ -89,7 +99,7 @@ class ParameterServer(Collective):
                     like = like_parts(parts, sg, self.codec, piece)
                     got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
                                            device=piece.device)
-                    pull_state = self.state((1 << 29) | key, piece, sg)
+                    pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
                     ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
                 return
             # server of this shard: gather every worker's parts, decode, reduce
@@ -108,15 +118,16 @@ class ParameterServer(Collective):
             with self.phase(stats, "reduce"):
                 decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
                 for w in range(g.world):
-                    st = self.state((2 << 29) | key * 64 + w, piece, sg)
+                    st = self.state(state_key("push-rx", bucket_id, shard, w), piece, sg)
                     decoded.append(self.codec.decode(received[w], st, piece).to(piece.dtype))
                     if self.normalize == "contributors":
                         counts += received[w][0].element_mask().to(device=piece.device, dtype=torch.float32)
                 total = self.codec.aggregate(decoded)
                 reduced = self.finish(total, counts.clamp(min=1) if self.normalize == "contributors" else None)
             with self.phase(stats, "pull"):
-                pull = self.codec.encode(reduced, self.state((3 << 29) | key, reduced, sg))
-                mine = self.codec.decode([as_received(p) for p in pull], self.state((1 << 29) | key, piece, sg), piece)
+                pull = self.codec.encode(reduced, self.state(state_key("pull", bucket_id, shard), reduced, sg))
+                own_rx = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
+                mine = self.codec.decode([as_received(p) for p in pull], own_rx, piece)
                 ch.chunk(out, shard).copy_(mine)
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):

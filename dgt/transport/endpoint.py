@@ -540,7 +540,7 @@ class Endpoint:
                 if begin:
                     why = "already closed" if key in recv.closed else None
                     self._opened[key] = now
-                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds:
+                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
                     before = dict(recv.counters.reasons)
                 events = recv.receive_bytes(rf.frame, 0, now)
@@ -884,7 +884,7 @@ class Endpoint:
         if key in self._results or key in self.receiver.rounds or key in self.receiver.closed or key in self.bulk.open:
             return  # already open or done: too late to land in place
         self._out[key] = out
-        while len(self._out) > 4 * self.cfg.limits.max_open_rounds:
+        while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
             self._out.popitem(last=False)
 
     async def recv_round(
