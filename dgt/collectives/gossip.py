@@ -47,12 +47,16 @@ class Gossip(Collective):
         if sorted(senders) != sorted(self.neighbours):
             raise ValueError("mixing matrix must have a symmetric sparsity pattern (neighbours exchange both ways)")
 
+    def peers(self) -> list[int]:
+        return list(self.neighbours)
+
     @one_error
     async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
                              ) -> tuple[dict[int, list[Received]], CollectiveStats]:
         """Send ``parts`` to every neighbour and return the parts each neighbour sent (as they arrived). Algorithms
         that keep their own per-neighbour state (DCD/ECD-PSGD nodes) drive the exchange with this."""
         g = self.group
+        await self.connect()
         stats = CollectiveStats()
         rnd = g.next_round("gossip", bucket_id)
         got: dict[int, list[Received]] = {}

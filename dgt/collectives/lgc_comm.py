@@ -48,7 +48,7 @@ class TransportComm:
 
         async def main() -> None:
             try:
-                self._group = await Group.create(rank, world, **group_kwargs)
+                self._group = await Group.create(rank, world, connect="all", **group_kwargs)  # all-gather/broadcast
             except BaseException as exc:
                 self._error = exc
                 ready.set()

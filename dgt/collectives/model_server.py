@@ -129,6 +129,10 @@ class ModelServer(Collective):
         self.pull_tx_state = self._state() if self.is_server else None
         self._templates: dict[int, list[Part]] = {}
 
+    def peers(self) -> list[int]:
+        g = self.group
+        return [r for r in range(g.world) if r != g.rank] if g.rank == self.server else [self.server]
+
     def _state(self) -> BucketState:
         st = BucketState(self.numel, self.dtype)
         set_segments(st, self.segments)
@@ -141,6 +145,8 @@ class ModelServer(Collective):
 
         A server that does not train passes None for both and gets its model ``w`` back (a copy)."""
         g = self.group
+        if g.world > 1:
+            await self.connect()  # workers-server, first call only
         stats = ModelServerStats()
         rnd = g.next_round("model-server", self.bucket_id)
         trains = not self.is_server or self.server_trains

@@ -2,7 +2,8 @@
 pull.
 
 Two placements: a central server rank (every rank is also a worker; the server's own gradient never crosses the
-network), or ``server="sharded"``: every rank owns one block-aligned shard, reduces it and sends it back.
+network), or ``server="sharded"``: every rank owns one block-aligned shard, reduces it and sends it back (with
+``shards=S``, S ranks spread over the world serve one shard each: a worker then connects to S servers, not W-1).
 
 Dropped blocks count as zeros from that worker. How the average is normalised is an option: ``normalize="world"``
 divides every element by K (a lost block biases that block towards zero, like plain gradient dropping), while
@@ -44,7 +45,7 @@ class ParameterServer(Collective):
     name = "parameter server"
 
     def __init__(self, group: Group, codec: str | Codec = "dense", op: str = "mean", server: int | str = 0,
-                 normalize: str = "world", lossy_pull: bool = False) -> None:
+                 normalize: str = "world", lossy_pull: bool = False, shards: int | None = None) -> None:
         super().__init__(group, codec, op)
         if normalize not in ("world", "contributors"):
             raise ValueError("normalize must be 'world' or 'contributors'")
@@ -54,6 +55,11 @@ class ParameterServer(Collective):
             raise ValueError("server must be a rank or 'sharded'")
         if server == "sharded":
             check_world(group.world, "sharded parameter server")
+        W = group.world
+        if shards is not None and (server != "sharded" or not 1 <= shards <= W):
+            raise ValueError(f"shards: 1..{W} shard servers, and only with server='sharded'")
+        S = W if shards is None else shards
+        self.servers = [i * W // S for i in range(S)] if server == "sharded" else [server]
         self.server = server
         self.normalize = normalize
         self.lossy_pull = lossy_pull
@@ -64,6 +70,8 @@ class ParameterServer(Collective):
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
         goes (``bucket`` itself for an in-place all-reduce); by default a new tensor."""
         g = self.group
+        if g.world > 1:
+            await self.connect()  # workers-server (sharded: every rank serves a shard), first call only
         if g.world > 1 and self._streams_fit(bucket, out):
             # no await before this point: the exchange's ticket follows the order collectives were called in
             return await self._stream_allreduce(bucket, bucket_id, segments or [bucket.numel()], out)
@@ -78,12 +86,8 @@ class ParameterServer(Collective):
         rnd = g.next_round("ps", bucket_id)
         segs = segments or [flat.numel()]
         block = getattr(self.codec, "block", 1024)
-        if self.server == "sharded":
-            ch = self.chunking(segs, block, g.world)
-            owners = list(range(g.world))
-        else:
-            ch = self.chunking(segs, block, 1)
-            owners = [self.server]
+        ch = self.chunking(segs, block, len(self.servers))
+        owners = self.servers
         out = flat.clone()
 
         async def serve_shard(shard: int, owner: int) -> None:
@@ -141,10 +145,17 @@ class ParameterServer(Collective):
         # results arrive already averaged by the server; op is applied there
         return CollectiveResult(out.view_as(bucket), stats)
 
+    def peers(self) -> list[int]:
+        g = self.group
+        if g.rank in self.servers:
+            return [r for r in range(g.world) if r != g.rank]
+        return [s for s in self.servers if s != g.rank]
+
     def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
         """Dense float32 in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps that fit a key."""
         wire = getattr(self.codec, "wire_dtype", bucket.dtype)
         return (self.codec.name == "dense" and wire == bucket.dtype and self.group.world <= MAX_STEPS
+                and (self.server != "sharded" or len(self.servers) == self.group.world)
                 and self.on_streams(bucket) and (out is None or self.on_streams(out)))
 
     async def _stream_allreduce(self, bucket: torch.Tensor, bucket_id: int, segments: list[int],

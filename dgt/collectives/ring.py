@@ -43,6 +43,7 @@ class RingAllReduce(Collective):
         stats = CollectiveStats()
         if W == 1:
             return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
+        await self.connect()  # the two neighbours, on the first call; then it does not yield
         direct = self._direct(bucket)
         if direct and not self.codec.capabilities.lossy_tolerant:
             # lossless: no copy of the input first. Every chunk of the result is written by a reduce-scatter add
@@ -183,6 +184,10 @@ class RingAllReduce(Collective):
         if pending is not None:
             await pending.wait()  # the chunk may be overwritten (all-gather landing) once this returns
         return land
+
+    def peers(self) -> list[int]:
+        g = self.group
+        return sorted({(g.rank - 1) % g.world, (g.rank + 1) % g.world} - {g.rank})
 
     def _direct(self, flat: torch.Tensor) -> bool:
         """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
