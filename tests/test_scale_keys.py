@@ -113,3 +113,43 @@ def test_bulk_messages_in_progress_are_limited_per_peer():
     with pytest.raises(ProtocolError, match="more than 2 bulk messages"):
         bulk.target(5, h, 0.0)
     assert torch.is_tensor(next(iter(bulk.open.values())).data)
+
+
+def test_port_range_binds_every_socket_inside_it_and_says_when_full(monkeypatch):
+    """Endpoints bind their listener and UDP lanes to free ports of TransportConfig.port_range / DGT_PORT_RANGE."""
+    import socket
+
+    import trio
+
+    from dgt.channels.ports import parse_port_range
+    from dgt.collectives.launch import free_port
+    from dgt.endpoint import Endpoint, TransportConfig
+
+    lo = free_port()
+    lo = min(lo, 65535 - 16)
+    monkeypatch.setenv("DGT_PORT_RANGE", f"{lo}-{lo + 15}")
+    cfg = TransportConfig()
+    assert cfg.port_range == (lo, lo + 15)
+    with pytest.raises(ValueError, match="LO-HI"):
+        parse_port_range("30000")
+    with pytest.raises(ValueError, match="need 1 <= LO <= HI"):
+        TransportConfig(port_range=(5, 1))
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", lo))  # the first port is busy: the next free one is used
+
+    async def main():
+        eps = [await Endpoint.open(r, 1, cfg) for r in range(2)]
+        try:
+            ports = [p for ep in eps for p in (ep.address.tcp_port, *ep.address.udp_ports)]
+            assert all(lo <= p <= lo + 15 for p in ports), ports
+            assert lo not in (eps[0].address.tcp_port, eps[1].address.tcp_port)  # busy for TCP: skipped
+        finally:
+            for ep in eps:
+                await ep.aclose()
+        with pytest.raises(OSError, match=f"no free port .* {lo}-{lo}"):
+            Endpoint(0, 1, TransportConfig(port_range=(lo, lo)))
+
+    try:
+        trio.run(main)
+    finally:
+        taken.close()
