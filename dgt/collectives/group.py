@@ -34,6 +34,7 @@ class Group:
         self._passed = 0
         self._gave_up: set[int] = set()
         self._turns: dict[int, Any] = {}
+        self._connecting: dict[int, Any] = {}  # peer -> trio.Event set when the call connecting it is done
 
     @classmethod
     async def create(
@@ -99,21 +100,38 @@ class Group:
             self._leave(seq)
 
     async def _connect(self, want: set[int]) -> None:
+        """Connect to the peers of ``want`` not connected yet; a peer another call is connecting already is waited
+        for, not dialled twice."""
         import trio
 
-        missing = sorted(want - set(self.endpoint.peers))
+        from dgt.endpoint import PeerAddress
+
+        live = set(self.endpoint.peers)
+        missing = sorted(r for r in want - live if r not in self._connecting)
+        others = [self._connecting[r] for r in sorted(want - live) if r in self._connecting]
         if missing:
             if self.rendezvous is None:
                 raise ValueError(f"rank {self.rank} is not connected to ranks {missing} and has no rendezvous")
-            dial = [r for r in missing if r > self.rank]  # the higher rank waits for the lower to dial it
-            addrs = await trio.to_thread.run_sync(self.rendezvous.addresses, dial, limiter=trio.CapacityLimiter(1)) \
-                if dial else {}
-            from dgt.endpoint import PeerAddress
-
-            # a lower rank's address is never dialled (its hello carries it): a placeholder with the lane count
-            nowhere = PeerAddress("0.0.0.0", 0, (0,) * len(self.endpoint.udp))
-            wanted = {r: PeerAddress.from_dict(addrs[r]) if r in addrs else nowhere for r in missing}
-            await self.endpoint.connect(wanted, timeout=self.timeout)
+            done = trio.Event()
+            for r in missing:
+                self._connecting[r] = done
+            try:
+                dial = [r for r in missing if r > self.rank]  # the higher rank waits for the lower to dial it
+                addrs = await trio.to_thread.run_sync(self.rendezvous.addresses, dial,
+                                                      limiter=trio.CapacityLimiter(1)) if dial else {}
+                # a lower rank's address is never dialled (its hello carries it): a placeholder with the lane count
+                nowhere = PeerAddress("0.0.0.0", 0, (0,) * len(self.endpoint.udp))
+                wanted = {r: PeerAddress.from_dict(addrs[r]) if r in addrs else nowhere for r in missing}
+                await self.endpoint.connect(wanted, timeout=self.timeout)
+            finally:
+                for r in missing:
+                    self._connecting.pop(r, None)
+                done.set()
+        for ev in others:
+            await ev.wait()
+        lost = sorted(want - set(self.endpoint.peers))
+        if lost:  # another call's connection attempt failed (its caller got the reason)
+            raise ConnectionError(f"rank {self.rank} could not connect to ranks {lost}")
         self._linked |= want
 
     async def _turn(self, seq: int) -> None:
