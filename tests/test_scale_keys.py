@@ -27,6 +27,10 @@ def test_transport_keys_are_distinct_at_the_edges_and_fit_32_bits():
         assert k not in keys, f"{(b, ph, s, p)} collides with {keys[k]}"
         keys[k] = (b, ph, s, p)
     assert MAX_STEPS >= 1024 and MAX_BUCKETS >= 10_000  # the targets: 1,000+ ranks, 10,000+ buckets
+    from dgt.transport.endpoint import BYTES_BUCKET
+
+    top = transport_key(MAX_BUCKETS - 1, max(PHASES, key=PHASES.get), MAX_STEPS - 1, MAX_PARTS - 1)
+    assert top < BYTES_BUCKET  # never in the range of send_bytes messages
 
 
 def test_transport_key_refuses_values_outside_their_field():
