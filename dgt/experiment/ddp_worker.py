@@ -92,6 +92,8 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
 
     if spec.arm == "dgt-backend":
         import dgt.shim  # noqa: F401 - registers backend "dgt"
+    if spec.wire_if:  # netem: Gloo would pick the address the host name resolves to (loopback); use the host's link
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", spec.wire_if)
     dist.init_process_group("dgt" if spec.arm == "dgt-backend" else "gloo", init_method="env://")
     store = dist.distributed_c10d._get_default_store()
     data = load_dataset(spec.dataset, spec.data_dir, spec.seed)
