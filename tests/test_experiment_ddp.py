@@ -114,8 +114,8 @@ def test_every_arm_trains_on_loopback_tiny(tmp_path):
     from dgt.cli import main
 
     out = str(tmp_path / "res")
-    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "2", "--eval-every",
-               "2", "--target", "0.99", "--out", out])
+    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "3", "--eval-every",
+               "3", "--target", "0.99", "--out", out])
     assert rc == 0
     with open(os.path.join(out, "results.json")) as f:
         res = json.load(f)
@@ -123,12 +123,14 @@ def test_every_arm_trains_on_loopback_tiny(tmp_path):
     assert [r["arm"] for r in res["runs"]] == list(ARMS)
     for r in res["runs"]:
         s = r["summary"]
-        assert s["iterations"] == 2 and s["iterations_run"] == 2 and len(r["steps"]) == 2, r["arm"]
+        assert s["iterations"] == 3 and s["iterations_run"] == 3 and len(r["steps"]) == 3, r["arm"]
         assert s["step_mean"] > 0 and len(r["curve"]) == 1 and 0.0 <= r["curve"][0]["acc"] <= 1.0
         assert s["wire_tx_per_rank_step"] is None  # loopback: no per-host wire counter
     hook = next(r for r in res["runs"] if r["arm"] == "dgt-hook")
     assert hook["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0  # the dense warm-up went over DGT's TCP lane
-    assert all(d["buckets"] >= 2 for d in hook["dgt"])
+    assert all(d["buckets"] >= 3 and d["codec_buckets"] >= 1 for d in hook["dgt"])  # 2 dense warm-up steps
+    fed = next(r for r in res["runs"] if r["arm"] == "dgt-hook-loss")
+    assert all(d["codec_buckets"] >= 1 for d in fed["dgt"]) and fed["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0
     backend = next(r for r in res["runs"] if r["arm"] == "dgt-backend")
     assert all(d["backend"]["dgt"] >= 2 for d in backend["dgt"])  # DDP's all-reduces went over DGT
     assert set(res["ratios"]) == set(ARMS) and res["ratios"]["gloo"]["step_mean"] == 1.0

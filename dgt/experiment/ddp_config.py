@@ -17,6 +17,8 @@ ARMS: dict[str, str] = {
                 "use_error_feedback=True, warm_start=True) (PyTorch's recommended settings, rank 1)",
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
+    "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
+                     "feeds DGT's p = p0 * loss_t / loss_0; without it p stays 1 and nothing is dropped)",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

@@ -62,7 +62,7 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         state = psgd.PowerSGDState(process_group=None, **POWERSGD)
         ddp.register_comm_hook(state, psgd.powerSGD_hook)
         return state
-    if arm == "dgt-hook":
+    if arm in ("dgt-hook", "dgt-hook-loss"):
         import dgt.shim
 
         state = dgt.shim.DGTState()
@@ -75,7 +75,7 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
     """What DGT itself counted: bytes per lane and dropped blocks (hook), or the backend's counters."""
     import torch.distributed as dist
 
-    if arm == "dgt-hook" and state is not None:
+    if arm.startswith("dgt-hook") and state is not None:
         t = state.totals
         return {"lanes": {str(k): int(v) for k, v in t["bytes_sent"].items()}, "dropped": int(t["dropped"]),
                 "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"])}
@@ -115,6 +115,8 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
+        if spec.arm == "dgt-hook-loss":
+            state.observe_loss(loss)
         dt = time.perf_counter() - t0
         loss_v = float(loss.detach())
         if not math.isfinite(loss_v):
