@@ -109,6 +109,15 @@ def test_cli_parses_ddp_and_no_priority():
     assert _config(a, ExperimentConfig()).network.priority is True
 
 
+def test_netem_asked_for_without_it_is_a_clear_error(monkeypatch, capsys):
+    from dgt.cli import main
+    from dgt.experiment import network
+
+    monkeypatch.setattr(network, "netem_unavailable_reason", lambda: "not root (network namespaces need CAP_NET_ADMIN)")
+    assert main(["experiment", "ddp", "--network", "netem", "--out", "/tmp/dgt-ddp-never-written"]) == 2
+    assert "--network netem: not root" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_every_arm_trains_on_loopback_tiny(tmp_path):
     from dgt.cli import main

@@ -32,6 +32,9 @@ def ddp(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143) if os.getpid() == me else os._exit(143))
     try:
         results = run_ddp(cfg, ui, command=command)
+    except RuntimeError as exc:  # the network cannot be built (--network netem without root); arms fail on their own
+        ui.note(f"[red]error:[/red] {exc}")
+        return 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     if results.get("skipped"):
