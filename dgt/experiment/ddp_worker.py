@@ -166,10 +166,16 @@ def _decide(store: Any, rank: int, it: int, spec: DDPSpec, model: torch.nn.Modul
 
 
 def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:
-    """Every rank reads its counters before anyone tears the group down (rank 0 hosts the store)."""
+    """Every rank has read its counters before anyone tears the group down; rank 0 hosts the store, so it goes last,
+    after every other rank said it no longer needs the store."""
     store.add("dgtddp/left", 1)
     end = time.monotonic() + timeout
     while store.add("dgtddp/left", 0) < world and time.monotonic() < end:
+        time.sleep(0.01)
+    if rank != 0:
+        store.add("dgtddp/gone", 1)
+        return
+    while store.add("dgtddp/gone", 0) < world - 1 and time.monotonic() < end:
         time.sleep(0.01)
 
 
