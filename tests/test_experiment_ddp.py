@@ -81,11 +81,13 @@ def _results(profile, runs, ratios_, skipped=None):
 
 def test_report_says_whether_the_goals_are_met_and_says_a_skip():
     s = summarize([_rank([0.1] * 4, [{"it": 4, "train_time": 0.4, "acc": 0.99, "wire": None}])], 0.97)
-    runs = [{"arm": a, "summary": s} for a in ("gloo", "fp16", "dgt-hook")] + [{"arm": "powersgd", "error": "x\ny"}]
+    q = {"into_server": {"EF": {"drops": 2}, "LE": {"drops": 5}}, "from_server": {"FIFO": {"drops": 1}}}
+    runs = [{"arm": a, "summary": s, "queues": q} for a in ("gloo", "fp16", "dgt-hook")]
+    runs.append({"arm": "powersgd", "error": "x\ny"})
     text = render(_results("priority", runs, {"gloo": {"time_to_target": 1.0, "step_mean": 1.0},
                                               "fp16": {"time_to_target": 0.6, "step_mean": 0.5},
                                               "dgt-hook": {"time_to_target": 0.8, "step_mean": 0.65}}))
-    assert "| powersgd | failed: x |" in text
+    assert "| powersgd | failed: x |" in text and text.count(" | 0 | 8 |") == 3  # 0 dropped blocks, 8 queue drops
     assert "time to target vs Gloo: 0.80x (goal <= 0.75x): NOT met" in text
     assert "step mean vs Gloo: 0.65x (goal <= 0.7x): met" in text
     assert "dgt-hook / best = 1.33x" in text

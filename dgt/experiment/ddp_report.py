@@ -18,10 +18,27 @@ def _num(x: float | None, fmt: str = "{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
+HEADER = ["Arm", "Time to target (s)", "Steps", "Step mean (s)", "Step p95 (s)", "Time vs Gloo", "Step vs Gloo",
+          "Wire tx / rank / step", "DGT TCP/UDP / rank / step", "Dropped blocks", "Queue drops (host 0)"]
+
+
+def queue_drops(queues: dict[str, Any] | None) -> int | None:
+    """Packets host 0's link queues dropped, both directions, every class (netem only; None on loopback)."""
+    if not queues:
+        return None
+    return sum(c["drops"] for way in queues.values() for c in way.values())
+
+
+def table(runs: list[dict[str, Any]], ratios: dict[str, dict[str, float | None]]) -> list[str]:
+    return [_row(HEADER), _row(["---"] + ["---:"] * (len(HEADER) - 1))] + [
+        arm_row(r, ratios.get(r["arm"], {})) for r in runs]
+
+
 def arm_row(r: dict[str, Any], ratio: dict[str, float | None]) -> str:
     s = r.get("summary")
     if s is None:
-        return _row([r["arm"], "failed: " + (r.get("error") or "?").splitlines()[0]] + [""] * 8)
+        return _row([r["arm"], "failed: " + (r.get("error") or "?").splitlines()[0]] + [""] * (len(HEADER) - 2))
+    qd = queue_drops(r.get("queues"))
     lanes = s.get("dgt_lane_bytes_per_rank_step")
     lane_txt = "/".join(fmt_bytes(lanes.get(k, 0)) for k in ("0", "1")) if lanes else "–"
     wire = s.get("wire_tx_per_rank_step")
@@ -30,6 +47,7 @@ def arm_row(r: dict[str, Any], ratio: dict[str, float | None]) -> str:
         str(s["iterations"]), _num(s["step_mean"]), _num(s["step_p95"]),
         _num(ratio.get("time_to_target"), "{:.2f}x"), _num(ratio.get("step_mean"), "{:.2f}x"),
         fmt_bytes(wire) if wire is not None else "–", lane_txt, str(s["dgt_dropped_blocks"]),
+        "–" if qd is None else str(qd),
     ])
 
 
@@ -57,17 +75,14 @@ def render(results: dict[str, Any]) -> str:
     if results.get("skipped"):
         lines += ["", f"**Skipped**: {results['skipped']}"]
         return "\n".join(lines) + "\n"
-    lines += ["", "## Results", "",
-              _row(["Arm", "Time to target (s)", "Steps", "Step mean (s)", "Step p95 (s)", "Time vs Gloo",
-                    "Step vs Gloo", "Wire tx / rank / step", "DGT TCP/UDP / rank / step", "Dropped blocks"]),
-              _row(["---"] + ["---:"] * 9)]
-    lines += [arm_row(r, results["ratios"].get(r["arm"], {})) for r in results["runs"]]
+    lines += ["", "## Results", ""] + table(results["runs"], results["ratios"])
     lines += ["", "Times are rank 0's training time (sum of step times, evaluation excluded) until the first "
               "evaluation at or above the target; a step is forward + backward (DDP's all-reduce) + optimizer step. "
               "Wire tx: bytes the host's eth0 sent per step (netem only: everything on the wire, headers and "
               "retransmissions included). DGT TCP/UDP: payload bytes DGT's hook counted on its reliable and droppable "
               "lanes (the backend does not count lanes). Dropped blocks: DGT blocks not delivered by the deadline "
-              "(summed over ranks); Gloo and the torch hooks are lossless."]
+              "(summed over ranks); Gloo and the torch hooks are lossless. Queue drops: packets the queues of host 0's "
+              "link dropped, both directions (cross traffic included)."]
     lines += _goals(results)
     return "\n".join(lines) + "\n"
 
