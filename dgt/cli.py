@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from dgt.extras import missing_extra_message
+
 # module -> the subcommands it adds; a module provides add_parser(subparsers) that sets func=callable(args)->int
 SUBCOMMANDS: dict[str, tuple[str, ...]] = {
     "dgt.experiment.cli": ("demo", "experiment"),
@@ -43,7 +45,14 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 0 if args.command is None else 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except ModuleNotFoundError as exc:
+        message = missing_extra_message(exc, args.command)
+        if message is None:
+            raise
+        print(f"dgt: {message}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

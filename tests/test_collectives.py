@@ -284,6 +284,30 @@ def test_codecs_with_their_own_driver_are_refused_by_the_generic_collectives():
             cls(Group(None, 0, 2, 1), "lgc:variant=ring")
 
 
+def test_codecs_that_need_state_a_collective_lacks_are_refused():
+    """Slim-DP needs the model server's state (the generic PS returned sparsified gradients, relative error 0.73);
+    DCD/ECD send replica differences only gossip nodes can use. Each is refused where it would be silently wrong."""
+    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.collectives.gossip import Gossip
+    from dgt.collectives.model_server import ModelServer
+    from dgt.errors import CodecMismatch
+
+    g = Group(None, 0, 2, 1)
+    for cls in (ParameterServer, RingAllReduce, Gossip):
+        with pytest.raises(CodecMismatch, match="model server"):
+            cls(g, "slimdp")
+    for cls in (ParameterServer, RingAllReduce):
+        for spec in ("dcd", "ecd", "naive-gossip"):
+            with pytest.raises(CodecMismatch, match="gossip nodes"):
+                cls(g, spec)
+    with pytest.raises(CodecMismatch, match="gossip nodes"):
+        ModelServer(g, "dcd", model=torch.zeros(8), lr=0.1)
+    # what each is built for still constructs
+    assert Gossip(g, "dcd").codec.capabilities.replica_deltas
+    assert ModelServer(g, "slimdp", model=torch.zeros(8), lr=0.1).codec.capabilities.stateful_server
+    assert ParameterServer(g, "qsgd").codec.name == "qsgd"
+
+
 def _import_worker(rank, world):
     import sys
 

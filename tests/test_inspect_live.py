@@ -163,6 +163,48 @@ def test_capture_inside_a_network_namespace(tmp_path):
 
 
 @needs_root
+@pytest.mark.skipif(shutil.which("ip") is None, reason="iproute2 (ip) is not installed")
+def test_capture_on_a_namespace_eth0_that_the_root_namespace_also_has(tmp_path):
+    """`dgt capture --netns HOST -i eth0` failed with ENODEV: the child imported scapy (which caches interface indexes)
+    before entering the namespace, so eth0 resolved to the root namespace's index. Two namespaces joined by a veth
+    pair whose ends are both called eth0; datagrams from one are captured on the other's eth0."""
+    a, b = f"dgtca{os.getpid()}", f"dgtcb{os.getpid()}"
+    va, vb = f"dca{os.getpid()}"[:15], f"dcb{os.getpid()}"[:15]
+
+    def ip(*args: str) -> None:
+        subprocess.run(["ip", *args], check=True, capture_output=True, timeout=10)
+
+    try:
+        for ns in (a, b):
+            add = subprocess.run(["ip", "netns", "add", ns], capture_output=True, text=True)
+            if add.returncode:
+                pytest.skip(f"cannot create a network namespace: {add.stderr.strip()}")
+        ip("link", "add", va, "type", "veth", "peer", "name", vb)
+        for ns, dev, addr in ((a, va, "10.254.7.1/24"), (b, vb, "10.254.7.2/24")):
+            ip("link", "set", dev, "netns", ns)
+            ip("-n", ns, "link", "set", dev, "name", "eth0")
+            ip("-n", ns, "addr", "add", addr, "dev", "eth0")
+            ip("-n", ns, "link", "set", "eth0", "up")
+        path = str(tmp_path / "eth0.pcap")
+        cap = LiveCapture(path, "eth0", netns=a, udp_ports=[47111]).start()
+        try:
+            send = ("import socket, time\n"
+                    "s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)\n"
+                    "for _ in range(20):\n"
+                    "    s.sendto(b'x' * 100, ('10.254.7.1', 47111)); time.sleep(0.005)\n")
+            subprocess.run(["ip", "netns", "exec", b, sys.executable, "-c", send], check=True, timeout=30,
+                           capture_output=True)
+            time.sleep(0.3)
+        finally:
+            res = cap.stop()
+        assert res.netns == a and res.iface == "eth0"
+        assert res.packets >= 20, res
+    finally:
+        for ns in (a, b):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
+
+
+@needs_root
 def test_capture_command_is_bounded_and_summarises(tmp_path, capsys):
     path = str(tmp_path / "cli.pcap")
     result: dict = {}

@@ -125,12 +125,13 @@ def test_failure_while_building_removes_partial_topology(prefix: str, monkeypatc
 
 
 def test_delay_needs_netem(prefix: str, kernel: dict[str, bool]) -> None:
+    """delay_backend="netem" is refused without sch_netem (auto then uses the relay: tests/test_netem_delay.py)."""
     from dgt.netem import Topology, nsutil
 
     if not kernel["sch_netem"]:
         for kwargs in ({"delay": "5ms"}, {"delay": "5ms", "jitter": "1ms"}, {"delay": "5ms", "reorder": "1%"}):
             with pytest.raises(EmulationUnsupported, match="sch_netem") as err:
-                Topology(hosts=2, rate="100mbit", prefix=prefix, **kwargs).up()
+                Topology(hosts=2, rate="100mbit", prefix=prefix, delay_backend="netem", **kwargs).up()
             assert "CONFIG_NET_SCH_NETEM" in str(err.value)
             assert nsutil.list_ns(prefix) == []
         return

@@ -329,6 +329,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p", type=float, default=0.3, help="fraction of important blocks for the lossy variant")
     parser.add_argument("--datagram-payload", type=int, default=1400, help="UDP payload bytes per datagram")
     parser.add_argument("--quick", action="store_true", help="skip the GSO-off and fresh-buffer variants")
+    parser.add_argument("--variants", default="", help="comma-separated DGT variants to run (default: all; the raw "
+                        f"anchor always runs): {', '.join(DGT_VARIANTS)}")
+
+
+DGT_VARIANTS = ("tcp-ours", "dgt-lossless", "dgt-lossless-fresh", "dgt-p30-gso", "dgt-p30-nogso")
+
+
+def _wanted(args: argparse.Namespace) -> set[str]:
+    if getattr(args, "variants", ""):
+        want = {v.strip() for v in args.variants.split(",") if v.strip()}
+        bad = want - set(DGT_VARIANTS)
+        if bad:
+            raise ValueError(f"unknown variants {sorted(bad)}; choose from {', '.join(DGT_VARIANTS)}")
+        return want
+    return {"tcp-ours", "dgt-lossless", "dgt-p30-gso"} if args.quick else set(DGT_VARIANTS)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -336,17 +351,21 @@ def run(args: argparse.Namespace) -> dict:
     nbytes = numel * 4
     reps = args.repeats
     base = {"peer_timeout": 30.0, "datagram_payload": args.datagram_payload}
+    want = _wanted(args)  # a bad --variants fails before any process starts
     pair = _Pair()
     t0 = time.perf_counter()
     try:
         res: dict[str, Any] = {}
         res["raw"] = _socket_pair_run(pair, "raw", nbytes, reps)
-        res["tcp-ours"] = _socket_pair_run(pair, "ours", nbytes, reps)
-        res["dgt-lossless"] = _dgt_run(pair, base, numel, 1.0, reps, use_out=True)
-        if not args.quick:
+        if "tcp-ours" in want:
+            res["tcp-ours"] = _socket_pair_run(pair, "ours", nbytes, reps)
+        if "dgt-lossless" in want:
+            res["dgt-lossless"] = _dgt_run(pair, base, numel, 1.0, reps, use_out=True)
+        if "dgt-lossless-fresh" in want:
             res["dgt-lossless-fresh"] = _dgt_run(pair, base, numel, 1.0, reps, use_out=False)
-        res["dgt-p30-gso"] = _dgt_run(pair, base, numel, args.p, reps, use_out=True)
-        if not args.quick:
+        if "dgt-p30-gso" in want:
+            res["dgt-p30-gso"] = _dgt_run(pair, base, numel, args.p, reps, use_out=True)
+        if "dgt-p30-nogso" in want:
             res["dgt-p30-nogso"] = _dgt_run(pair, base | {"gso": False, "gro": False}, numel, args.p, reps, True)
     finally:
         pair.close()
@@ -364,8 +383,9 @@ def run(args: argparse.Namespace) -> dict:
         "cpu_ms_per_round": {k: {"send": v["cpu_ms_send_median"], "recv": v["cpu_ms_recv_median"]}
                              for k, v in res.items()},  # fmt: skip
         "load_average": os.getloadavg(),
-        "goal_lossless_ge_0.8x_raw": ratios["dgt-lossless"] >= 0.8,
-        "gso": {"on": res["dgt-p30-gso"]["udp_lanes"], "off": res.get("dgt-p30-nogso", {}).get("udp_lanes")},
+        "goal_lossless_ge_0.8x_raw": ratios["dgt-lossless"] >= 0.8 if "dgt-lossless" in ratios else None,
+        "gso": {"on": res.get("dgt-p30-gso", {}).get("udp_lanes"),
+                "off": res.get("dgt-p30-nogso", {}).get("udp_lanes")},
         "variants": res,
         "wall_seconds": time.perf_counter() - t0,
         "numpy": np.__version__,

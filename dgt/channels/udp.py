@@ -35,6 +35,7 @@ from dgt.channels.sockopts import (
     set_priority,
     socket_drops,
 )
+from dgt.protocol.datagram_rows import DatagramRows
 
 SLOT = 1 << 16  # room for one read: a GRO run is at most 64 KiB, a plain datagram at most 65507 bytes
 _ANC = socket.CMSG_SPACE(4) * 2
@@ -80,6 +81,7 @@ class UdpChannel:
         self.buf = bytearray(max(batch_bytes, 2 * SLOT))
         self.mv = memoryview(self.buf)
         self.counters = UdpCounters()
+        self._stage: np.ndarray | None = None  # flat uint8 staging buffer for DatagramRows sends, reused
         self.closed = False
 
     @property
@@ -100,12 +102,27 @@ class UdpChannel:
         return max(1, min(self.max_segments, GSO_MAX_BYTES // max(segment, 1)))
 
     # -- sending
-    async def send_rows(self, rows: np.ndarray, addr: tuple) -> None:
-        """Send the datagrams ``rows`` ([k, seg] uint8, k <= segments_per_send) to ``addr``."""
+    async def send_rows(self, rows: np.ndarray | DatagramRows, addr: tuple) -> None:
+        """Send the datagrams ``rows`` (k <= segments_per_send of them, each ``seg`` bytes) to ``addr``: a [k, seg]
+        uint8 array, or :class:`DatagramRows` (headers + views of the bucket), packed with one vectorised gather
+        into a staging buffer this channel reuses from send to send (it stays in cache; no per-datagram copy)."""
         k = len(rows)
         if k == 0:
             return
         seg = rows.shape[1]
+        if not isinstance(rows, DatagramRows):
+            await self._send_packed(rows, k, seg, addr)
+            return
+        stage, self._stage = self._stage, None  # taken while the send awaits: a concurrent send gets its own
+        need = max(k, self.segments_per_send(seg)) * seg
+        if stage is None or stage.size < need:
+            stage = np.empty(need, np.uint8)
+        try:
+            await self._send_packed(rows.pack(stage[:need].reshape(-1, seg)), k, seg, addr)
+        finally:
+            self._stage = stage
+
+    async def _send_packed(self, rows: np.ndarray, k: int, seg: int, addr: tuple) -> None:
         if self.gso and k > 1:
             data = memoryview(np.ascontiguousarray(rows)).cast("B")
             try:

@@ -25,12 +25,16 @@ class Capabilities:
     summable: payloads of different ranks can be added element-wise on the way (dense, same-index sparse), so ring
         all-reduce can reduce-scatter them; otherwise the collective must gather then reduce.
     lossy_tolerant: parts with lane_class >= 1 may be dropped (all of them or some of their blocks).
-    stateful_server: the codec needs server-side state (e.g. LGC decoders, Slim-DP model pulls).
+    stateful_server: the codec needs server-side state (e.g. LGC decoders, Slim-DP model pulls): only a collective
+        that keeps it (the model server) can serve it; elsewhere its decoded payloads would be silently wrong.
+    replica_deltas: payloads are differences against replicas each neighbour keeps (DCD/ECD-PSGD): only gossip nodes
+        (``dgt.codecs.decentralized``) drive it; a plain reduction would add the differences as if they were values.
     """
 
     summable: bool
     lossy_tolerant: bool
     stateful_server: bool = False
+    replica_deltas: bool = False
 
 
 @dataclass

@@ -51,7 +51,7 @@ class GossipQuantCodec(Codec):
 
     name = "gossip-quant"
     algorithm = "dcd"
-    capabilities = Capabilities(summable=False, lossy_tolerant=False)
+    capabilities = Capabilities(summable=False, lossy_tolerant=False, replica_deltas=True)
 
     def __init__(
         self,

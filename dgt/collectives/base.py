@@ -19,6 +19,10 @@ from dgt.transport.streams import streamable
 class Collective:
     name = "collective"
     needs_summable = False
+    serves_stateful_server = False
+    """Keeps the server-side state a ``stateful_server`` codec needs (the model server)."""
+    serves_replica_deltas = False
+    """Drives per-neighbour replicas for ``replica_deltas`` codecs (gossip)."""
 
     def __init__(self, group: Group, codec: str | Codec = "dense", op: str = "mean") -> None:
         if op not in ("sum", "mean"):
@@ -29,7 +33,14 @@ class Collective:
         runner = getattr(self.codec, "runner", None)
         if runner:
             raise CodecMismatch(f"codec {self.codec.name!r} is driven by {runner}, not by the generic {self.name}")
-        if self.needs_summable and not self.codec.capabilities.summable:
+        caps = self.codec.capabilities
+        if caps.stateful_server and not self.serves_stateful_server:
+            raise CodecMismatch(f"codec {self.codec.name!r} needs server-side state that the {self.name} does not keep "
+                                f"(its result would be silently wrong); use the model server (ModelServer)")
+        if caps.replica_deltas and not self.serves_replica_deltas:
+            raise CodecMismatch(f"codec {self.codec.name!r} sends differences against per-neighbour replicas; only "
+                                f"gossip nodes drive it (Gossip + dgt.codecs.decentralized), not the {self.name}")
+        if self.needs_summable and not caps.summable:
             raise CodecMismatch(
                 f"codec {self.codec.name!r} is not summable (its payloads cannot be added on the way), so it cannot "
                 f"serve {self.name}; use the parameter server (gather-then-reduce) or a summable codec (dense, dgt)"

@@ -34,6 +34,7 @@ def ring_matrix(world: int) -> np.ndarray:
 
 class Gossip(Collective):
     name = "gossip"
+    serves_replica_deltas = True
 
     def __init__(self, group: Group, codec: str | Codec = "dense", W: np.ndarray | None = None) -> None:
         super().__init__(group, codec, op="sum")

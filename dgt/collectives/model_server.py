@@ -89,6 +89,7 @@ class ModelServer(Collective):
     """
 
     name = "model server"
+    serves_stateful_server = True
 
     def __init__(self, group: Group, codec: str | Codec = "dense", pull: str | Codec | None = None, *,
                  model: torch.Tensor, lr: float, server: int = 0, server_trains: bool = True,

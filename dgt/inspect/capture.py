@@ -208,7 +208,7 @@ class LiveCapture:
             filter=self.filter,
         )
         self._child = subprocess.Popen(
-            [sys.executable, "-m", "dgt.inspect.capture", json.dumps(args)],
+            [sys.executable, "-c", _CHILD_BOOTSTRAP, self.netns, json.dumps(args)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -288,17 +288,28 @@ class LiveCapture:
         self.stop()
 
 
+# The child enters the namespace before anything imports scapy: scapy resolves interface names to indexes at import
+# (its interface cache and ioctl socket belong to the namespace it was imported in), so a name that exists in both
+# namespaces (eth0) bound the packet socket to the root namespace's index: ENODEV in the netns. `lo` (index 1 in
+# every namespace) hid it.
+_CHILD_BOOTSTRAP = (
+    "import sys\n"
+    "from pyroute2 import netns\n"
+    "netns.setns(sys.argv[1], flags=0)\n"
+    "from dgt.inspect.capture import _child_main\n"
+    "sys.exit(_child_main(sys.argv[2]))\n"
+)
+
+
 def _child_main(spec: str) -> int:
-    """Child side of a namespace capture: enter the namespace, capture, report over stdout, stop on 'stop'."""
+    """Child side of a namespace capture (already inside the namespace): capture, report over stdout, stop on
+    'stop'."""
     a = json.loads(spec)
 
     def say(**kw) -> None:
         print(json.dumps(kw), flush=True)
 
     try:
-        from pyroute2 import netns as pnetns
-
-        pnetns.setns(a["netns"], flags=0)
         cap = LiveCapture(
             a["out"],
             a["iface"],
@@ -322,7 +333,3 @@ def _child_main(spec: str) -> int:
     res.netns = a["netns"]
     say(state="done", result=res.to_dict())
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(_child_main(sys.argv[1]))

@@ -37,10 +37,11 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
 
 def _link_args(p: argparse.ArgumentParser, pre: str = "", what: str = "each host link") -> None:
     p.add_argument(f"--{pre}rate", default=None, help=f"rate of {what} per direction, e.g. 100mbit (HTB)")
-    p.add_argument(f"--{pre}delay", default=None, help="one-way delay per link direction, e.g. 5ms (needs netem)")
-    p.add_argument(f"--{pre}jitter", default=None, help="delay variation, e.g. 1ms (needs netem)")
+    p.add_argument(f"--{pre}delay", default=None,
+                   help="one-way delay per link direction, e.g. 5ms (netem, or the relay without it)")
+    p.add_argument(f"--{pre}jitter", default=None, help="delay variation, uniform ±, e.g. 1ms")
     p.add_argument(f"--{pre}loss", default=None, help="random loss per link direction, e.g. 0.5%% (netem or nftables)")
-    p.add_argument(f"--{pre}reorder", default=None, help="reordering probability, e.g. 1%% (needs netem and delay)")
+    p.add_argument(f"--{pre}reorder", default=None, help="share of packets sent at once, e.g. 1%% (needs a delay)")
     p.add_argument(f"--{pre}limit", type=int, default=1000, help="queue limit per class in packets (default 1000)")
     p.add_argument(f"--{pre}no-priority", action="store_true",
                    help="one FIFO instead of DSCP priority classes EF > AF > BE > LE")
@@ -66,7 +67,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     bottleneck = _spec(args, "bottleneck_") if args.dumbbell else None
     topo = Topology(hosts=args.hosts, link=_spec(args), dumbbell=args.dumbbell, bottleneck=bottleneck,
-                    prefix=args.prefix, subnet=args.subnet, loss_backend=args.loss_backend, replace=args.force)
+                    prefix=args.prefix, subnet=args.subnet, loss_backend=args.loss_backend, replace=args.force,
+                    delay_backend=args.delay_backend)
     topo.up()
     if args.json:
         print(json.dumps(topo.to_state() | {"namespaces": topo.namespaces}, indent=2))
@@ -200,6 +202,9 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     up.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"host addresses (default {DEFAULT_SUBNET})")
     up.add_argument("--loss-backend", choices=("auto", "netem", "nft"), default="auto",
                     help="how random loss is made (auto: netem if the kernel has it, else nftables)")
+    up.add_argument("--delay-backend", choices=("auto", "netem", "relay"), default="auto",
+                    help="how delay/jitter/reordering are made (auto: netem if the kernel has it, else a relay "
+                         "process per delayed link)")
     up.add_argument("--force", action="store_true", help="remove an existing topology with this prefix first")
     up.add_argument("--json", action="store_true", help="print the saved configuration as JSON")
     up.set_defaults(func=cmd_up)

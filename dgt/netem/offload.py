@@ -26,3 +26,23 @@ def disable_segmentation(ifname: str) -> list[str]:
         if changed:
             eth.set_features(ifname, feats)
     return changed
+
+
+TX_CSUM = ("tx-checksum-ip-generic", "tx-checksum-ipv4", "tx-checksum-ipv6", "tx-checksum-sctp")
+
+
+def disable_tx_checksum(ifname: str) -> list[str]:
+    """Have the stack fill in checksums itself. Needed on every sender whose frames may cross a delay relay:
+    veth passes checksum-offloaded frames on with the checksum left unfinished, and a raw AF_PACKET copy (the
+    relay's) would carry that wrong checksum to a receiver that then drops the segment."""
+    with Ethtool() as eth:
+        feats = eth.get_features(ifname)
+        changed = []
+        for name in TX_CSUM:
+            f = feats.features.get(name)
+            if f is not None and f.enable and f.available:
+                f.enable = False
+                changed.append(name)
+        if changed:
+            eth.set_features(ifname, feats)
+    return changed

@@ -8,13 +8,16 @@ Layout, all of it inside namespaces named PREFIX-*, nothing in the caller's name
     dumbbell: hosts split over PREFIX-sw0 and PREFIX-sw1, whose bridges are joined by the veth pair bn0 ── bn1.
 
 Every link is shaped in both directions at the sending end's egress (shaping.apply) and, without netem, loses
-packets at the receiving end's ingress (loss.install). Removing the namespaces removes everything, which is what
-makes cleanup reliable: `teardown(prefix)` needs no saved state.
+packets at the receiving end's ingress (loss.install). Delay comes from netem, or (delay_backend "relay", the
+default where the kernel has no sch_netem) from a relay process in the link's own namespace PREFIX-d<link> that
+sits between the two shaped ends (delaylink.py, relay.py): shape, then delay. Removing the namespaces removes
+everything, relays included, which is what makes cleanup reliable: `teardown(prefix)` needs no saved state.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import ipaddress
 import multiprocessing
 import os
@@ -29,8 +32,8 @@ from typing import Any
 from pyroute2 import IPRoute
 
 from dgt.errors import DgtError, EmulationUnsupported
+from dgt.netem import delaylink, nsutil, offload, probe, shaping, state
 from dgt.netem import loss as nft_loss
-from dgt.netem import nsutil, offload, probe, shaping, state
 from dgt.netem.spec import DEFAULT_PREFIX, DEFAULT_SUBNET, LinkSpec
 
 PREFIX_RE = re.compile(r"^[a-z][a-z0-9]{0,11}$")
@@ -78,6 +81,7 @@ def teardown(prefix: str = DEFAULT_PREFIX) -> list[str]:
     check_prefix(prefix)
     removed = [ns for ns in nsutil.list_ns(prefix) if nsutil.remove_ns(ns)]
     state.remove(prefix)
+    delaylink.remove_files(prefix)
     return removed
 
 
@@ -91,6 +95,8 @@ class Topology:
     dumbbell=True splits hosts over two switches joined by a bottleneck (bottleneck=LinkSpec or bottleneck_rate...).
     loss_backend: "auto" (netem where the kernel has it, else nftables), "netem" or "nft".
     offloads_off: turn TSO/GSO/GRO off on every link end so queues and loss act on wire-size packets.
+    delay_backend: "auto" (netem where the kernel has it, else the relay), "netem" or "relay" (delaylink.py).
+    relay_capacity: frames a relay holds at most per direction (more are dropped and counted).
     """
 
     def __init__(
@@ -112,6 +118,8 @@ class Topology:
         loss_backend: str = "auto",
         replace: bool = False,
         offloads_off: bool = True,
+        delay_backend: str = "auto",
+        relay_capacity: int = 50_000,
     ) -> None:
         self.prefix = check_prefix(prefix)
         if hosts < 1 or (dumbbell and hosts < 2):
@@ -127,6 +135,12 @@ class Topology:
         if self.subnet.num_addresses - 2 < hosts:
             raise DgtError(f"subnet {subnet} is too small for {hosts} hosts")
         self.loss_backend = loss_backend
+        if delay_backend not in ("auto", "netem", "relay"):
+            raise DgtError(f"delay_backend must be auto, netem or relay, not {delay_backend!r}")
+        self.delay_backend = delay_backend
+        self.relay_capacity = relay_capacity
+        self.relay_delay = False  # decided in _check_kernel: delayed links go through a relay
+        self.relays: dict[str, subprocess.Popen] = {}
         self.replace = replace
         self.offloads_off = offloads_off
         self.use_netem = False
@@ -160,6 +174,17 @@ class Topology:
     def namespaces(self) -> list[str]:
         return self.switches + [h.ns for h in self.hosts]
 
+    def relayed(self, spec: LinkSpec) -> bool:
+        """Whether links of this spec are delayed by a relay (not netem)."""
+        return self.relay_delay and spec.needs_netem
+
+    @property
+    def relayed_links(self) -> list[tuple[str, LinkSpec]]:
+        links = [(h.name, self.link) for h in self.hosts]
+        if self.bottleneck is not None:
+            links.append(("bottleneck", self.bottleneck))
+        return [(name, spec) for name, spec in links if self.relayed(spec)]
+
     def spec_for(self, d: Direction) -> LinkSpec:
         return self.link if d.role == "host" or self.bottleneck is None else self.bottleneck
 
@@ -183,28 +208,38 @@ class Topology:
         try:
             self._build()
         except BaseException:
-            teardown(self.prefix)
+            self.down()
             raise
         state.save(self.prefix, self.to_state())
         return self
 
     def down(self) -> list[str]:
         """Remove all namespaces of this prefix (idempotent)."""
-        return teardown(self.prefix)
+        removed = teardown(self.prefix)
+        for proc in self.relays.values():  # already stopped with their namespaces; reap them
+            if proc.poll() is None:
+                proc.kill()
+            proc.wait(5)
+        self.relays.clear()
+        return removed
 
     def _check_kernel(self) -> None:
         specs = [("host links", self.link)] + ([("the bottleneck", self.bottleneck)] if self.bottleneck else [])
-        want_netem = any(s.needs_netem for _, s in specs)
+        backend = self.delay_backend
+        if backend == "auto" and any(s.needs_netem for _, s in specs):
+            backend = "netem" if probe.has("sch_netem") else "relay"
+        self.relay_delay = backend == "relay"
+        want_netem = any(s.needs_netem for _, s in specs) and not self.relay_delay
         want_loss = any(s.loss for _, s in specs)
         for where, s in specs:
-            if s.needs_netem:
+            if s.needs_netem and not self.relay_delay:
                 what = ", ".join(k for k, v in (("delay", s.delay), ("jitter", s.jitter), ("reorder", s.reorder)) if v)
                 probe.require("sch_netem", f"{what} on {where}")
             if s.shaped:
                 probe.require("sch_htb", f"rate {s.describe()} on {where}")
                 if s.priority:
                     probe.require("cls_u32", f"DSCP priority classes on {where}")
-                if not s.needs_netem:
+                if not s.needs_netem or self.relay_delay:
                     probe.require("sch_pfifo", f"a queue limit on {where}")
         if want_loss:
             backend = self.loss_backend
@@ -234,30 +269,46 @@ class Topology:
                 _up(ipr, BRIDGE)
         if self.dumbbell:
             a, b = self.switches
-            with IPRoute(netns=a) as ipr:
-                ipr.link("add", ifname="bn0", kind="veth", peer={"ifname": "bn1", "net_ns_fd": b})
-                _enslave(ipr, "bn0")
+            if self.bottleneck is not None and self.relayed(self.bottleneck):
+                delaylink.build(delaylink.relay_ns(self.prefix, "bottleneck"), a, "bn0", b, "bn1", self.offloads_off)
+                with IPRoute(netns=a) as ipr:
+                    _enslave(ipr, "bn0")
+            else:
+                with IPRoute(netns=a) as ipr:
+                    ipr.link("add", ifname="bn0", kind="veth", peer={"ifname": "bn1", "net_ns_fd": b})
+                    _enslave(ipr, "bn0")
             with IPRoute(netns=b) as ipr:
                 _enslave(ipr, "bn1")
         for h in self.hosts:
+            if self.relayed(self.link):
+                delaylink.build(delaylink.relay_ns(self.prefix, h.name), h.ns, h.ifname, h.switch_ns, h.port,
+                                self.offloads_off)
             with IPRoute(netns=h.switch_ns) as ipr:
-                ipr.link("add", ifname=h.port, kind="veth", peer={"ifname": h.ifname, "net_ns_fd": h.ns})
+                if not self.relayed(self.link):
+                    ipr.link("add", ifname=h.port, kind="veth", peer={"ifname": h.ifname, "net_ns_fd": h.ns})
                 _enslave(ipr, h.port)
             with IPRoute(netns=h.ns) as ipr:
                 _up(ipr, "lo")
                 idx = ipr.link_lookup(ifname=h.ifname)[0]
                 ipr.addr("add", index=idx, address=h.addr, prefixlen=self.plen)
                 ipr.link("set", index=idx, state="up")
+        if self.relayed_links:  # frames a relay copies must carry finished checksums
+            for h in self.hosts:
+                nsutil.run_in_ns(h.ns, offload.disable_tx_checksum, h.ifname)
         for d in self.directions:
             spec = self.spec_for(d)
-            if self.offloads_off:
+            if self.offloads_off or self.relayed(spec):  # a relay forwards wire-size frames only
                 nsutil.run_in_ns(d.tx_ns, offload.disable_segmentation, d.tx_dev)
+            if self.relayed(spec):  # the relay delays; netem (if any) only loses
+                spec = dataclasses.replace(spec, delay=0.0, jitter=0.0, reorder=0.0)
             with IPRoute(netns=d.tx_ns) as ipr:
                 idx = ipr.link_lookup(ifname=d.tx_dev)[0]
                 shaping.apply(ipr, idx, spec, use_netem=self.use_netem and (spec.needs_netem or (
                     bool(spec.loss) and not self.nft_loss)), netem_loss=not self.nft_loss)
             if spec.loss and self.nft_loss:
                 nsutil.run_in_ns(d.rx_ns, nft_loss.install, d.rx_dev, spec.loss)
+        for name, spec in self.relayed_links:
+            self.relays[name] = delaylink.start(self.prefix, name, spec, self.relay_capacity)
 
     # ---- state ----------------------------------------------------------------------------------------------
 
@@ -266,6 +317,7 @@ class Topology:
             "prefix": self.prefix, "hosts": self.n, "dumbbell": self.dumbbell, "subnet": str(self.subnet),
             "link": self.link.to_dict(), "bottleneck": self.bottleneck.to_dict() if self.bottleneck else None,
             "loss_backend": self.loss_backend, "use_netem": self.use_netem, "nft_loss": self.nft_loss,
+            "delay_backend": self.delay_backend, "relay_delay": self.relay_delay,
             "addrs": [h.addr for h in self.hosts], "created": time.time(),
         }
 
@@ -277,8 +329,10 @@ class Topology:
             raise DgtError(f"no emulated network with prefix {prefix!r} is up (start one with `dgt netem up`)")
         topo = cls(hosts=data["hosts"], link=LinkSpec.from_dict(data["link"]), dumbbell=data["dumbbell"],
                    bottleneck=LinkSpec.from_dict(data["bottleneck"]) if data["bottleneck"] else None,
-                   prefix=prefix, subnet=data["subnet"], loss_backend=data["loss_backend"])
+                   prefix=prefix, subnet=data["subnet"], loss_backend=data["loss_backend"],
+                   delay_backend=data.get("delay_backend", "auto"))
         topo.use_netem, topo.nft_loss = data["use_netem"], data["nft_loss"]
+        topo.relay_delay = data.get("relay_delay", False)
         return topo
 
     def __repr__(self) -> str:
@@ -342,9 +396,24 @@ class Topology:
                 "link": d.link, "direction": d.label, "ns": d.tx_ns, "dev": d.tx_dev, "spec": spec.describe(),
                 "rate_bps": spec.rate, **tc,
                 "loss": loss_counters.get(d.rx_ns, {}).get(d.rx_dev) if self.nft_loss and spec.loss else None,
+                "delay": self._delay_stats(d, spec, tc),
             })
         return {"prefix": self.prefix, "hosts": [asdict(h) | {"name": h.name} for h in self.hosts],
-                "netem": self.use_netem, "nft_loss": self.nft_loss, "links": out}
+                "netem": self.use_netem, "nft_loss": self.nft_loss, "relay_delay": self.relay_delay, "links": out}
+
+    def _delay_stats(self, d: Direction, spec: LinkSpec, tc: dict[str, Any]) -> dict[str, Any] | None:
+        """Delay of one link direction and the frames it holds now (relay counters, or netem's queue)."""
+        if not spec.needs_netem:
+            return None
+        out: dict[str, Any] = {"delay_s": spec.delay, "jitter_s": spec.jitter, "reorder": spec.reorder}
+        if not self.relayed(spec):
+            held = sum(q["qlen"] for q in tc["qdiscs"] if q["kind"] == "netem")
+            return out | {"backend": "netem", "held": held}
+        rel = delaylink.read_stats(self.prefix, d.link)
+        key = delaylink.direction_key(toward_right=d.tx_dev in (HOST_IF, "bn0"))
+        counters = (rel or {}).get("directions", {}).get(key)
+        return out | {"backend": "relay", "ns": delaylink.relay_ns(self.prefix, d.link),
+                      "alive": bool(rel) and delaylink.alive(rel["pid"]), **(counters or {"held": None})}
 
 
 def _up(ipr: IPRoute, ifname: str) -> int:

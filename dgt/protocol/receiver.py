@@ -7,6 +7,7 @@ Reliable-lane payloads can be received zero-copy: :meth:`payload_target` returns
 
 from __future__ import annotations
 
+import mmap
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ import torch
 from dgt import wire
 from dgt.errors import WireError
 from dgt.layout import BucketLayout
+from dgt.protocol.datagram_rows import scatter_rows
 from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.geometry import Geometry
 from dgt.protocol.stats import ReceiverCounters, RoundStats
@@ -32,13 +34,30 @@ Key = tuple[int, int, int]  # (sender rank, bucket, round)
 Allocator = Callable[[Key, int, torch.dtype], "torch.Tensor | None"]
 
 
+HUGE_BYTES = 4 << 20  # fresh buffers from this size on are anonymous mappings advised to use transparent huge pages
+
+
 def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """A zero tensor backed by calloc'd pages: no memset pass over the bucket before its first byte arrives
-    (torch.zeros touches every page up front, which costs as much as receiving a large bucket over loopback)."""
+    """A zero tensor whose pages the kernel zeroes on first touch: no memset pass over the bucket before its first
+    byte arrives (torch.zeros touches every page up front, which costs as much as receiving a large bucket).
+
+    Large buffers are anonymous mappings advised MADV_HUGEPAGE: first touch then faults one 2 MiB page at a time
+    instead of one 4 KiB page, which made a fresh 100 MB round's receive cost ~200 ms of page faults (measured);
+    where the kernel has no transparent huge pages the advice is a no-op (or refused) and this is calloc's cost."""
     if numel == 0:
         return torch.zeros(0, dtype=dtype)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
-    return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)
+    if nbytes < HUGE_BYTES or _MADV_HUGEPAGE is None:
+        return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8)).view(dtype)
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        m.madvise(_MADV_HUGEPAGE)
+    except OSError:
+        pass  # no THP on this kernel: plain pages, still zero-filled on demand
+    return torch.from_numpy(np.frombuffer(m, dtype=np.uint8)).view(dtype)  # the array keeps the mapping alive
+
+
+_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 @lru_cache(maxsize=64)
@@ -77,14 +96,27 @@ def _reencode(f: wire.Frame) -> bytes:
     return h.tobytes() + bytes(f.payload)
 
 
+_KEY_BYTES = slice(16, 28)  # rank, round, bucket: adjacent in the header (docs/protocol.md)
+
+
 def _group_by_round(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Distinct (rank, bucket, round) keys of a header batch and each header's key index; the common case of one
-    key skips the (slow) row-wise unique."""
+    key is one comparison of the 12 key bytes of every header with the first's (the row-wise unique is slow)."""
+    raw = h.view(np.uint8).reshape(-1, wire.HEADER_SIZE)[:, _KEY_BYTES]
+    if len(h) and bool((raw == raw[0]).all()):
+        one = np.array([[int(h["rank"][0]), int(h["bucket"][0]), int(h["round"][0])]], dtype=np.int64)
+        return one, np.zeros(len(h), dtype=np.int64)
     keys = np.stack([h["rank"].astype(np.int64), h["bucket"].astype(np.int64), h["round"].astype(np.int64)], 1)
-    if (keys == keys[0]).all():
-        return keys[:1], np.zeros(len(keys), dtype=np.int64)
     ukeys, inv = np.unique(keys, axis=0, return_inverse=True)
     return ukeys, inv.reshape(-1)
+
+
+def _first_of(ids: np.ndarray, scratch: np.ndarray) -> np.ndarray:
+    """A mask with True at exactly one position per distinct value of ``ids`` (all < len(scratch)), in O(n) with no
+    sort: each position writes its index into ``scratch[id]``, and the position whose index stuck is the one kept."""
+    at = np.arange(len(ids), dtype=scratch.dtype)
+    scratch[ids] = at
+    return scratch[ids] == at
 
 
 class _Round:
@@ -122,9 +154,22 @@ class _Round:
         self.batch_gap: float | None = None  # EWMA of the time between batches (GSO/GRO make arrivals bursty)
         self.unimp_frames = 0
 
+        self._scratch: dict[str, np.ndarray] = {}
+
+    def scratch_frag(self) -> np.ndarray:
+        """Per-fragment int32 scratch for de-duplicating a batch without a sort (made on the first datagram)."""
+        if "frag" not in self._scratch:
+            self._scratch["frag"] = np.empty(self.got.size, np.int32)
+        return self._scratch["frag"]
+
+    def scratch_block(self) -> np.ndarray:
+        if "block" not in self._scratch:
+            self._scratch["block"] = np.empty(len(self.nfrag), np.int32)
+        return self._scratch["block"]
+
     @property
     def nbytes(self) -> int:
-        return self.raw.nbytes + self.got.nbytes
+        return self.raw.nbytes + self.got.nbytes + 4 * (self.got.size + len(self.nfrag))
 
     def important_complete(self) -> bool:
         if self.end is None:
@@ -368,10 +413,7 @@ class RoundReceiver:
             return []
         nbytes = cnt * isz
         if (nbytes == nbytes[0]).all():
-            n = int(nbytes[0])
-            dst = np.lib.stride_tricks.as_strided(r.raw, shape=(len(r.raw) - n + 1, n), strides=(1, 1))
-            srows = np.lib.stride_tricks.as_strided(src, shape=(len(src) - n + 1, n), strides=(1, 1))
-            dst[off * isz] = srows[pos]
+            scatter_rows(r.raw, off * isz, src, pos, int(nbytes[0]))
         else:  # runs of different lengths: one slice copy per frame
             for o, p, n in zip(off.tolist(), pos.tolist(), nbytes.tolist()):
                 r.raw[o * isz : o * isz + n] = src[p : p + n]
@@ -445,16 +487,19 @@ class RoundReceiver:
         if len(idx) == 0:
             return []
         src = np.frombuffer(batch.buf, np.uint8)
-        ukeys, inv = _group_by_round(h[idx])
+        every = len(idx) == len(h)  # the common case: no header to leave out, no copy of the headers
+        ukeys, inv = _group_by_round(h if every else h[idx])
         events: list = []
         for j, kk in enumerate(ukeys.tolist()):
             key = (kk[0], kk[1], kk[2])
-            sel = idx[inv == j]
+            one = len(ukeys) == 1
+            sel = idx if one else idx[inv == j]
             r = self.rounds.get(key)
             if r is None:
                 self._early_datagrams(key, lane, batch, sel)
                 continue
-            events += self._fragments(r, h[sel], src, batch.payload_pos[sel], lane, now)
+            hsel, psel = (h, batch.payload_pos) if one and every else (h[sel], batch.payload_pos[sel])
+            events += self._fragments(r, hsel, src, psel, lane, now)
         return events
 
     def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray) -> None:
@@ -498,29 +543,27 @@ class RoundReceiver:
             & (fidx < g.frags_needed[b])
             & (cnt == np.minimum(g.frag, g.block_end[b] - off))
         )
-        r.stats.rejected += int((~good).sum())
-        b, fidx, off, cnt, pos = b[good], fidx[good], off[good], cnt[good], pos[good]
-        hs = h[good]
+        if not good.all():
+            r.stats.rejected += int((~good).sum())
+            b, fidx, off, cnt, pos, h = b[good], fidx[good], off[good], cnt[good], pos[good], h[good]
+        hs = h
         if len(b) == 0:
             return []
-        flat_id = b * g.frags_per_block + fidx
-        _, first = np.unique(flat_id, return_index=True)
-        uniq = np.zeros(len(b), dtype=bool)
-        uniq[first] = True
-        fresh = uniq & ~r.got[b, fidx]
-        r.stats.duplicated += int((~fresh).sum())
-        b, fidx, off, cnt, pos = b[fresh], fidx[fresh], off[fresh], cnt[fresh], pos[fresh]
+        fresh = _first_of(b * g.frags_per_block + fidx, r.scratch_frag()) & ~r.got[b, fidx]
+        if not fresh.all():
+            r.stats.duplicated += int((~fresh).sum())
+            b, fidx, off, cnt, pos = b[fresh], fidx[fresh], off[fresh], cnt[fresh], pos[fresh]
         if len(b):
-            touched = np.unique(b)
+            touched = b[_first_of(b, r.scratch_block())]
             done_before = r.nfrag[touched] >= g.frags_needed[touched]
             imp_done_before = int((done_before & r.important[touched]).sum())
             isz = r.isz
             full = cnt == g.frag
             fb = g.frag * isz
-            if full.any():
-                dst = np.lib.stride_tricks.as_strided(r.raw, shape=(len(r.raw) - fb + 1, fb), strides=(1, 1))
-                srows = np.lib.stride_tricks.as_strided(src, shape=(len(src) - fb + 1, fb), strides=(1, 1))
-                dst[off[full] * isz] = srows[pos[full]]
+            if full.all():
+                scatter_rows(r.raw, off * isz, src, pos, fb)
+            elif full.any():
+                scatter_rows(r.raw, off[full] * isz, src, pos[full], fb)
             for i in np.flatnonzero(~full).tolist():
                 r.raw[off[i] * isz : (off[i] + cnt[i]) * isz] = src[pos[i] : pos[i] + cnt[i] * isz]
             r.got[b, fidx] = True

@@ -10,6 +10,7 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
+from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.wire import Flags, FrameType
 
@@ -24,14 +25,17 @@ class RoundPlan:
     reliable: (header, payload view) pairs for the reliable lane, to be written back to back: ROUND_BEGIN, the
         important DATA frames, ROUND_END. A pair may carry several whole frames in its payload with an empty header
         (packed scattered blocks); the byte stream is always a valid sequence of frames.
-    datagrams: per unreliable lane, a uint8 array [k, seg] of equal-size datagrams (header + fragment, most
-        important block first; ready for UDP GSO) and a list of odd-size datagrams (partial tensor tails).
+    datagrams: per unreliable lane, the equal-size datagrams (header + fragment, most important block first; ready
+        for UDP GSO) as :class:`DatagramRows`: headers plus views of the bucket, packed only when sent (reads like a
+        [k, seg] uint8 array); and a list of odd-size datagrams (partial tensor tails). Like the reliable lane's
+        zero-copy runs, they read the bucket when sent: it must stay unchanged until then (``Endpoint.send_round``
+        returns only once every datagram job is sent or abandoned).
     """
 
     bucket: int
     round: int
     reliable: list[tuple[bytes, memoryview]]
-    datagrams: dict[int, np.ndarray] = field(default_factory=dict)
+    datagrams: dict[int, DatagramRows] = field(default_factory=dict)
     odd: dict[int, list[bytes]] = field(default_factory=dict)
     important_blocks: int = 0
     unimportant_blocks: int = 0
@@ -66,20 +70,6 @@ def raw_bytes(flat: torch.Tensor) -> np.ndarray:
     if flat.device.type != "cpu" or not flat.is_contiguous():
         raise ValueError("the sender packs from a contiguous CPU tensor; copy device buckets to (pinned) host first")
     return flat.view(torch.uint8).numpy()
-
-
-def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int, out: np.ndarray | None = None) -> np.ndarray:
-    """Copy equal byte ranges of ``raw`` into the rows of ``out`` with one vectorised gather (index_select over an
-    overlapping strided view: one copy, no Python loop)."""
-    if out is None:
-        out = np.empty((len(byte_offsets), row_bytes), np.uint8)
-    if len(byte_offsets) == 0:
-        return out
-    src = torch.from_numpy(raw)
-    rows = src.as_strided((len(raw) - row_bytes + 1, row_bytes), (1, 1))
-    torch.index_select(rows, 0, torch.from_numpy(np.ascontiguousarray(byte_offsets, dtype=np.int64)),
-                       out=torch.from_numpy(out))
-    return out
 
 
 class RoundSender:
@@ -313,15 +303,13 @@ class RoundSender:
         ]
 
     def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
-        """One fragment per datagram: equal-size ones packed into a [k, seg] array with one vectorised gather."""
+        """One fragment per datagram: the equal-size ones as headers (built in one numpy step) plus the byte offsets
+        of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends)."""
         blk, off, cnt = geom.fragments_of(blocks)
         h = self._data_headers(len(blk), Flags.FRAGMENT, lane, dt, common, blk, off, cnt, isz)
         full = cnt == geom.frag
-        fb = geom.frag * isz
         hs = wire.HEADER_SIZE
-        buf = np.empty((int(full.sum()), hs + fb), dtype=np.uint8)
-        buf[:, :hs] = h[full].view(np.uint8).reshape(-1, hs)
-        gather_rows(raw, off[full] * isz, fb, buf[:, hs:])
-        plan.datagrams[lane] = buf
+        hrows = h[full].view(np.uint8).reshape(-1, hs)
+        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz)
         odd = np.flatnonzero(~full)
         plan.odd[lane] = [h[i : i + 1].tobytes() + raw[off[i] * isz : (off[i] + cnt[i]) * isz].tobytes() for i in odd]

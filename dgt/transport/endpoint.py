@@ -27,6 +27,7 @@ from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
+from dgt.protocol.datagram_rows import DatagramRows
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 from dgt.protocol.stats import LaneStats as RoundLaneStats
@@ -715,9 +716,10 @@ class Endpoint:
             rows = job.rows[: job.pos]
             if len(rows) == 0:
                 continue
-            blk = np.ascontiguousarray(rows[:, _BLOCK_FIELD]).view(">u4").reshape(-1).astype(np.int64)
+            hdr = job.rows.headers if isinstance(job.rows, DatagramRows) else job.rows  # header bytes lead each row
+            blk = np.ascontiguousarray(hdr[: job.pos, _BLOCK_FIELD]).view(">u4").reshape(-1).astype(np.int64)
             if job.pos < len(job.rows):  # the block being sent when the report came is not wholly sent
-                cut = int(np.ascontiguousarray(job.rows[job.pos, _BLOCK_FIELD]).view(">u4")[0])
+                cut = int(np.ascontiguousarray(hdr[job.pos, _BLOCK_FIELD]).view(">u4")[0])
                 blk = blk[blk != cut]
             sent_blocks.append(blk)
         if not sent_blocks:
