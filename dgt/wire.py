@@ -102,7 +102,7 @@ class Limits:
     max_tensors: int = 1 << 16  # tensors in one bucket layout
     max_rank: int = 1 << 16
     max_block: int = 1 << 20  # elements per block
-    max_open_rounds: int = 64  # rounds in flight per receiver
+    max_open_rounds: int = 64  # rounds in flight per sender at one receiver (memory: max_open_bytes overall)
     max_control: int = 1 << 16  # bytes of a CONTROL payload
 
 

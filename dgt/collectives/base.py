@@ -46,7 +46,19 @@ class Collective:
                 f"serve {self.name}; use the parameter server (gather-then-reduce) or a summable codec (dense, dgt)"
             )
 
-    def state(self, key: int, t: torch.Tensor, segments: list[int] | None) -> BucketState:
+    def peers(self) -> list[int]:
+        """The ranks this collective exchanges with, i.e. the connections it needs; by default every other rank."""
+        return [r for r in range(self.group.world) if r != self.group.rank]
+
+    async def connect(self) -> None:
+        """Connect to :meth:`peers` on the first call (lazily); later calls return without yielding."""
+        g = self.group
+        cache = self.__dict__.get("_peer_cache")
+        if cache is None or cache[0] is not g:
+            cache = self._peer_cache = (g, self.peers())
+        await g.links(cache[1])
+
+    def state(self, key: int | tuple, t: torch.Tensor, segments: list[int] | None) -> BucketState:
         return self.codec.state_for(key, t, segments)
 
     @staticmethod

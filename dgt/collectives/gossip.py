@@ -13,7 +13,7 @@ import trio
 from dgt.codecs.base import Codec, Part, Received
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import recv_parts, send_parts
+from dgt.collectives.parts import recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 
@@ -47,12 +47,16 @@ class Gossip(Collective):
         if sorted(senders) != sorted(self.neighbours):
             raise ValueError("mixing matrix must have a symmetric sparsity pattern (neighbours exchange both ways)")
 
+    def peers(self) -> list[int]:
+        return list(self.neighbours)
+
     @one_error
     async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
                              ) -> tuple[dict[int, list[Received]], CollectiveStats]:
         """Send ``parts`` to every neighbour and return the parts each neighbour sent (as they arrived). Algorithms
         that keep their own per-neighbour state (DCD/ECD-PSGD nodes) drive the exchange with this."""
         g = self.group
+        await self.connect()
         stats = CollectiveStats()
         rnd = g.next_round("gossip", bucket_id)
         got: dict[int, list[Received]] = {}
@@ -74,11 +78,11 @@ class Gossip(Collective):
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
         flat = x.detach().reshape(-1)
         segs = segments or [flat.numel()]
-        parts = self.codec.encode(flat, self.state(bucket_id, flat, segs))
+        parts = self.codec.encode(flat, self.state(state_key("gossip", bucket_id), flat, segs))
         got, stats = await self.exchange_parts(parts, bucket_id)
         out = {}
         for j in self.neighbours:
-            st = self.state((1 << 30) | (bucket_id * 1024 + j), flat, segs)
+            st = self.state(state_key("gossip-rx", bucket_id, j), flat, segs)
             out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
         return out, stats
 

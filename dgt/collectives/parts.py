@@ -12,18 +12,36 @@ from dgt.collectives.stats import CollectiveStats
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
-MAX_PARTS = 8
-MAX_STEPS = 64
+# the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
+PART_BITS, STEP_BITS, PHASE_BITS, BUCKET_BITS = 3, 12, 3, 14
+MAX_PARTS = 1 << PART_BITS  # parts one codec emits per chunk
+MAX_STEPS = 1 << STEP_BITS  # ring steps / PS shards: worlds up to 4096 ranks
+MAX_BUCKETS = 1 << BUCKET_BITS  # bucket ids 0..16383
+assert PART_BITS + STEP_BITS + PHASE_BITS + BUCKET_BITS == 32 and len(PHASES) <= 1 << PHASE_BITS
 
 
 def transport_key(bucket: int, phase: str, step: int = 0, part: int = 0) -> int:
-    """A 32-bit transport bucket id unique per (bucket, phase, step, part); error feedback state follows it."""
-    if not 0 <= part < MAX_PARTS or not 0 <= step < MAX_STEPS:
-        raise ValueError("too many parts or steps for the transport key")
-    key = ((bucket * len(PHASES) + PHASES[phase]) * MAX_STEPS + step) * MAX_PARTS + part
-    if key >= 1 << 32:
-        raise ValueError(f"bucket id {bucket} too large")
-    return key
+    """A 32-bit transport bucket id unique per (bucket, phase, step, part): each field has its own bits, and a value
+    outside its field is refused here (never wrapped into a neighbour's key). Error feedback state follows it."""
+    if not 0 <= part < MAX_PARTS:
+        raise ValueError(f"part {part} outside the transport key's {MAX_PARTS} parts per chunk")
+    if not 0 <= step < MAX_STEPS:
+        raise ValueError(f"step {step} outside the transport key's {MAX_STEPS} steps (a world of at most "
+                         f"{MAX_STEPS} ranks)")
+    if not 0 <= bucket < MAX_BUCKETS:
+        raise ValueError(f"bucket id {bucket} outside the transport key's range 0..{MAX_BUCKETS - 1}")
+    return (((bucket << PHASE_BITS | PHASES[phase]) << STEP_BITS | step) << PART_BITS) | part
+
+
+def check_world(world: int, what: str) -> None:
+    """Refuse, when a collective is made, a world whose steps or shards the transport key cannot tell apart."""
+    if world > MAX_STEPS:
+        raise ValueError(f"{what}: a world of {world} ranks exceeds the transport key's {MAX_STEPS} steps")
+
+
+def state_key(role: str, bucket: int, *index: int) -> tuple:
+    """A codec state key: a tuple per (role, bucket, index...), so no arithmetic on ids can make two overlap."""
+    return (role, bucket, *index)
 
 
 @lru_cache(maxsize=256)

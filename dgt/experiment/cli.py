@@ -24,6 +24,9 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
     g.add_argument("--rate", default=net.rate, help="link rate of every host, tc units (default: %(default)s)")
     g.add_argument("--queue-limit", type=int, default=net.queue_limit,
                    help="packets per priority-class queue (default: %(default)s)")
+    g.add_argument("--no-priority", action="store_true",
+                   help="netem: one FIFO queue per link, DSCP bleached (most cloud networks), instead of DSCP "
+                        "priority classes")
     g.add_argument("--cross-traffic", default=net.cross_traffic, metavar="RATE",
                    help="netem: best-effort UDP at RATE from an extra host into the server's link")
     g = p.add_argument_group("training")
@@ -58,7 +61,7 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
 
 def _config(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> ExperimentConfig:
     net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit,
-                        cross_traffic=args.cross_traffic)
+                        cross_traffic=args.cross_traffic, priority=not args.no_priority)
     codecs = dict(base.codecs, dgt=args.dgt_codec)
     return dataclasses.replace(
         base, network=net, workers=args.workers, target=args.target, max_iters=args.max_iters,
@@ -135,4 +138,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--width", type=int, default=base.width, help="model width multiplier (default: %(default)s)")
     _common(t, base)
     t.set_defaults(func=table1)
+    from dgt.experiment.ddp_cli import add_ddp_parser
+
+    add_ddp_parser(esub)
     e.set_defaults(func=lambda args: (e.print_help(), 2)[1])

@@ -28,7 +28,12 @@ class NetworkConfig:
         no priorities), or ``auto`` (netem when this process can build namespaces).
     rate: link rate (tc units: '40mbit'); the server's link is the bottleneck of a parameter server.
     queue_limit: packets per priority class queue.
-    cross_traffic: rate of a best-effort UDP flow from an extra host into the server's link (None: none).
+    cross_traffic: rate of a flow from an extra host into the server's (host 0's) link (None: none).
+    priority: DSCP priority classes on every link (False: one FIFO queue per link, DSCP bleached, as on most cloud
+        networks).
+    loss: random loss per link direction, a fraction (netem only).
+    delay: one-way delay per link direction (netem only; needs the kernel's delay line).
+    cross_proto: ``udp`` or ``tcp`` for the cross traffic.
     """
 
     mode: str = "auto"
@@ -37,6 +42,10 @@ class NetworkConfig:
     cross_traffic: str | None = None
     cross_dscp: int = 0
     prefix: str = "dgtx"
+    priority: bool = True
+    loss: float = 0.0
+    delay: str | None = None
+    cross_proto: str = "udp"
 
 
 @dataclass

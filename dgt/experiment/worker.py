@@ -94,7 +94,9 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
     store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
     cfg = TransportConfig(deadline=spec.deadline, peer_timeout=spec.peer_timeout, gso=spec.gso,
                           pace_rate=spec.pace_rate, congestion_control=spec.congestion_control)
-    group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp")
+    # every link now: TCP pacing below applies to the connections open at this point
+    group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp",
+                               connect="all")
     paced = pace_tcp(group.endpoint, spec.pace_rate) if spec.pace_rate else 0
     server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
     ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)

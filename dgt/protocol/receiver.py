@@ -216,6 +216,7 @@ class RoundReceiver:
         # (key, lane, bytes, datagram sizes or None for one frame): input for rounds not open yet, replayed in order
         self._early: list[tuple[Key, int, bytes, np.ndarray | None]] = []
         self._early_size = 0
+        self._senders: set[int] = set()  # ranks that opened rounds: the closed-round memory grows with them
 
     # -- helpers
     def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None) -> None:
@@ -244,9 +245,10 @@ class RoundReceiver:
             if r.layout != layout or r.geom.frag != frag or r.dtype != f.dtype:
                 self.counters.reject("begin-mismatch")
             return []
-        if len(self.rounds) >= self.limits.max_open_rounds:
+        if sum(1 for k in self.rounds if k[0] == f.rank) >= self.limits.max_open_rounds:  # per sender (#23)
             self.counters.reject("too-many-rounds")
             return []
+        self._senders.add(f.rank)
         need = numel * int(wire.ITEMSIZE[f.dtype]) + layout.nblocks * -(-block // frag)
         if sum(r.nbytes for r in self.rounds.values()) + need > self.max_open_bytes:
             self.counters.reject("memory-budget")
@@ -661,7 +663,7 @@ class RoundReceiver:
             st.lane(int(lane)).blocks = int(n)
         del self.rounds[r.key]
         self.closed[r.key] = None
-        while len(self.closed) > 16 * self.limits.max_open_rounds:
+        while len(self.closed) > 16 * (self.limits.max_open_rounds + len(self._senders)):
             self.closed.popitem(last=False)
         sender, bucket, round_ = r.key
         report = None

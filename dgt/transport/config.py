@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from dgt import wire
 from dgt.channels.duplex import NATIVE
 from dgt.channels.lanes import LaneSpec, default_lanes, validate_lanes
+from dgt.channels.ports import check_port_range, env_port_range
 from dgt.protocol.deadline import DeadlinePolicy, make_deadline
 
 
@@ -64,6 +65,8 @@ class TransportConfig:
     check_source: drop datagrams not sent from a connected peer's lane socket.
     stream_hops: how lossless ring hops run on stream lanes (dgt.transport.streams): "auto" (the native loop when
         it was built, else the Python one), "native", "python", or "off" (on the session link, as BULK frames).
+    port_range: (LO, HI): bind the TCP listener and the UDP lane sockets to free ports in this range (firewalled
+        clusters); None: any port. Default: the DGT_PORT_RANGE environment variable ("30000-30999"), else None.
     hop_threads: threads per native stream hop: 1 (send and receive in one loop) or 2 (the send half on a second
         thread, so the kernel's two copies of a hop run on two cores); 0 = auto (see :meth:`hop_thread_count`).
     """
@@ -99,6 +102,7 @@ class TransportConfig:
     stream_hops: str = "auto"
     hop_threads: int = 0
     limits: wire.Limits = field(default_factory=lambda: wire.DEFAULT_LIMITS)
+    port_range: tuple[int, int] | None = field(default_factory=env_port_range)
 
     def __post_init__(self) -> None:
         self.lanes = validate_lanes([ln if isinstance(ln, LaneSpec) else LaneSpec.parse(ln) for ln in self.lanes])
@@ -113,6 +117,7 @@ class TransportConfig:
             raise ValueError("stream_hops must be auto, native, python or off")
         if self.stream_hops == "native" and not NATIVE:
             raise ValueError("stream_hops='native': dgt was installed without its native hop loop (no C compiler)")
+        self.port_range = check_port_range(self.port_range)
         if self.hop_threads not in (0, 1, 2):
             raise ValueError("hop_threads must be 0 (auto), 1 or 2")
 

@@ -21,6 +21,7 @@ import trio
 from dgt import wire
 from dgt.channels.framing import KEEP, FrameReader
 from dgt.channels.pacing import Pacer
+from dgt.channels.ports import bind_in_range
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
@@ -120,14 +121,14 @@ class Endpoint:
         self.receiver = RoundReceiver(
             self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), allocator=self._allocate
         )
-        self.listener = TcpListener(host, c.lanes[0])
+        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
         self.udp: dict[int, UdpChannel] = {}
         try:
             for lane in range(1, len(c.lanes)):
-                self.udp[lane] = UdpChannel(
+                self.udp[lane] = bind_in_range(lambda p, lane=lane: UdpChannel(
                     host, c.lanes[lane], gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                    max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes,
-                )  # fmt: skip
+                    max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p,
+                ), c.port_range, f"UDP lane {lane}")  # fmt: skip
         except BaseException:
             self._close_sockets()
             raise
@@ -547,7 +548,7 @@ class Endpoint:
                 if begin:
                     why = "already closed" if key in recv.closed else None
                     self._opened[key] = now
-                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds:
+                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
                     before = dict(recv.counters.reasons)
                 events = recv.receive_bytes(rf.frame, 0, now)
@@ -888,7 +889,7 @@ class Endpoint:
         if key in self._results or key in self.receiver.rounds or key in self.receiver.closed or key in self.bulk.open:
             return  # already open or done: too late to land in place
         self._out[key] = out
-        while len(self._out) > 4 * self.cfg.limits.max_open_rounds:
+        while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
             self._out.popitem(last=False)
 
     async def recv_round(
