@@ -86,3 +86,12 @@ def one_error(fn: F) -> F:
             return await fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+class InputRejected(DgtError, ValueError):
+    """A tensor or argument a collective cannot reduce correctly (a dtype the codec or op cannot carry bit-exactly,
+    a class array that does not cover the bucket): refused before any traffic."""
+
+
+class RankMismatch(DgtError):
+    """Ranks called the same collective with different sizes, dtypes or ops; raised on every rank of the call."""

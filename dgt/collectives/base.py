@@ -12,7 +12,7 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch
+from dgt.errors import CodecMismatch, InputRejected
 from dgt.transport.streams import streamable
 
 
@@ -34,6 +34,14 @@ class Collective:
                 f"codec {self.codec.name!r} is not summable (its payloads cannot be added on the way), so it cannot "
                 f"serve {self.name}; use the parameter server (gather-then-reduce) or a summable codec (dense, dgt)"
             )
+
+    def check_input(self, bucket: torch.Tensor) -> None:
+        """Refuse, before any traffic, a bucket this call cannot reduce bit-exactly or correctly: a dtype the codec
+        does not accept, or a mean of integers (it has no exact integer result; use op='sum')."""
+        self.codec.check_input(bucket)
+        if self.op == "mean" and not (bucket.dtype.is_floating_point or bucket.dtype.is_complex):
+            raise InputRejected(f"op='mean' of a {bucket.dtype} tensor has no exact {bucket.dtype} result; "
+                                f"use op='sum' (and divide yourself) or a floating tensor")
 
     def state(self, key: int, t: torch.Tensor, segments: list[int] | None) -> BucketState:
         return self.codec.state_for(key, t, segments)

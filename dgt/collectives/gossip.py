@@ -72,6 +72,7 @@ class Gossip(Collective):
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
         flat = x.detach().reshape(-1)
+        self.codec.check_input(flat)
         segs = segments or [flat.numel()]
         parts = self.codec.encode(flat, self.state(bucket_id, flat, segs))
         got, stats = await self.exchange_parts(parts, bucket_id)

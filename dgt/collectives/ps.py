@@ -52,6 +52,7 @@ class ParameterServer(Collective):
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
         goes (``bucket`` itself for an in-place all-reduce); by default a new tensor."""
+        self.check_input(bucket)
         g = self.group
         if g.world > 1 and self._streams_fit(bucket, out):
             # no await before this point: the exchange's ticket follows the order collectives were called in
@@ -132,7 +133,7 @@ class ParameterServer(Collective):
 
     def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
         """Dense float32 in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps that fit a key."""
-        wire = getattr(self.codec, "wire_dtype", bucket.dtype)
+        wire = getattr(self.codec, "wire_dtype", None) or bucket.dtype
         return (self.codec.name == "dense" and wire == bucket.dtype and self.group.world <= MAX_STEPS
                 and self.on_streams(bucket) and (out is None or self.on_streams(out)))
 

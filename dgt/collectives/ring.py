@@ -37,6 +37,7 @@ class RingAllReduce(Collective):
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """Sum (or mean) of ``bucket`` over the group. ``out``: where the result goes (``bucket`` itself for an
         in-place all-reduce); by default a new tensor."""
+        self.check_input(bucket)
         g = self.group
         W, r = g.world, g.rank
         stats = CollectiveStats()
@@ -186,7 +187,7 @@ class RingAllReduce(Collective):
     def _direct(self, flat: torch.Tensor) -> bool:
         """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
         instead of being decoded from a fresh buffer."""
-        wire = getattr(self.codec, "wire_dtype", flat.dtype)
+        wire = getattr(self.codec, "wire_dtype", None) or flat.dtype
         return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0) -> None:
