@@ -77,3 +77,74 @@ def test_refused_dtypes_and_ops_fail_before_any_traffic():
             trio.run(coll.allreduce, x)
     with pytest.raises(InputRejected, match="bool"):
         trio.run(Gossip(g, "dgt:p=0.3").mix, torch.zeros(8, dtype=torch.bool))
+
+
+async def _pair(cfg=None):
+    from dgt.endpoint import Endpoint, TransportConfig
+
+    cfg = cfg or TransportConfig(peer_timeout=5)
+    a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
+    b = await Endpoint.open(1, 0x22, cfg, host="127.0.0.1")
+    import trio
+
+    async with trio.open_nursery() as n:
+        n.start_soon(a.connect, {1: b.address})
+        n.start_soon(b.connect, {0: a.address})
+    return a, b
+
+
+def test_sender_refuses_a_class_array_that_does_not_cover_the_bucket():
+    import trio
+
+    from dgt.errors import InputRejected
+    from dgt.layout import BucketLayout
+
+    async def main():
+        a, b = await _pair()
+        try:
+            x = torch.randn(10 * 1024)
+            lay = BucketLayout([x.numel()], 1024)
+            ones = torch.ones(10, dtype=torch.int8)
+            bad = [
+                (torch.ones(7, dtype=torch.int8), None, "one class per block"),
+                (torch.tensor([0, 1, -1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.int8), None, ">= 0"),
+                (torch.ones(10), None, "integer tensor"),
+                (-1, None, "negative"),
+                (ones, torch.arange(9), "leaves out droppable block 9"),
+                (ones, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9]), "more than once"),
+                (ones, torch.arange(1, 11), "outside"),
+            ]
+            for rnd, (cls, order, what) in enumerate(bad):
+                with pytest.raises(InputRejected, match=what):
+                    await a.send_round(1, 3, rnd, x, lay, cls, order)
+            # nothing was half sent: a valid round with the same ids goes through whole
+            async with trio.open_nursery() as n:
+                n.start_soon(a.send_round, 1, 3, 0, x, lay, 0)
+                res = await b.recv_round(0, 3, 0, timeout=10)
+            assert torch.equal(res.data, x) and bool(res.mask.all())
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
+
+
+def test_non_finite_gradients_are_counted_kept_out_of_scores_and_sent_reliably():
+    from dgt.codecs.dgt import DGTCodec
+
+    codec = DGTCodec(p=0.1)
+    x = torch.randn(20 * 1024, generator=torch.Generator().manual_seed(1)) * 1e-3
+    x[5 * 1024 + 3] = float("nan")  # a block that scores nothing else: unimportant but for its NaN
+    x[17 * 1024] = float("inf")
+    st = codec.state_for(0, x)
+    (part,) = codec.encode(x, st)
+    assert codec.nonfinite == 2 and st.values["nonfinite"] == 2
+    assert int(part.lane_class[5]) == 0 and int(part.lane_class[17]) == 0  # never dropped, so never in the residual
+    assert 5 not in part.order.tolist() and 17 not in part.order.tolist()
+    assert set(part.order.tolist()) == set(torch.nonzero(part.lane_class > 0).flatten().tolist())
+    scores = st.values["estimator"].scores
+    assert bool(torch.isfinite(scores).all())  # one NaN does not make its block important forever
+    y = torch.randn(20 * 1024, generator=torch.Generator().manual_seed(2)) * 1e-3
+    (part2,) = codec.encode(y, st)
+    assert bool(torch.isfinite(st.values["estimator"].scores).all()) and codec.nonfinite == 2
+    assert int((part2.lane_class == 0).sum()) == 2  # ceil(0.1 * 20): back to the normal top-p split

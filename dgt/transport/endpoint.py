@@ -24,7 +24,7 @@ from dgt.channels.pacing import AdaptiveRate, Pacer
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
+from dgt.errors import InputRejected, PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
@@ -36,6 +36,7 @@ from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
 from dgt.scheduler.slot import Slot
 from dgt.transport import control
+from dgt.transport.checks import check_classes
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
 from dgt.transport.streams import Hop, HopResult, StreamHub
@@ -774,6 +775,9 @@ class Endpoint:
         layout = layout or self._layout(flat.numel())
         if layout.block != self.cfg.block:
             raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
+        if flat.numel() != layout.numel:
+            raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
+        check_classes(cls, order, layout)
         key = (peer, bucket, round)
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
