@@ -148,3 +148,54 @@ def test_non_finite_gradients_are_counted_kept_out_of_scores_and_sent_reliably()
     (part2,) = codec.encode(y, st)
     assert bool(torch.isfinite(st.values["estimator"].scores).all()) and codec.nonfinite == 2
     assert int((part2.lane_class == 0).sum()) == 2  # ceil(0.1 * 20): back to the normal top-p split
+
+
+def _mismatch_worker(rank, world, kind, codec, streams):
+    import time
+
+    import trio
+
+    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.collectives.rendezvous import store_from_env
+    from dgt.endpoint import TransportConfig
+    from dgt.errors import RankMismatch
+
+    def build(g):
+        return RingAllReduce(g, codec) if kind == "ring" else ParameterServer(g, codec)
+
+    async def main():
+        cfg = TransportConfig(peer_timeout=20, stream_hops=streams)
+        store = store_from_env(rank, world, 30)  # one c10d store for both groups
+        g = await Group.create(rank, world, store=store, config=cfg, timeout=30)
+        t0 = time.monotonic()
+        try:
+            await build(g).allreduce(torch.ones(5000 + (rank == 1)))
+            first = ("no error", 0.0)
+        except RankMismatch as exc:
+            first = (str(exc), time.monotonic() - t0)
+        finally:
+            await g.aclose()
+        # after the error: a new group and collective in the same process work (another rendezvous prefix)
+        g = await Group.create(rank, world, config=cfg, timeout=30, store=store, prefix="dgt-again")
+        try:
+            res = await build(g).allreduce(torch.full((5000,), float(rank)))
+            return first, res.tensor
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("kind,codec,streams", [("ring", "dense", "off"), ("ring", "dgt:p=0.3", "auto"),
+                                                ("ps", "dense", "off"), ("ps", "dgt:p=0.3", "auto")])
+def test_size_mismatch_raises_the_same_clear_error_on_every_rank_then_the_group_can_be_rebuilt(kind, codec, streams):
+    world = 3
+    res = run_ranks(_mismatch_worker, world, kind, codec, streams, timeout=60)
+    reasons = set()
+    for r in range(world):
+        (msg, took), tensor = res[r]
+        assert "different sizes or dtypes" in msg, (r, msg)
+        assert took < 20, (r, took)  # well within peer_timeout: nobody waits for a round that never comes
+        reasons.add(msg.split("aborted: ")[-1])  # the detecting rank's own message, as the others got it
+        assert torch.equal(tensor, torch.full((5000,), float(sum(range(world)) / world)))
+    assert len(reasons) == 1, reasons

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 
@@ -12,8 +15,35 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected
+from dgt.errors import CodecMismatch, InputRejected, PeerClosed, RankMismatch
 from dgt.transport.streams import streamable
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tells_peers(fn: F) -> F:
+    """Decorator of a collective call (outside :func:`~dgt.errors.one_error`): a :class:`RankMismatch` this rank
+    saw is sent to every peer before it is raised, so each rank of the call fails with the same reason at once
+    instead of waiting for a round that will never come."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Collective, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(self, *args, **kwargs)
+        except RankMismatch as exc:
+            ep = self.group.endpoint
+            if exc.remote is None and ep is not None:
+                ep.abort_peers(str(exc))
+            raise
+        except PeerClosed as exc:
+            # a peer that saw a mismatch closes its stream lanes as it raises; its ABORT (on the session link) may
+            # trail that by a moment: report the mismatch, the cause, when it comes within a second
+            mismatch = await self.group.endpoint.aborted(min(1.0, self.group.endpoint.cfg.peer_timeout))
+            if mismatch is None:
+                raise
+            raise mismatch from exc
+
+    return wrapper  # type: ignore[return-value]
 
 
 class Collective:

@@ -11,7 +11,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Part, Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import recv_parts, send_parts
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -67,6 +67,7 @@ class Gossip(Collective):
                     nursery.start_soon(recv, j)
         return got, stats
 
+    @tells_peers
     @one_error
     async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
@@ -82,6 +83,7 @@ class Gossip(Collective):
             out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
         return out, stats
 
+    @tells_peers
     @one_error
     async def mix(self, x: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None) -> CollectiveResult:
         """sum_j W[rank, j] x_j: one gossip step."""

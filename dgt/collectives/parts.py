@@ -9,6 +9,7 @@ import trio
 
 from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
+from dgt.errors import RankMismatch
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
@@ -119,6 +120,11 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         dst = into[i] if into else None
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
+        want = layout_of(part).numel
+        if res.data.numel() != want or res.data.dtype != part.data.dtype:
+            raise RankMismatch(f"rank {peer} sent {res.data.numel()} x {res.data.dtype} for {phase} step {step} of "
+                               f"bucket {bucket}, this rank expects {want} x {part.data.dtype}: the ranks called "
+                               f"the collective with different sizes or dtypes")
         # a BULK message is lossless and knows no segments: every block of our geometry arrived
         if res.bulk:
             mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool)

@@ -23,7 +23,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import MAX_STEPS, as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -47,6 +47,7 @@ class ParameterServer(Collective):
         self.normalize = normalize
         self.lossy_pull = lossy_pull
 
+    @tells_peers
     @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -32,6 +32,7 @@ class RingAllReduce(Collective):
         super().__init__(*args, **kwargs)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
+    @tells_peers
     @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:

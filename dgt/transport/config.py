@@ -73,6 +73,7 @@ class TransportConfig:
     pace_burst: int = 256 << 10
     deadline: str | float | DeadlinePolicy = "adaptive"
     peer_timeout: float = 10.0
+    round_timeout: float = 600.0  # the longest a receive waits for a live peer's round (ranks may be out of step)
     connect_timeout: float | None = None  # default: peer_timeout
     heartbeat: float | None = None  # default: peer_timeout / 4
     gso: bool = True
@@ -98,8 +99,8 @@ class TransportConfig:
         self.lanes = validate_lanes([ln if isinstance(ln, LaneSpec) else LaneSpec.parse(ln) for ln in self.lanes])
         if not 0.0 <= self.drop_fraction <= 1.0:
             raise ValueError("drop_fraction must be in [0, 1]")
-        if self.peer_timeout <= 0:
-            raise ValueError("peer_timeout must be positive")
+        if self.peer_timeout <= 0 or self.round_timeout <= 0:
+            raise ValueError("peer_timeout and round_timeout must be positive")
         if self.datagram_payload < 16 or self.datagram_payload > 65000:
             raise ValueError("datagram_payload must be in [16, 65000] bytes")
         make_deadline(self.deadline)  # fail early on a bad spec

@@ -14,6 +14,7 @@ WELCOME = "welcome"  # acceptor -> dialer: accepted
 REFUSE = "refuse"  # acceptor -> dialer: why not
 PING = "ping"
 BYE = "bye"  # the sender is closing its endpoint on purpose
+ABORT = "abort"  # the sender's collective failed for a reason every rank must see (a RankMismatch): ``why``
 STALE = "stale"  # receiver -> sender: that round is ignored (key closed already, or refused by the limits)
 
 

@@ -24,7 +24,15 @@ from dgt.channels.pacing import AdaptiveRate, Pacer
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
-from dgt.errors import InputRejected, PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
+from dgt.errors import (
+    InputRejected,
+    PeerClosed,
+    PeerTimeout,
+    ProtocolError,
+    RankMismatch,
+    WireError,
+    one_error,
+)
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
@@ -152,6 +160,8 @@ class Endpoint:
         self._stopped = trio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
+        self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
+        self._aborted = trio.Event()
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count())
@@ -237,6 +247,20 @@ class Endpoint:
                     pass
         self._stop.set()
         await self._stopped.wait()
+
+    async def aborted(self, within: float) -> RankMismatch | None:
+        """The mismatch a peer reported (control ABORT), waiting up to ``within`` s for one; None if none came."""
+        with trio.move_on_after(within):
+            await self._aborted.wait()
+        return self._abort
+
+    def abort_peers(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed for ``why`` (queued, no waiting): their
+        pending operations on this rank fail with :class:`RankMismatch` carrying it, instead of waiting for a round
+        that will never come."""
+        for ln in self._links.values():
+            if ln.error is None:
+                ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why[:2000])])
 
     def _teardown(self, error: BaseException) -> None:
         self._closing = True
@@ -569,6 +593,15 @@ class Endpoint:
             return
         if msg["op"] == control.BYE:
             link.said_bye = True  # the connection's end follows; pending operations fail as "closed its endpoint"
+        elif msg["op"] == control.ABORT:
+            # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
+            # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
+            error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
+            if self._abort is None:
+                self._abort = error
+                self._aborted.set()
+            for rank in list(self._links):
+                self._fail_peer(rank, error)
         elif msg["op"] == control.STALE:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
@@ -903,7 +936,8 @@ class Endpoint:
         """The round ``round`` of ``bucket`` from ``peer`` once it closed (complete, or by its deadline once all
         important blocks were in). Rounds that closed before the call are buffered and returned at once. With
         ``out`` (called before the round opens), the data is reassembled straight into ``out``; otherwise it is
-        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``."""
+        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``
+        (default: the config's ``round_timeout``, so no receive waits unbounded)."""
         key = (peer, bucket, round)
         res = self._results.pop(key, None)
         if res is None:
@@ -914,6 +948,7 @@ class Endpoint:
             if out is not None and key not in self.receiver.rounds and key not in self.bulk.open:
                 self._out[key] = out
             try:
+                timeout = timeout or self.cfg.round_timeout
                 with trio.fail_after(timeout) if timeout else nullcontext():
                     res = await slot.wait()
             except trio.TooSlowError:
@@ -927,8 +962,9 @@ class Endpoint:
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
             if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
-                raise ValueError(f"out has {out.numel()} x {out.dtype}, the round {res.data.numel()} x "
-                                 f"{res.data.dtype}")  # fmt: skip
+                raise RankMismatch(f"rank {self.rank}: round {round} of bucket {bucket} from rank {peer} holds "
+                                   f"{res.data.numel()} x {res.data.dtype}, this rank expects {out.numel()} x "
+                                   f"{out.dtype}: the ranks called the collective with different sizes or dtypes")
             out.view(-1).copy_(res.data)
             res.data = out
             self._stats.rounds_copied += 1
