@@ -90,7 +90,7 @@ class ParameterServer(Collective):
                 with self.phase(stats, "pull"):
                     like = like_parts(parts, sg, self.codec, piece)
                     got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
-                                           device=piece.device)
+                                           device=piece.device, exact=self.codec.capabilities.summable)
                     pull_state = self.state((1 << 29) | key, piece, sg)
                     ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
                 return
@@ -101,7 +101,7 @@ class ParameterServer(Collective):
                 async def gather(w: int) -> None:
                     like = like_parts(parts, sg, self.codec, piece)
                     received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
-                                                   device=piece.device)
+                                                   device=piece.device, exact=self.codec.capabilities.summable)
 
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):

@@ -152,7 +152,7 @@ class RingAllReduce(Collective):
 
         async def recv() -> None:
             got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
-                                        device=mine.device))
+                                        device=mine.device, exact=True))
 
         async with trio.open_nursery() as nursery:
             if parts:

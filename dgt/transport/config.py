@@ -73,6 +73,9 @@ class TransportConfig:
     pace_burst: int = 256 << 10
     deadline: str | float | DeadlinePolicy = "adaptive"
     peer_timeout: float = 10.0
+    # session secret (else DGT_SECRET / DGT_SECRET_FILE, else derived from the token): never printed or exported
+    secret: bytes | str | None = field(default=None, repr=False)
+    max_pending_handshakes: int = 64  # accepted connections not yet authenticated; more are closed at once
     round_timeout: float = 600.0  # the longest a receive waits for a live peer's round (ranks may be out of step)
     connect_timeout: float | None = None  # default: peer_timeout
     heartbeat: float | None = None  # default: peer_timeout / 4
@@ -129,7 +132,8 @@ class TransportConfig:
         return make_deadline(self.deadline)
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("lanes", "limits", "deadline")}
+        skip = ("lanes", "limits", "deadline", "secret")
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["lanes"] = [ln.to_dict() for ln in self.lanes]
         d["deadline"] = self.deadline if isinstance(self.deadline, (str, int, float)) else repr(self.deadline)
         return d

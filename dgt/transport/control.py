@@ -11,6 +11,8 @@ from dgt.wire import FrameType
 
 HELLO = "hello"  # dialer -> acceptor: rank, address, lanes
 WELCOME = "welcome"  # acceptor -> dialer: accepted
+CHALLENGE = "challenge"  # acceptor -> dialer: its nonce and its proof (dgt.transport.auth)
+AUTH = "auth"  # dialer -> acceptor: the dialer's proof
 REFUSE = "refuse"  # acceptor -> dialer: why not
 PING = "ping"
 BYE = "bye"  # the sender is closing its endpoint on purpose

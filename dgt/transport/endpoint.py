@@ -9,6 +9,7 @@ feeds ``trio.current_time()`` and routes the events.
 
 from __future__ import annotations
 
+import errno
 from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -43,7 +44,7 @@ from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
 from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
 from dgt.scheduler.slot import Slot
-from dgt.transport import control
+from dgt.transport import auth, control
 from dgt.transport.checks import check_classes
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
@@ -160,6 +161,8 @@ class Endpoint:
         self._stopped = trio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
+        self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
+        self._handshakes = 0  # accepted connections whose handshake is under way (capped)
         self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
         self._aborted = trio.Event()
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
@@ -336,15 +339,19 @@ class Endpoint:
                 sock = await dial(host, port, self.cfg.lanes[0], timeout)
                 chan = self._tcp_channel(sock, rank)
                 try:
+                    dn = auth.nonce()
                     hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), **fields)
+                                            lanes=len(self.udp), nonce=dn, **fields)
                     await chan.send_buffers([hello])
-                    head = bytearray(wire.HEADER_SIZE)
-                    await chan.recv_exactly(memoryview(head))
-                    h = wire.decode_header(head, self.cfg.limits, self.token)
-                    body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
-                    await chan.recv_exactly(memoryview(body))
-                    peer, msg = control.parse(bytes(head + body), self.cfg.limits)
+                    peer, msg = await self._read_control(chan)
+                    if msg["op"] == control.CHALLENGE and peer == rank:
+                        an, why = str(msg.get("nonce", "")), auth.purpose(fields)
+                        if not auth.verify(self._key, msg.get("proof"), "acceptor", rank, self.rank, dn, an, why):
+                            raise ProtocolError(f"rank {self.rank}: rank {rank} could not prove the session key "
+                                                f"for {what or 'the session'} (another DGT_SECRET?)")
+                        mine = auth.proof(self._key, "dialer", self.rank, rank, dn, an, why)
+                        await chan.send_buffers([control.control(self.token, self.rank, control.AUTH, proof=mine)])
+                        peer, msg = await self._read_control(chan)
                     if msg["op"] != control.WELCOME or peer != rank:
                         raise ProtocolError(f"rank {rank} refused {what or 'the session'}: {msg.get('why', msg['op'])}")
                 except PeerClosed:
@@ -358,6 +365,30 @@ class Endpoint:
             why = f"rank {self.rank}: rank {rank} did not accept {what + ' ' if what else ''}within {timeout:g} s"
             raise PeerTimeout(why) from None
         return chan
+
+    async def _read_control(self, chan: TcpChannel) -> tuple[int, dict]:
+        """One CONTROL frame, read exactly (never past it: a stream lane's first message may follow right behind)."""
+        head = bytearray(wire.HEADER_SIZE)
+        await chan.recv_exactly(memoryview(head))
+        h = wire.decode_header(head, self.cfg.limits, self.token)
+        body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
+        await chan.recv_exactly(memoryview(body))
+        return control.parse(bytes(head + body), self.cfg.limits)
+
+    async def _challenge(self, chan: TcpChannel, reader: FrameReader, rank: int, msg: dict) -> str | None:
+        """The acceptor's half of the challenge-response (dgt.transport.auth): prove the key to the dialer, then
+        check its proof. Why the dialer is refused, or None when it proved the key for the rank it claims."""
+        dn, an, why = msg.get("nonce"), auth.nonce(), auth.purpose(msg)
+        if not isinstance(dn, str) or len(dn) != 2 * auth.NONCE_BYTES:
+            return "no valid nonce in the hello"
+        mine = auth.proof(self._key, "acceptor", self.rank, rank, dn, an, why)
+        await chan.send_buffers([control.control(self.token, self.rank, control.CHALLENGE, nonce=an, proof=mine)])
+        rf = await reader.next(lambda h: KEEP)
+        peer, answer = control.parse(rf.frame, self.cfg.limits)
+        if peer != rank or answer["op"] != control.AUTH or \
+                not auth.verify(self._key, answer.get("proof"), "dialer", rank, self.rank, dn, an, why):
+            return "authentication failed"
+        return None
 
     def _link_error(self, rank: int) -> BaseException | None:
         """Why the session link to ``rank`` is unusable (None: it is live)."""
@@ -375,12 +406,32 @@ class Endpoint:
             raise PeerTimeout(f"rank {self.rank}: rank {rank} did not connect within {timeout:g} s") from None
 
     async def _accept_loop(self) -> None:
+        """Accept dialers. Accept errors (EMFILE, ENFILE, ENOBUFS...) are counted (``accept:<errno>``) and
+        survived with a short back-off; beyond ``max_pending_handshakes`` unfinished handshakes a new connection is
+        closed at once (``handshake-cap``), so silent connections cannot exhaust memory or descriptors."""
         while True:
-            sock = await self.listener.accept()
+            try:
+                sock = await self.listener.accept()
+            except OSError as exc:
+                self.receiver.counters.reject(f"accept:{errno.errorcode.get(exc.errno or 0, exc.errno)}")
+                await trio.sleep(0.05)  # the listener stays readable while the limit holds: do not spin
+                continue
+            if self._handshakes >= self.cfg.max_pending_handshakes:
+                self.receiver.counters.reject("handshake-cap")
+                sock.close()
+                continue
+            self._handshakes += 1
             self._nursery.start_soon(self._handshake_in, sock)
 
     async def _handshake_in(self, sock) -> None:
-        """Validate a dialer's hello (token, rank, lanes) within the connect timeout; welcome or refuse it."""
+        """Validate a dialer's hello (token, rank, lanes, proof of the key) within the connect timeout; welcome or
+        refuse it."""
+        try:
+            await self._handshake(sock)
+        finally:
+            self._handshakes -= 1
+
+    async def _handshake(self, sock) -> None:
         chan = self._tcp_channel(sock, -1)
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
         try:
@@ -389,6 +440,13 @@ class Endpoint:
                 rf = await reader.next(lambda h: KEEP)
                 rank, msg = control.parse(rf.frame, self.cfg.limits)
                 why = None
+                if msg["op"] == control.HELLO:
+                    why = await self._challenge(chan, reader, rank, msg)
+                    if why is not None:
+                        self.receiver.counters.reject("auth")
+                        await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
+                        chan.close()
+                        return
                 if msg["op"] == control.HELLO and msg.get("stream"):
                     direction = msg.get("direction", 0)
                     why = self.streams.refusal(rank, direction)
