@@ -34,10 +34,6 @@ class PeerClosed(DgtError):
     """A peer closed its connection while an operation was pending."""
 
 
-class StreamClosed(PeerClosed):
-    """A stream lane connection ended in the middle of a hop (the peer closed it, or its process died)."""
-
-
 class RendezvousTimeout(DgtError):
     """A rank never showed up at the rendezvous store within the timeout."""
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from dgt import wire
-from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, StreamClosed
+from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
 
 try:
     from dgt.channels import _duplex
@@ -199,5 +199,7 @@ def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.sock
     if code == -errno.ETIMEDOUT:
         raise PeerTimeout(f"{label}: no progress for {timeout:g} s (sent {sent}, received {got} bytes)")
     if code in (-errno.EPIPE, -errno.ECONNRESET, -errno.ECONNABORTED, -errno.ENOTCONN, -errno.EBADF):
-        raise StreamClosed(f"{label}: the connection was closed mid-message (sent {sent}, received {got} bytes)")
+        exc = PeerClosed(f"{label}: the connection was closed mid-message (sent {sent}, received {got} bytes)")
+        exc.mid_hop = True  # a peer that saw a mismatch shuts its lanes before its ABORT arrives (collectives wait)
+        raise exc
     raise OSError(-code, f"{label}: {errno.errorcode.get(-code, -code)}")

@@ -15,7 +15,7 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected, RankMismatch, StreamClosed
+from dgt.errors import CodecMismatch, InputRejected, PeerClosed, RankMismatch
 from dgt.transport.streams import streamable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -35,7 +35,9 @@ def tells_peers(fn: F) -> F:
             if exc.remote is None and ep is not None:
                 ep.abort_peers(str(exc))
             raise
-        except StreamClosed as exc:
+        except PeerClosed as exc:
+            if not getattr(exc, "mid_hop", False):
+                raise
             # a peer that saw a mismatch in a stream hop shuts its stream lanes as it raises; its ABORT (on the
             # session link) may trail that by a moment: report the mismatch, the cause, when it comes within a second
             mismatch = await self.group.endpoint.aborted(min(1.0, self.group.endpoint.cfg.peer_timeout))
