@@ -557,8 +557,18 @@ class Endpoint:
         self.streams.abort(rank, error, graceful=link.said_bye)
         self._link_ready.pop(rank, None)
 
+    def _fail_pending(self, rank: int, error: BaseException) -> None:
+        """Fail what waits on ``rank`` (receives, drop reports, stream hops) without closing its session link."""
+        for key in [k for k in self._recv_waiters if k[0] == rank]:
+            self._recv_waiters.pop(key).fail(error)
+        for key in [k for k in self._sending if k[0] == rank]:
+            self._sending[key].report.fail(error)
+        self.streams.abort(rank, error)
+
     def _link(self, peer: int) -> _Link:
         self._check_open()
+        if self._abort is not None:
+            raise self._abort.with_traceback(None)
         link = self._links.get(peer)
         if link is None:
             raise ValueError(f"rank {self.rank} is not connected to rank {peer}; call connect() first")
@@ -658,8 +668,12 @@ class Endpoint:
             if self._abort is None:
                 self._abort = error
                 self._aborted.set()
+            self._fail_peer(link.rank, error)
+            # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
+            # show them a closed connection instead of its reason); what waits on them fails now, and new
+            # operations raise the mismatch (_link)
             for rank in list(self._links):
-                self._fail_peer(rank, error)
+                self._fail_pending(rank, error)
         elif msg["op"] == control.STALE:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
