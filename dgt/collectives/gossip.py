@@ -11,7 +11,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Part, Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -72,11 +72,13 @@ class Gossip(Collective):
                     nursery.start_soon(recv, j)
         return got, stats
 
+    @tells_peers
     @one_error
     async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
         flat = x.detach().reshape(-1)
+        self.codec.check_input(flat)
         segs = segments or [flat.numel()]
         parts = self.codec.encode(flat, self.state(state_key("gossip", bucket_id), flat, segs))
         got, stats = await self.exchange_parts(parts, bucket_id)
@@ -86,6 +88,7 @@ class Gossip(Collective):
             out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
         return out, stats
 
+    @tells_peers
     @one_error
     async def mix(self, x: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None) -> CollectiveResult:
         """sum_j W[rank, j] x_j: one gossip step."""

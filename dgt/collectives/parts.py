@@ -9,6 +9,7 @@ import trio
 
 from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
+from dgt.errors import RankMismatch
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
@@ -130,17 +131,25 @@ async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cl
 
 async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],
                      stats: CollectiveStats, into: list[torch.Tensor | None] | None = None,
-                     device: torch.device | None = None) -> list[Received]:
+                     device: torch.device | None = None, exact: bool = False) -> list[Received]:
     """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry).
     ``into``: per part, a contiguous CPU tensor to reassemble straight into (no extra buffer, no copy).
     ``device``: where the caller decodes (the bucket's device): data and block masks move there together, since
-    decoders index the data with the masks."""
+    decoders index the data with the masks. ``exact``: the parts are element-aligned (a summable codec), so a part
+    of another size or dtype means the ranks called the collective differently (:class:`RankMismatch`)."""
     out: list[Received | None] = [None] * len(like)
 
     async def one(i: int, part: Part) -> None:
         dst = into[i] if into else None
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
+        want = layout_of(part).numel
+        # parts of summable codecs hold one element per element and must match exactly; those of other codecs
+        # (QSGD records, sparse payloads) may differ in size from rank to rank
+        if exact and (res.data.numel() != want or res.data.dtype != part.data.dtype):
+            raise RankMismatch(f"rank {peer} sent {res.data.numel()} x {res.data.dtype} for {phase} step {step} of "
+                               f"bucket {bucket}, this rank expects {want} x {part.data.dtype}: the ranks called "
+                               f"the collective with different sizes or dtypes")
         # a BULK message is lossless and knows no segments: every block of our geometry arrived
         if res.bulk:
             mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool)

@@ -24,7 +24,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import (
     MAX_STEPS,
@@ -64,11 +64,13 @@ class ParameterServer(Collective):
         self.normalize = normalize
         self.lossy_pull = lossy_pull
 
+    @tells_peers
     @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
         goes (``bucket`` itself for an in-place all-reduce); by default a new tensor."""
+        self.check_input(bucket)
         g = self.group
         if g.world > 1:
             await self.connect()  # workers-server (sharded: every rank serves a shard), first call only
@@ -102,7 +104,7 @@ class ParameterServer(Collective):
                 with self.phase(stats, "pull"):
                     like = like_parts(parts, sg, self.codec, piece)
                     got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
-                                           device=piece.device)
+                                           device=piece.device, exact=self.codec.capabilities.summable)
                     pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
                     ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
                 return
@@ -113,7 +115,7 @@ class ParameterServer(Collective):
                 async def gather(w: int) -> None:
                     like = like_parts(parts, sg, self.codec, piece)
                     received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
-                                                   device=piece.device)
+                                                   device=piece.device, exact=self.codec.capabilities.summable)
 
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):
@@ -153,7 +155,7 @@ class ParameterServer(Collective):
 
     def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
         """Dense float32 in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps that fit a key."""
-        wire = getattr(self.codec, "wire_dtype", bucket.dtype)
+        wire = getattr(self.codec, "wire_dtype", None) or bucket.dtype
         return (self.codec.name == "dense" and wire == bucket.dtype and self.group.world <= MAX_STEPS
                 and (self.server != "sharded" or len(self.servers) == self.group.world)
                 and self.on_streams(bucket) and (out is None or self.on_streams(out)))

@@ -15,7 +15,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import as_received, check_world, like_parts, recv_parts, send_parts, state_key, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -33,11 +33,13 @@ class RingAllReduce(Collective):
         check_world(self.group.world, self.name)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
+    @tells_peers
     @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """Sum (or mean) of ``bucket`` over the group. ``out``: where the result goes (``bucket`` itself for an
         in-place all-reduce); by default a new tensor."""
+        self.check_input(bucket)
         g = self.group
         W, r = g.world, g.rank
         stats = CollectiveStats()
@@ -152,7 +154,7 @@ class RingAllReduce(Collective):
 
         async def recv() -> None:
             got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
-                                        device=mine.device))
+                                        device=mine.device, exact=True))
 
         async with trio.open_nursery() as nursery:
             if parts:
@@ -192,7 +194,7 @@ class RingAllReduce(Collective):
     def _direct(self, flat: torch.Tensor) -> bool:
         """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
         instead of being decoded from a fresh buffer."""
-        wire = getattr(self.codec, "wire_dtype", flat.dtype)
+        wire = getattr(self.codec, "wire_dtype", None) or flat.dtype
         return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0) -> None:

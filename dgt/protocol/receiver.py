@@ -200,6 +200,8 @@ class RoundReceiver:
         limits: wire.Limits = wire.DEFAULT_LIMITS,
         deadline: DeadlinePolicy | None = None,
         early_bytes: int = 16 << 20,
+        early_ttl: float = 5.0,
+        early_rounds_per_peer: int = 8,
         max_open_bytes: int = 4 << 30,
         allocator: Allocator | None = None,
     ) -> None:
@@ -209,22 +211,46 @@ class RoundReceiver:
         self.limits = limits
         self.deadline = deadline or AdaptiveGrace()
         self.early_bytes = early_bytes
+        self.early_ttl = early_ttl
+        self.early_rounds_per_peer = early_rounds_per_peer
         self.max_open_bytes = max_open_bytes
         self.rounds: dict[Key, _Round] = {}
         self.closed: OrderedDict[Key, None] = OrderedDict()
         self.counters = ReceiverCounters()
-        # (key, lane, bytes, datagram sizes or None for one frame): input for rounds not open yet, replayed in order
-        self._early: list[tuple[Key, int, bytes, np.ndarray | None]] = []
+        # (key, lane, bytes, datagram sizes or None for one frame, arrival): input for rounds not open yet, replayed
+        # in order; bounded in bytes, in rounds per peer, and in age (forged future rounds must not wait forever)
+        self._early: list[tuple[Key, int, bytes, np.ndarray | None, float]] = []
         self._early_size = 0
         self._senders: set[int] = set()  # ranks that opened rounds: the closed-round memory grows with them
 
     # -- helpers
-    def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None) -> None:
+    def _expire_early(self, now: float) -> None:
+        """Drop early-buffer entries older than ``early_ttl`` (counted): a round whose opening never came in time
+        was forged or abandoned, and must not be filled from them later."""
+        if self._early and now - self._early[0][4] > self.early_ttl:  # entries are in arrival order
+            keep = [e for e in self._early if now - e[4] <= self.early_ttl]
+            self.counters.early_expired += len(self._early) - len(keep)
+            self._early = keep
+            self._early_size = sum(len(e[2]) for e in keep)
+
+    def _admit_early(self, key: Key, nbytes: int, now: float) -> bool:
+        """Whether ``nbytes`` more of round ``key`` fit the early buffer (after expiring old entries): a peer may
+        hold at most ``early_rounds_per_peer`` rounds there, all peers together ``early_bytes``."""
+        self._expire_early(now)
+        if self._early_size + nbytes > self.early_bytes:
+            return False
+        rounds = {e[0] for e in self._early if e[0][0] == key[0]}
+        if key not in rounds and len(rounds) >= self.early_rounds_per_peer:
+            self.counters.early_refused += 1
+            return False
+        return True
+
+    def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None, now: float) -> None:
         if key in self.closed:
             self.counters.late += 1
             return
-        if frame_bytes is not None and self._early_size + len(frame_bytes) <= self.early_bytes:
-            self._early.append((key, lane, frame_bytes, None))
+        if frame_bytes is not None and self._admit_early(key, len(frame_bytes), now):
+            self._early.append((key, lane, frame_bytes, None, now))
             self._early_size += len(frame_bytes)
             self.counters.early_buffered += 1
         else:
@@ -256,11 +282,12 @@ class RoundReceiver:
         self.rounds[key] = r = _Round(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
         r.want_report = not f.flags & Flags.NO_REPORT
         events: list = []
+        self._expire_early(now)
         if self._early:
             replay = [e for e in self._early if e[0] == key]
             self._early = [e for e in self._early if e[0] != key]
             self._early_size = sum(len(e[2]) for e in self._early)
-            for _, lane, data, sizes in replay:
+            for _, lane, data, sizes, _t in replay:
                 if sizes is None:
                     events += self.receive_bytes(data, lane, now)
                 else:
@@ -318,7 +345,7 @@ class RoundReceiver:
         key = (f.rank, f.bucket, f.round)
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, 0, _reencode(f))
+            self._late_or_unknown(key, 0, _reencode(f), now)
             return []
         try:
             r.end = wire.decode_round_end(f.payload)
@@ -362,7 +389,7 @@ class RoundReceiver:
         key = (int(h["rank"]), int(h["bucket"]), int(h["round"]))
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, lane, None)
+            self._late_or_unknown(key, lane, None, now)
             return []
         if not landed:
             r.stats.rejected += 1
@@ -473,7 +500,7 @@ class RoundReceiver:
         key = (f.rank, f.bucket, f.round)
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, lane, _reencode(f))
+            self._late_or_unknown(key, lane, _reencode(f), now)
             return []
         if f.flags & Flags.FRAGMENT:
             h = wire.headers(1)
@@ -507,13 +534,13 @@ class RoundReceiver:
             sel = idx if one else idx[inv == j]
             r = self.rounds.get(key)
             if r is None:
-                self._early_datagrams(key, lane, batch, sel)
+                self._early_datagrams(key, lane, batch, sel, now)
                 continue
             hsel, psel = (h, batch.payload_pos) if one and every else (h[sel], batch.payload_pos[sel])
             events += self._fragments(r, hsel, src, psel, lane, now)
         return events
 
-    def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray) -> None:
+    def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray, now: float) -> None:
         """Datagrams of a round that is not open (yet): late if it closed, else kept as one block that is replayed
         through this vectorised path when its ROUND_BEGIN arrives (datagrams often overtake it)."""
         if key in self.closed:
@@ -521,7 +548,7 @@ class RoundReceiver:
             return
         sizes = batch.headers["length"][sel].astype(np.int64) + wire.HEADER_SIZE
         total = int(sizes.sum())
-        if self._early_size + total > self.early_bytes:
+        if not self._admit_early(key, total, now):
             self.counters.unknown += len(sel)
             return
         src = np.frombuffer(batch.buf, np.uint8)
@@ -532,7 +559,7 @@ class RoundReceiver:
             data = rows[starts].tobytes()
         else:  # odd-size tails mixed in: rare, a slice per datagram
             data = b"".join(src[a : a + n].tobytes() for a, n in zip(starts.tolist(), sizes.tolist()))
-        self._early.append((key, lane, data, sizes))
+        self._early.append((key, lane, data, sizes, now))
         self._early_size += total
         self.counters.early_buffered += len(sel)
 

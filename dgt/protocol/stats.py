@@ -51,6 +51,8 @@ class ReceiverCounters:
     late: int = 0  # for rounds already finalised
     unknown: int = 0  # for rounds never announced and beyond the early buffer
     early_buffered: int = 0
+    early_expired: int = 0  # early-buffer entries dropped unreplayed after ``early_ttl``
+    early_refused: int = 0  # input refused by the early buffer's per-peer bound (``early_rounds_per_peer``)
     reasons: dict[str, int] = field(default_factory=dict)
 
     def reject(self, reason: str, n: int = 1) -> None:

@@ -82,6 +82,10 @@ class TransportConfig:
     pace_burst: int = 256 << 10
     deadline: str | float | DeadlinePolicy = "adaptive"
     peer_timeout: float = 10.0
+    # session secret (else DGT_SECRET / DGT_SECRET_FILE, else derived from the token): never printed or exported
+    secret: bytes | str | None = field(default=None, repr=False)
+    max_pending_handshakes: int = 64  # accepted connections not yet authenticated; more are closed at once
+    round_timeout: float = 600.0  # the longest a receive waits for a live peer's round (ranks may be out of step)
     connect_timeout: float | None = None  # default: peer_timeout
     heartbeat: float | None = None  # default: peer_timeout / 4
     gso: bool = True
@@ -108,8 +112,8 @@ class TransportConfig:
         self.lanes = validate_lanes([ln if isinstance(ln, LaneSpec) else LaneSpec.parse(ln) for ln in self.lanes])
         if not 0.0 <= self.drop_fraction <= 1.0:
             raise ValueError("drop_fraction must be in [0, 1]")
-        if self.peer_timeout <= 0:
-            raise ValueError("peer_timeout must be positive")
+        if self.peer_timeout <= 0 or self.round_timeout <= 0:
+            raise ValueError("peer_timeout and round_timeout must be positive")
         if self.datagram_payload < 16 or self.datagram_payload > 65000:
             raise ValueError("datagram_payload must be in [16, 65000] bytes")
         make_deadline(self.deadline)  # fail early on a bad spec
@@ -139,7 +143,8 @@ class TransportConfig:
         return make_deadline(self.deadline)
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("lanes", "limits", "deadline")}
+        skip = ("lanes", "limits", "deadline", "secret")
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["lanes"] = [ln.to_dict() for ln in self.lanes]
         d["deadline"] = self.deadline if isinstance(self.deadline, (str, int, float)) else repr(self.deadline)
         return d

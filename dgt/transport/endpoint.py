@@ -9,6 +9,7 @@ feeds ``trio.current_time()`` and routes the events.
 
 from __future__ import annotations
 
+import errno
 from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -25,7 +26,15 @@ from dgt.channels.ports import bind_in_range
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
+from dgt.errors import (
+    InputRejected,
+    PeerClosed,
+    PeerTimeout,
+    ProtocolError,
+    RankMismatch,
+    WireError,
+    one_error,
+)
 from dgt.layout import BucketLayout
 from dgt.protocol.budget import RoundWindow
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
@@ -38,7 +47,8 @@ from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler, sent_summary
 from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
 from dgt.scheduler.slot import Slot
-from dgt.transport import control
+from dgt.transport import auth, control
+from dgt.transport.checks import check_classes
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
 from dgt.transport.streams import Hop, HopResult, StreamHub
@@ -158,6 +168,10 @@ class Endpoint:
         self._stopped = trio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
+        self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
+        self._handshakes = 0  # accepted connections whose handshake is under way (capped)
+        self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
+        self._aborted = trio.Event()
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count())
@@ -244,6 +258,20 @@ class Endpoint:
         self._stop.set()
         await self._stopped.wait()
 
+    async def aborted(self, within: float) -> RankMismatch | None:
+        """The mismatch a peer reported (control ABORT), waiting up to ``within`` s for one; None if none came."""
+        with trio.move_on_after(within):
+            await self._aborted.wait()
+        return self._abort
+
+    def abort_peers(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed for ``why`` (queued, no waiting): their
+        pending operations on this rank fail with :class:`RankMismatch` carrying it, instead of waiting for a round
+        that will never come."""
+        for ln in self._links.values():
+            if ln.error is None:
+                ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why[:2000])])
+
     def _teardown(self, error: BaseException) -> None:
         self._closing = True
         for rank in list(self._links):
@@ -318,15 +346,19 @@ class Endpoint:
                 sock = await dial(host, port, self.cfg.lanes[0], timeout)
                 chan = self._tcp_channel(sock, rank)
                 try:
+                    dn = auth.nonce()
                     hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), **fields)
+                                            lanes=len(self.udp), nonce=dn, **fields)
                     await chan.send_buffers([hello])
-                    head = bytearray(wire.HEADER_SIZE)
-                    await chan.recv_exactly(memoryview(head))
-                    h = wire.decode_header(head, self.cfg.limits, self.token)
-                    body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
-                    await chan.recv_exactly(memoryview(body))
-                    peer, msg = control.parse(bytes(head + body), self.cfg.limits)
+                    peer, msg = await self._read_control(chan)
+                    if msg["op"] == control.CHALLENGE and peer == rank:
+                        an, why = str(msg.get("nonce", "")), auth.purpose(fields)
+                        if not auth.verify(self._key, msg.get("proof"), "acceptor", rank, self.rank, dn, an, why):
+                            raise ProtocolError(f"rank {self.rank}: rank {rank} could not prove the session key "
+                                                f"for {what or 'the session'} (another DGT_SECRET?)")
+                        mine = auth.proof(self._key, "dialer", self.rank, rank, dn, an, why)
+                        await chan.send_buffers([control.control(self.token, self.rank, control.AUTH, proof=mine)])
+                        peer, msg = await self._read_control(chan)
                     if msg["op"] != control.WELCOME or peer != rank:
                         raise ProtocolError(f"rank {rank} refused {what or 'the session'}: {msg.get('why', msg['op'])}")
                 except PeerClosed:
@@ -340,6 +372,30 @@ class Endpoint:
             why = f"rank {self.rank}: rank {rank} did not accept {what + ' ' if what else ''}within {timeout:g} s"
             raise PeerTimeout(why) from None
         return chan
+
+    async def _read_control(self, chan: TcpChannel) -> tuple[int, dict]:
+        """One CONTROL frame, read exactly (never past it: a stream lane's first message may follow right behind)."""
+        head = bytearray(wire.HEADER_SIZE)
+        await chan.recv_exactly(memoryview(head))
+        h = wire.decode_header(head, self.cfg.limits, self.token)
+        body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
+        await chan.recv_exactly(memoryview(body))
+        return control.parse(bytes(head + body), self.cfg.limits)
+
+    async def _challenge(self, chan: TcpChannel, reader: FrameReader, rank: int, msg: dict) -> str | None:
+        """The acceptor's half of the challenge-response (dgt.transport.auth): prove the key to the dialer, then
+        check its proof. Why the dialer is refused, or None when it proved the key for the rank it claims."""
+        dn, an, why = msg.get("nonce"), auth.nonce(), auth.purpose(msg)
+        if not isinstance(dn, str) or len(dn) != 2 * auth.NONCE_BYTES:
+            return "no valid nonce in the hello"
+        mine = auth.proof(self._key, "acceptor", self.rank, rank, dn, an, why)
+        await chan.send_buffers([control.control(self.token, self.rank, control.CHALLENGE, nonce=an, proof=mine)])
+        rf = await reader.next(lambda h: KEEP)
+        peer, answer = control.parse(rf.frame, self.cfg.limits)
+        if peer != rank or answer["op"] != control.AUTH or \
+                not auth.verify(self._key, answer.get("proof"), "dialer", rank, self.rank, dn, an, why):
+            return "authentication failed"
+        return None
 
     def _link_error(self, rank: int) -> BaseException | None:
         """Why the session link to ``rank`` is unusable (None: it is live)."""
@@ -357,12 +413,32 @@ class Endpoint:
             raise PeerTimeout(f"rank {self.rank}: rank {rank} did not connect within {timeout:g} s") from None
 
     async def _accept_loop(self) -> None:
+        """Accept dialers. Accept errors (EMFILE, ENFILE, ENOBUFS...) are counted (``accept:<errno>``) and
+        survived with a short back-off; beyond ``max_pending_handshakes`` unfinished handshakes a new connection is
+        closed at once (``handshake-cap``), so silent connections cannot exhaust memory or descriptors."""
         while True:
-            sock = await self.listener.accept()
+            try:
+                sock = await self.listener.accept()
+            except OSError as exc:
+                self.receiver.counters.reject(f"accept:{errno.errorcode.get(exc.errno or 0, exc.errno)}")
+                await trio.sleep(0.05)  # the listener stays readable while the limit holds: do not spin
+                continue
+            if self._handshakes >= self.cfg.max_pending_handshakes:
+                self.receiver.counters.reject("handshake-cap")
+                sock.close()
+                continue
+            self._handshakes += 1
             self._nursery.start_soon(self._handshake_in, sock)
 
     async def _handshake_in(self, sock) -> None:
-        """Validate a dialer's hello (token, rank, lanes) within the connect timeout; welcome or refuse it."""
+        """Validate a dialer's hello (token, rank, lanes, proof of the key) within the connect timeout; welcome or
+        refuse it."""
+        try:
+            await self._handshake(sock)
+        finally:
+            self._handshakes -= 1
+
+    async def _handshake(self, sock) -> None:
         chan = self._tcp_channel(sock, -1)
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
         try:
@@ -371,6 +447,13 @@ class Endpoint:
                 rf = await reader.next(lambda h: KEEP)
                 rank, msg = control.parse(rf.frame, self.cfg.limits)
                 why = None
+                if msg["op"] == control.HELLO:
+                    why = await self._challenge(chan, reader, rank, msg)
+                    if why is not None:
+                        self.receiver.counters.reject("auth")
+                        await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
+                        chan.close()
+                        return
                 if msg["op"] == control.HELLO and msg.get("stream"):
                     direction = msg.get("direction", 0)
                     why = self.streams.refusal(rank, direction)
@@ -482,8 +565,18 @@ class Endpoint:
         self.streams.abort(rank, error, graceful=link.said_bye)
         self._link_ready.pop(rank, None)
 
+    def _fail_pending(self, rank: int, error: BaseException) -> None:
+        """Fail what waits on ``rank`` (receives, drop reports, stream hops) without closing its session link."""
+        for key in [k for k in self._recv_waiters if k[0] == rank]:
+            self._recv_waiters.pop(key).fail(error)
+        for key in [k for k in self._sending if k[0] == rank]:
+            self._sending[key].report.fail(error)
+        self.streams.abort(rank, error)
+
     def _link(self, peer: int) -> _Link:
         self._check_open()
+        if self._abort is not None:
+            raise self._abort.with_traceback(None)
         link = self._links.get(peer)
         if link is None:
             raise ValueError(f"rank {self.rank} is not connected to rank {peer}; call connect() first")
@@ -576,6 +669,19 @@ class Endpoint:
             return
         if msg["op"] == control.BYE:
             link.said_bye = True  # the connection's end follows; pending operations fail as "closed its endpoint"
+        elif msg["op"] == control.ABORT:
+            # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
+            # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
+            error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
+            if self._abort is None:
+                self._abort = error
+                self._aborted.set()
+            self._fail_peer(link.rank, error)
+            # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
+            # show them a closed connection instead of its reason); what waits on them fails now, and new
+            # operations raise the mismatch (_link)
+            for rank in list(self._links):
+                self._fail_pending(rank, error)
         elif msg["op"] == control.STALE:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
@@ -771,6 +877,9 @@ class Endpoint:
         layout = layout or self._layout(flat.numel())
         if layout.block != self.cfg.block:
             raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
+        if flat.numel() != layout.numel:
+            raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
+        check_classes(cls, order, layout)
         key = (peer, bucket, round)
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
@@ -904,7 +1013,8 @@ class Endpoint:
         """The round ``round`` of ``bucket`` from ``peer`` once it closed (complete, or by its deadline once all
         important blocks were in). Rounds that closed before the call are buffered and returned at once. With
         ``out`` (called before the round opens), the data is reassembled straight into ``out``; otherwise it is
-        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``."""
+        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``
+        (default: the config's ``round_timeout``, so no receive waits unbounded)."""
         key = (peer, bucket, round)
         res = self._results.pop(key, None)
         if res is None:
@@ -915,6 +1025,7 @@ class Endpoint:
             if out is not None and key not in self.receiver.rounds and key not in self.bulk.open:
                 self._out[key] = out
             try:
+                timeout = timeout or self.cfg.round_timeout
                 with trio.fail_after(timeout) if timeout else nullcontext():
                     res = await slot.wait()
             except trio.TooSlowError:
@@ -928,8 +1039,9 @@ class Endpoint:
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
             if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
-                raise ValueError(f"out has {out.numel()} x {out.dtype}, the round {res.data.numel()} x "
-                                 f"{res.data.dtype}")  # fmt: skip
+                raise RankMismatch(f"rank {self.rank}: round {round} of bucket {bucket} from rank {peer} holds "
+                                   f"{res.data.numel()} x {res.data.dtype}, this rank expects {out.numel()} x "
+                                   f"{out.dtype}: the ranks called the collective with different sizes or dtypes")
             out.view(-1).copy_(res.data)
             res.data = out
             self._stats.rounds_copied += 1
