@@ -61,7 +61,13 @@ class Group:
         rv = Rendezvous(rank, world, store, timeout, prefix)
         # a thread of its own (not trio's shared pool of 40): many ranks in one process all block in the store's wait
         token = await trio.to_thread.run_sync(rv.token, limiter=trio.CapacityLimiter(1))
-        ep = await Endpoint.open(rank, token, config or TransportConfig(), host=host)
+        cfg = config or TransportConfig()
+        # every other rank may dial at once (a sharded PS server: W-1 workers), each with up to 3 connections (session
+        # link, two stream lanes): the cap on unauthenticated handshakes must not refuse the group's own members
+        need = 3 * (world - 1)
+        if cfg.max_pending_handshakes < need:
+            cfg = dataclasses.replace(cfg, max_pending_handshakes=need)
+        ep = await Endpoint.open(rank, token, cfg, host=host)
         try:
             await trio.to_thread.run_sync(rv.exchange, dataclasses.asdict(ep.address), limiter=trio.CapacityLimiter(1))
             group = cls(ep, rank, world, token, rv.store, rv, timeout)
