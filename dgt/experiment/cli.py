@@ -132,4 +132,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--width", type=int, default=base.width, help="model width multiplier (default: %(default)s)")
     _common(t, base)
     t.set_defaults(func=table1)
+    from dgt.experiment.codecs_cli import add_parser as add_codecs
+
+    add_codecs(esub)
     e.set_defaults(func=lambda args: (e.print_help(), 2)[1])
