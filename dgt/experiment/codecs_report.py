@@ -150,7 +150,8 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
     target = results["config"]["target"]
     for name, r in results["runs"].items():
         if "error" in r:
-            out.append([name, "failed", "-", "-", "-", "-", "-", "-", "-"])
+            why = [ln for ln in r["error"].splitlines() if ln.strip()][-1][:90]
+            out.append([name, "failed", why, "-", "-", "-", "-", "-", "-"])
             continue
         h = r.get("headline")
         ttt = f"{r['time_to_target']:.1f} s (it {r['iters_to_target']})" if r["reached"] \
@@ -191,6 +192,14 @@ def write_report(results: dict[str, Any], path: str) -> None:
               "at or above the target. Bytes/step: what every rank handed to the transport per training step, summed "
               "over ranks (pushes and pulls). Step ms: mean wall time of rank 0's steps (compute + communication). "
               "Communication time saved: 1 - (rank 0's mean time in the collective) / dense's.", ""]
+    dense = results["runs"].get("dense", {})
+    if dense.get("comm_time_mean") and results.get("pace_rate"):
+        # rank 0 is the PS server: per step it receives K-1 fp32 pushes and sends K-1 fp32 pulls, over K-1 links
+        per_link = 8 * dense["bytes_per_step_per_rank"][0] / (cfg["workers"] - 1) / dense["comm_time_mean"]
+        lines += [f"Pacing check: dense's server sent {per_link / 1e6:.1f} Mbit/s per link while communicating; the "
+                  f"configured pace is {8 * results['pace_rate'] / 1e6:.1f} Mbit/s per connection. The transport "
+                  "paces its UDP lanes itself; TCP is paced by the kernel (SO_MAX_PACING_RATE), and where the first "
+                  "figure is well above the second that did not hold, so codecs that use only TCP are favoured.", ""]
     if results.get("plot"):
         lines.append(f"![accuracy and bytes]({results['plot']})")
     with open(path, "w") as f:

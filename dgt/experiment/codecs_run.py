@@ -182,7 +182,7 @@ def run_codecs(cfg: CodecsConfig, on_progress: Any = None, command: str | None =
 
     os.makedirs(cfg.out_dir, exist_ok=True)
     results: dict[str, Any] = {
-        "command": command, "config": cfg.to_dict(), "network": _describe_network(cfg),
+        "command": command, "config": cfg.to_dict(), "network": _describe_network(cfg), "pace_rate": _pace_rate(cfg),
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "load_average": os.getloadavg()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {},
