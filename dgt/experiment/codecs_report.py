@@ -86,6 +86,7 @@ def condense(cfg: Any, name: str, run: dict[str, Any], ranks: list[dict[str, Any
         entry["average_every"] = ranks[1].get("every")
     if family == "ps":
         entry["dropped_blocks"] = sum(r.get("dropped_blocks", 0) for r in ranks)
+        entry["received_blocks"] = sum(r.get("received_blocks", 0) for r in ranks)  # transport blocks, all ranks
     if family in ("slim", "average"):
         entry["lost_codec_blocks"] = sum(r.get("lost_codec_blocks", 0) for r in ranks)
     if family == "lgc":

@@ -180,7 +180,7 @@ async def _ps(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
     codec = ps.codec
     log = _Log(tr, run, group.rank)
     w = tr.flat()
-    dropped = 0
+    dropped = blocks = 0
     for it in range(1, run["iters"] + 1):
         t0 = time.perf_counter()
         g, loss = tr.grad(it)
@@ -192,8 +192,9 @@ async def _ps(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
         w -= run["lr"] * res.tensor
         tr.load(w)
         dropped += res.stats.dropped
+        blocks += res.stats.blocks
         log.step(it, time.perf_counter() - t0, t2 - t1, _sent(res.stats), loss, None)
-    return log.result(w, {"dropped_blocks": dropped})
+    return log.result(w, {"dropped_blocks": dropped, "received_blocks": blocks})
 
 
 def _buckets(segments: list[int], most: int) -> list[tuple[int, int, list[int]]]:
