@@ -71,7 +71,9 @@ def single_error() -> Iterator[None]:
         found = leaves(group)
         if not all(isinstance(e, Exception) for e in found):
             raise
-        raise found[0] from group
+        # a mismatch between ranks explains the closed connections it causes: it is the one to report
+        mismatch = [e for e in found if isinstance(e, RankMismatch)]
+        raise (mismatch or found)[0] from group
 
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -86,3 +88,18 @@ def one_error(fn: F) -> F:
             return await fn(*args, **kwargs)
 
     return wrapper  # type: ignore[return-value]
+
+
+class InputRejected(DgtError, ValueError):
+    """A tensor or argument a collective cannot reduce correctly (a dtype the codec or op cannot carry bit-exactly,
+    a class array that does not cover the bucket): refused before any traffic."""
+
+
+class RankMismatch(ProtocolError):
+    """Ranks called the same collective with different sizes or dtypes, or collectives in different orders. The
+    rank that sees it tells its peers (a control ABORT), so every rank of the call raises it with the same reason.
+    ``remote``: the rank it was reported by (None where this rank saw it)."""
+
+    def __init__(self, message: str, remote: int | None = None) -> None:
+        super().__init__(message)
+        self.remote = remote

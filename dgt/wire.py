@@ -58,6 +58,7 @@ class Flags(IntFlag):
     RESEND = 4  # error-feedback data from an earlier round's drop report
     CLOSED = 8  # DROP_REPORT: the receiver has finalised the round
     NO_REPORT = 16  # ROUND_BEGIN: a lossless round whose sender does not wait for a drop report: send none
+    TIMING = 32  # DROP_REPORT: a timing trailer follows the bitmap (dgt.protocol.report)
 
 
 class WireDType(IntEnum):
@@ -101,7 +102,7 @@ class Limits:
     max_tensors: int = 1 << 16  # tensors in one bucket layout
     max_rank: int = 1 << 16
     max_block: int = 1 << 20  # elements per block
-    max_open_rounds: int = 64  # rounds in flight per receiver
+    max_open_rounds: int = 64  # rounds in flight per sender at one receiver (memory: max_open_bytes overall)
     max_control: int = 1 << 16  # bytes of a CONTROL payload
 
 

@@ -11,12 +11,13 @@ import trio
 from dgt import wire
 from dgt.channels.framing import KEEP, FrameReader
 from dgt.channels.lanes import LaneSpec, default_lanes, three_lanes, validate_lanes
-from dgt.channels.pacing import AdaptiveRate, Pacer, TokenBucket
+from dgt.channels.pacing import Pacer, TokenBucket
 from dgt.channels.sockopts import default_priority, get_dscp, parse_dscp, set_dscp
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, WireError
 from dgt.layout import BucketLayout
+from dgt.protocol.congestion import Feedback, LedbatRate
 from dgt.protocol.deadline import FixedGrace
 from dgt.protocol.receiver import RoundReceiver
 from dgt.protocol.sender import RoundSender
@@ -54,21 +55,19 @@ def test_dscp_reads_back_ipv4_and_ipv6(family, host):
         assert set_dscp(s, 1) and get_dscp(s) == 1
 
 
-def test_token_bucket_and_adaptive_rate():
+def test_token_bucket_and_congestion_steered_pacer():
     tb = TokenBucket(1000.0, 100, now=0.0)
     assert tb.ready_at(0.0) == 0.0
     tb.consume(300, 0.0)  # 200 bytes of debt: ready after 0.2 s
     assert tb.ready_at(0.0) == pytest.approx(0.2)
     assert tb.ready_at(0.25) == 0.25
-    ar = AdaptiveRate(100e6, min_rate=10e6, max_rate=200e6)
-    assert ar.observe(100, 50) == pytest.approx(50e6)  # 50 % loss: halve
-    assert ar.observe(100, 0) == pytest.approx(55e6)  # clean: probe up 10 %
-    for _ in range(100):
-        ar.observe(100, 100)
-    assert ar.rate == 10e6 and ar.observe(0, 0) == 10e6
-    p = Pacer(1e6, 1000, AdaptiveRate(1e6, min_rate=1e3), now=0.0)
-    p.on_report(10, 5)
-    assert p.rate < 1e6
+    p = Pacer(5.0, 1000, LedbatRate(1e6, min_rate=1e3), now=0.0)
+    assert p.rate == 1e6  # the controller's rate wins over the nominal one
+    p.on_feedback(Feedback(10, 14480, 5, 7240, 0.0, 0.01, 3.0, 3.01), 0.1)  # half the datagrams lost
+    assert p.rate == pytest.approx(7240 / 0.1) and p.bucket.rate == p.rate  # the round's goodput
+    fixed = Pacer(2e6, 1000, None, now=0.0)
+    fixed.on_feedback(Feedback(10, 14480, 0, 0), 0.1)
+    assert fixed.rate == 2e6
 
 
 async def _udp_pair(**kw):

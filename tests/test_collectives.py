@@ -319,7 +319,7 @@ def _import_worker(rank, world):
         g = await Group.create(rank, world, timeout=30)
         try:
             colls = [ParameterServer(g, "dgt:p=0.3", server="sharded"), RingAllReduce(g, "dgt:p=0.3"),
-                     ParameterServer(g, "slimdp"), RingAllReduce(g, "dense")]
+                     ParameterServer(g, "qsgd"), RingAllReduce(g, "dense")]
             before, new = set(sys.modules), []
             for _ in range(2):
                 for i, coll in enumerate(colls):

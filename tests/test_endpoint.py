@@ -254,7 +254,7 @@ async def test_bytes_and_tensors_lossless_in_order():
 async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
     """A paced sender is still sending a round's unimportant datagrams when the receiver closes it at its
     deadline: the rest is abandoned and the next round goes out without waiting behind it."""
-    cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10)
+    cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10, congestion_control=False)  # fixed pace
     a, b = await pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02"))
     try:
         layout = BucketLayout([200_000])
@@ -278,8 +278,8 @@ async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
         await b.aclose()
 
 
-async def test_adaptive_pacing_backs_off_on_loss_and_probes_up_without():
-    cfg_a = TransportConfig(peer_timeout=5, adaptive_pacing=True, pace_start=50e6)
+async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
+    cfg_a = TransportConfig(peer_timeout=5, pace_start=50e6)  # congestion control is on by default
     cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.3, drop_seed=1, deadline="fixed:0.3")
     a, b = await pair(cfg_a, cfg_b)
     try:
@@ -287,13 +287,51 @@ async def test_adaptive_pacing_backs_off_on_loss_and_probes_up_without():
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
         r0 = a.stats().pace_rates[1]
-        await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        assert r0 == 50e6
+        sent, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
         r1 = a.stats().pace_rates[1]
-        assert r1 < r0
+        assert r1 < r0 and a._links[1].pacer.cc.loss_backoffs == 1
+        assert sent.lost_blocks == res.stats.dropped > 0 and a.stats().lanes[1].tx_lost_blocks == sent.lost_blocks
         b.cfg.drop_fraction = 0.0
         b._drop_rng = None
-        await send_and_recv(a, b, 0, 1, x, layout, c.cls, c.order)
+        for rnd in range(1, 4):  # loopback: no queue, no loss: the rate probes up
+            await send_and_recv(a, b, 0, rnd, x, layout, c.cls, c.order)
         assert a.stats().pace_rates[1] > r1
+    finally:
+        await a.aclose()
+        await b.aclose()
+
+
+async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carries_them():
+    """A rate so low that the budget covers one block: the rest is unsent (not lost), the receiver closes the round
+    'complete' once the sent block is in, and the next round delivers the kept-back values through the residual."""
+    cfg_a = TransportConfig(peer_timeout=5, pace_start=1e5, pace_min=1e5, pace_max=1e5)
+    a, b = await pair(cfg_a, TransportConfig(peer_timeout=5))
+    try:
+        layout = BucketLayout([64 * 1024])
+        x = torch.randn(layout.numel)
+        c = classified(x, layout, 0.25)
+        link = a._links[1]
+        link.window.initial = 10.0  # round 0: a budget that covers every block
+        s0, r0 = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
+        assert s0.unsent_blocks == 0 and r0.stats.unsent == 0 and r0.mask.all()
+        assert link.window.value is not None
+        budget = link.window.budget(link.pacer.rate)
+        total = s0.unimportant_blocks
+        s1, r1 = await send_and_recv(a, b, 0, 1, x, layout, c.cls, c.order)
+        assert budget < total * 4 * 1024 and s1.unsent_blocks > 0  # the budget binds
+        assert s1.unimportant_blocks + s1.unsent_blocks == total and s1.lost_blocks == 0
+        assert r1.stats.unsent == s1.unsent_blocks and r1.stats.dropped == 0 and r1.stats.closed_by == "complete"
+        st = r1.stats
+        assert st.important + st.unimportant_received + st.dropped + st.unsent == st.blocks
+        kept = layout.expand(~r1.mask)
+        assert torch.equal(r1.data[kept], torch.zeros_like(r1.data[kept]))
+        assert torch.equal(a._links[1].sender.residual(0)[kept], x[kept])  # nothing lost: it is in the residual
+        assert a.stats().lanes[1].tx_unsent_blocks == s1.unsent_blocks and a.stats().lanes[1].tx_lost_blocks == 0
+        # a lossless round next: it carries the kept-back values, bit-exact
+        s2, r2 = await send_and_recv(a, b, 0, 2, torch.zeros_like(x), layout, 0)
+        assert r2.mask.all() and torch.equal(r2.data[kept], x[kept])
+        assert torch.equal(r2.data[~kept], torch.zeros_like(r2.data[~kept]))
     finally:
         await a.aclose()
         await b.aclose()

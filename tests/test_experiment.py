@@ -147,6 +147,21 @@ def test_summary_is_time_and_iterations_at_the_first_evaluation_reaching_target(
     assert compare(s, missed)["time_reduction"] is None
 
 
+def test_summary_counts_unsent_apart_from_lost_and_udp_delivery():
+    rk = _rank([0.5] * 2, [{"it": 2, "train_time": 1.0, "acc": 0.95}], {"0": 30, "1": 70}, dropped=1,
+               recv={"0": 30, "1": 63})
+    for rec in rk["records"]:
+        rec["unsent"], rec["unsent_bytes"] = 5, 4096
+    lane1 = {"lane": 1, "tx_bytes": 150, "tx_frames": 3, "tx_unsent_blocks": 10, "tx_lost_blocks": 2,
+             "delivered_blocks": 18, "delivered_bytes": 126, "name": "udp"}
+    rk["transport"] = {"lanes": [{"lane": 0, "tx_bytes": 60}, lane1]}
+    d = summarize([rk, dict(rk)], target=0.9)
+    assert d["unsent_blocks"] == 20 and d["bytes_unsent"] == 4 * 4096 and d["dropped_blocks"] == 4
+    assert d["udp_delivery"] == pytest.approx(0.9)  # 4 x 63 of 4 x 70 bytes
+    assert d["transport_lanes"]["1"]["tx_unsent_blocks"] == 20 and d["transport_lanes"]["0"]["tx_bytes"] == 120
+    assert d["udp_block_delivery"] == pytest.approx(36 / 40)  # unsent blocks are neither delivered nor lost
+
+
 def test_config_validation_and_demo_defaults():
     demo = ExperimentConfig.demo()
     assert demo.models == ["alexnet"] and demo.workers == 4 and demo.protocols == ["baseline", "dgt"]

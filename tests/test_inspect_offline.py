@@ -19,7 +19,7 @@ from dgt.inspect.summary import Options, summarize
 from dgt.inspect.synth import Wire, synth_rounds
 from dgt.inspect.traffic import TrafficSpec
 
-ROUND_KEYS = ("important", "unimportant_received", "dropped", "partial", "duplicated", "rejected", "lanes")
+ROUND_KEYS = ("important", "unimportant_received", "dropped", "unsent", "partial", "duplicated", "rejected", "lanes")
 UDP_AT = 14 + 20 + 8  # Ethernet + IPv4 + UDP: where the DGT header starts in a default synthetic datagram
 
 
@@ -59,6 +59,16 @@ def test_summary_equals_receiver_stats(tmp_path, w):
         assert s["lanes"][lane]["dscp"] == {"1": s["lanes"][lane]["packets"]} and s["lanes"][lane]["dscp_ok"]
     assert s["warnings"] == [] and s["malformed"]["total"] == 0
     assert s["totals"]["dropped"] > 0 and s["totals"]["duplicated"] > 0 and s["totals"]["late_frames"] > 0
+
+
+def test_send_budget_shows_unsent_apart_from_dropped(tmp_path):
+    path = str(tmp_path / "b.pcap")
+    truth = synth_rounds(path, TrafficSpec(rounds=3, lanes=2, seed=4, budget=20_000))
+    s = summarize(path)
+    assert_matches_receiver(s, truth)  # per round: unsent and dropped (lost) equal the receiver's
+    t = s["totals"]
+    assert t["unsent"] == sum(st["unsent"] for st in truth.stats) > 0 and t["dropped"] > 0
+    assert t["important"] + t["unimportant_received"] + t["dropped"] + t["unsent"] == t["blocks"]
 
 
 def test_ports_without_auto_detection(base_pcap):

@@ -316,6 +316,8 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
         datagrams=last["datagrams"],
         abandoned=last["abandoned"],
         lost_blocks=[s["lost_blocks"] for s in sent["rows"]],
+        unsent_blocks=[s.get("unsent_blocks", 0) for s in sent["rows"]],
+        pace_rate=[s.get("pace_rate") for s in sent["rows"]],
         udp_lanes={ln["lane"]: {k: ln[k] for k in ("gso", "gro", "rx_frames", "rx_calls", "rx_gro_reads",
                                                    "rx_kernel_drops", "rcvbuf")}
                    for ln in got["stats"]["lanes"] if ln["kind"] == "udp"},  # fmt: skip
@@ -333,7 +335,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         f"anchor always runs): {', '.join(DGT_VARIANTS)}")
 
 
-DGT_VARIANTS = ("tcp-ours", "dgt-lossless", "dgt-lossless-fresh", "dgt-p30-gso", "dgt-p30-nogso")
+DGT_VARIANTS = ("tcp-ours", "dgt-lossless", "dgt-lossless-fresh", "dgt-p30-gso", "dgt-p30-gso-nocc", "dgt-p30-nogso")
 
 
 def _wanted(args: argparse.Namespace) -> set[str]:
@@ -343,7 +345,7 @@ def _wanted(args: argparse.Namespace) -> set[str]:
         if bad:
             raise ValueError(f"unknown variants {sorted(bad)}; choose from {', '.join(DGT_VARIANTS)}")
         return want
-    return {"tcp-ours", "dgt-lossless", "dgt-p30-gso"} if args.quick else set(DGT_VARIANTS)
+    return {"tcp-ours", "dgt-lossless", "dgt-p30-gso", "dgt-p30-gso-nocc"} if args.quick else set(DGT_VARIANTS)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -365,6 +367,8 @@ def run(args: argparse.Namespace) -> dict:
             res["dgt-lossless-fresh"] = _dgt_run(pair, base, numel, 1.0, reps, use_out=False)
         if "dgt-p30-gso" in want:
             res["dgt-p30-gso"] = _dgt_run(pair, base, numel, args.p, reps, use_out=True)
+        if "dgt-p30-gso-nocc" in want:  # the same without congestion control and send budget (all sent, unpaced)
+            res["dgt-p30-gso-nocc"] = _dgt_run(pair, base | {"congestion_control": False}, numel, args.p, reps, True)
         if "dgt-p30-nogso" in want:
             res["dgt-p30-nogso"] = _dgt_run(pair, base | {"gso": False, "gro": False}, numel, args.p, reps, True)
     finally:

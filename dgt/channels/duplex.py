@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from dgt import wire
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError
+from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
 
 try:
     from dgt.channels import _duplex
@@ -156,6 +156,15 @@ def describe(header: bytes) -> str:
     return f"rank {int(h['rank'])}'s message {int(h['bucket']):#x} round {int(h['round'])} ({int(h['length'])} bytes)"
 
 
+def _message_id(header: bytes) -> tuple[int, int] | None:
+    """(bucket, round) a BULK header names; None if it is no valid header."""
+    try:
+        h = wire.decode_header(header)
+    except Exception:
+        return None
+    return int(h["bucket"]), int(h["round"])
+
+
 def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.socket | None, expect: bytes, land,
            add_src=None, scratch=None, *, timeout: float, cancel_fd: int = -1, native: bool = NATIVE,
            label: str = "stream", split: bool = False) -> tuple[int, int]:
@@ -184,10 +193,13 @@ def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.sock
     if code == -errno.ECANCELED:
         raise HopCancelled(label)
     if code == -errno.EPROTO:
-        raise ProtocolError(f"{label}: expected {describe(expect)}, got {describe(hdr)}: the ranks issued "
-                            f"collectives in different orders")
+        same = _message_id(hdr) == _message_id(expect)
+        why = "called it with different sizes or dtypes" if same else "issued collectives in different orders"
+        raise RankMismatch(f"{label}: expected {describe(expect)}, got {describe(hdr)}: the ranks {why}")
     if code == -errno.ETIMEDOUT:
         raise PeerTimeout(f"{label}: no progress for {timeout:g} s (sent {sent}, received {got} bytes)")
     if code in (-errno.EPIPE, -errno.ECONNRESET, -errno.ECONNABORTED, -errno.ENOTCONN, -errno.EBADF):
-        raise PeerClosed(f"{label}: the connection was closed mid-message (sent {sent}, received {got} bytes)")
+        exc = PeerClosed(f"{label}: the connection was closed mid-message (sent {sent}, received {got} bytes)")
+        exc.mid_hop = True  # a peer that saw a mismatch shuts its lanes before its ABORT arrives (collectives wait)
+        raise exc
     raise OSError(-code, f"{label}: {errno.errorcode.get(-code, -code)}")

@@ -1,9 +1,9 @@
-"""Pacing of the unreliable lanes: a token bucket at a configured rate, and an adaptive controller that moves that
-rate with the loss the drop reports show (UDP has no congestion control of its own)."""
+"""Pacing of the unreliable lanes: a token bucket at a rate that is either fixed or set by the sans-IO congestion
+controller (dgt.protocol.congestion.LedbatRate) from the drop reports (UDP has no congestion control of its own)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dgt.protocol.congestion import Feedback, LedbatRate
 
 
 class TokenBucket:
@@ -35,42 +35,12 @@ class TokenBucket:
         self.rate = float(rate)
 
 
-@dataclass
-class AdaptiveRate:
-    """Multiplicative decrease on loss, multiplicative probe upward otherwise, within [min_rate, max_rate].
-
-    ``observe(sent, lost)`` takes the unimportant blocks a drop report covered that were sent before the report
-    (blocks abandoned because the round closed are not loss) and how many of them the receiver missed.
-    """
-
-    rate: float
-    min_rate: float = 1e6
-    max_rate: float = 10e9
-    loss_threshold: float = 0.01
-    backoff: float = 0.5  # the rate never falls below this factor in one step
-    probe: float = 0.1  # upward step per clean report
-    decreases: int = 0
-    increases: int = 0
-
-    def observe(self, sent: int, lost: int) -> float:
-        if sent <= 0:
-            return self.rate
-        loss = lost / sent
-        if loss > self.loss_threshold:
-            self.rate = max(self.min_rate, self.rate * max(self.backoff, 1.0 - loss))
-            self.decreases += 1
-        else:
-            self.rate = min(self.max_rate, self.rate * (1.0 + self.probe))
-            self.increases += 1
-        return self.rate
-
-
 class Pacer:
-    """Per-peer pacing state: a token bucket, optionally steered by an :class:`AdaptiveRate`."""
+    """Per-peer pacing state: a token bucket, optionally steered by a congestion controller (``cc``)."""
 
-    def __init__(self, rate: float, burst: int, adaptive: AdaptiveRate | None = None, now: float = 0.0) -> None:
-        self.bucket = TokenBucket(rate, burst, now)
-        self.adaptive = adaptive
+    def __init__(self, rate: float, burst: int, cc: LedbatRate | None = None, now: float = 0.0) -> None:
+        self.cc = cc
+        self.bucket = TokenBucket(rate if cc is None else cc.rate, burst, now)
 
     @property
     def rate(self) -> float:
@@ -82,6 +52,7 @@ class Pacer:
     def consume(self, nbytes: int, now: float) -> None:
         self.bucket.consume(nbytes, now)
 
-    def on_report(self, sent: int, lost: int) -> None:
-        if self.adaptive is not None:
-            self.bucket.set_rate(self.adaptive.observe(sent, lost))
+    def on_feedback(self, fb: Feedback, now: float) -> None:
+        """One drop report's feedback (``now``: the sender's clock): the controller moves the rate, if there is one."""
+        if self.cc is not None:
+            self.bucket.set_rate(self.cc.on_feedback(fb, now))

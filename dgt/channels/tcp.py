@@ -160,7 +160,8 @@ class TcpListener:
     """A listening socket bound to ``host`` (port 0 picks a free port), marked like the reliable lane so that
     accepted connections inherit the marking from their first packet on."""
 
-    def __init__(self, host: str, lane: LaneSpec, port: int = 0, backlog: int = 128) -> None:
+    def __init__(self, host: str, lane: LaneSpec, port: int = 0, backlog: int = 4096) -> None:
+        # backlog: a server rank is dialled by every worker at once (the kernel caps it at net.core.somaxconn)
         fam = family_of(host)
         sock = socket.socket(fam, socket.SOCK_STREAM)
         try:

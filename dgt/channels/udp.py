@@ -61,10 +61,10 @@ class UdpChannel:
     """One UDP socket of an unreliable lane; sends to any peer, receives from the peers ``accept`` admits."""
 
     def __init__(self, host: str, lane: LaneSpec, *, gso: bool = True, gro: bool = True, rcvbuf: int | None = None,
-                 sndbuf: int | None = None, max_segments: int = 64, batch_bytes: int = 4 << 20) -> None:
+                 sndbuf: int | None = None, max_segments: int = 64, batch_bytes: int = 4 << 20, port: int = 0) -> None:
         sock = socket.socket(family_of(host), socket.SOCK_DGRAM)
         try:
-            sock.bind((host, 0))
+            sock.bind((host, port))
             sock.setblocking(False)
         except BaseException:
             sock.close()

@@ -127,6 +127,19 @@ class Codec:
         self._states = dict(states)
 
     # -- the contract -------------------------------------------------------------------------------------------
+    accepted_dtypes: frozenset[torch.dtype] = frozenset({torch.float32, torch.float16, torch.bfloat16,
+                                                         torch.float64})
+    """Bucket dtypes this codec reduces correctly; anything else is refused before any traffic
+    (:meth:`check_input`)."""
+
+    def check_input(self, bucket: torch.Tensor) -> None:
+        """Raise :class:`~dgt.errors.InputRejected` (before any traffic) for a bucket this codec cannot carry."""
+        if bucket.dtype not in self.accepted_dtypes:
+            from dgt.errors import InputRejected
+
+            ok = ", ".join(sorted(str(d).removeprefix("torch.") for d in self.accepted_dtypes))
+            raise InputRejected(f"codec {self.name!r} cannot reduce {bucket.dtype} tensors (accepted: {ok})")
+
     def encode(self, bucket: torch.Tensor, state: BucketState) -> list[Part]:
         raise NotImplementedError
 

@@ -18,7 +18,8 @@ from dgt.schedule import PSchedule, make_schedule
 
 @register("dgt")
 class DGTCodec(Codec):
-    """Options: ``p`` (a number for a constant p, or ``loss`` for p = p0 * loss_t / loss_0), ``p0``, ``p_min``,
+    """Floating buckets only (bool/int/complex are refused before any traffic). Options: ``p`` (a number for a
+    constant p, or ``loss`` for p = p0 * loss_t / loss_0), ``p0``, ``p_min``,
     ``alpha`` (contribution momentum, 0.3), ``block`` (n, 1024), ``classes`` (lane classes incl. reliable, 2)."""
 
     name = "dgt"
@@ -40,6 +41,8 @@ class DGTCodec(Codec):
         self.alpha = alpha
         self.block = block
         self.classes = classes
+        self.nonfinite = 0
+        """NaN/Inf elements seen in encoded buckets (see :meth:`_nonfinite`)."""
 
     def observe_loss(self, loss: float) -> None:
         self.schedule.observe_loss(loss)
@@ -51,11 +54,33 @@ class DGTCodec(Codec):
             layout = BucketLayout(state.segments or [flat.numel()], self.block)
             est = ContributionEstimator(layout, self.alpha, self.classes)
             state.values["estimator"] = est
-        est.update(flat)
-        c = est.classify(self.schedule.p())
+        finite = torch.isfinite(flat)
+        if bool(finite.all()):  # the common case: one pass, nothing else
+            est.update(flat)
+            c = est.classify(self.schedule.p())
+            cls, order = c.cls, c.order
+        else:
+            cls, order, c = self._nonfinite(flat, finite, est, state)
         state.values["last_p"] = c.p
         state.values["last_important"] = c.n_important
-        return [Part(flat, c.cls, self.block, "dgt", state.segments, c.order)]
+        return [Part(flat, cls, self.block, "dgt", state.segments, order)]
+
+    def _nonfinite(self, flat: torch.Tensor, finite: torch.Tensor, est: ContributionEstimator,
+                   state: BucketState):
+        """The non-finite policy: NaN/Inf elements are counted (``nonfinite``, per bucket and in total), scored as
+        zero (one NaN must not make a block important forever), and every block holding one rides the reliable
+        lane, so it is delivered as it is and never enters the sender's residual (a lost NaN would come back a round
+        later through error feedback)."""
+        bad = ~finite
+        n = int(bad.sum())
+        self.nonfinite += n
+        state.values["nonfinite"] = state.values.get("nonfinite", 0) + n
+        est.update(torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)))
+        c = est.classify(self.schedule.p())
+        bad_block = est.layout.block_abs_mean(bad.to(torch.float32)) > 0
+        cls = c.cls.clone()
+        cls[bad_block] = 0
+        return cls, c.order[~bad_block[c.order]], c
 
     def decode(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
         return parts[0].data.to(device=like.device, dtype=like.dtype).view_as(like)

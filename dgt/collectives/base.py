@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
+from typing import Any, TypeVar
 
 import torch
 
@@ -12,8 +15,37 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch
+from dgt.errors import CodecMismatch, InputRejected, PeerClosed, RankMismatch
 from dgt.transport.streams import streamable
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def tells_peers(fn: F) -> F:
+    """Decorator of a collective call (outside :func:`~dgt.errors.one_error`): a :class:`RankMismatch` this rank
+    saw is sent to every peer before it is raised, so each rank of the call fails with the same reason at once
+    instead of waiting for a round that will never come."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Collective, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return await fn(self, *args, **kwargs)
+        except RankMismatch as exc:
+            ep = self.group.endpoint
+            if exc.remote is None and ep is not None:
+                ep.abort_peers(str(exc))
+            raise
+        except PeerClosed as exc:
+            if not getattr(exc, "mid_hop", False):
+                raise
+            # a peer that saw a mismatch in a stream hop shuts its stream lanes as it raises; its ABORT (on the
+            # session link) may trail that by a moment: report the mismatch, the cause, when it comes within a second
+            mismatch = await self.group.endpoint.aborted(min(1.0, self.group.endpoint.cfg.peer_timeout))
+            if mismatch is None:
+                raise
+            raise mismatch from exc
+
+    return wrapper  # type: ignore[return-value]
 
 
 class Collective:
@@ -46,7 +78,27 @@ class Collective:
                 f"serve {self.name}; use the parameter server (gather-then-reduce) or a summable codec (dense, dgt)"
             )
 
-    def state(self, key: int, t: torch.Tensor, segments: list[int] | None) -> BucketState:
+    def peers(self) -> list[int]:
+        """The ranks this collective exchanges with, i.e. the connections it needs; by default every other rank."""
+        return [r for r in range(self.group.world) if r != self.group.rank]
+
+    async def connect(self) -> None:
+        """Connect to :meth:`peers` on the first call (lazily); later calls return without yielding."""
+        g = self.group
+        cache = self.__dict__.get("_peer_cache")
+        if cache is None or cache[0] is not g:
+            cache = self._peer_cache = (g, self.peers())
+        await g.links(cache[1])
+
+    def check_input(self, bucket: torch.Tensor) -> None:
+        """Refuse, before any traffic, a bucket this call cannot reduce bit-exactly or correctly: a dtype the codec
+        does not accept, or a mean of integers (it has no exact integer result; use op='sum')."""
+        self.codec.check_input(bucket)
+        if self.op == "mean" and not (bucket.dtype.is_floating_point or bucket.dtype.is_complex):
+            raise InputRejected(f"op='mean' of a {bucket.dtype} tensor has no exact {bucket.dtype} result; "
+                                f"use op='sum' (and divide yourself) or a floating tensor")
+
+    def state(self, key: int | tuple, t: torch.Tensor, segments: list[int] | None) -> BucketState:
         return self.codec.state_for(key, t, segments)
 
     @staticmethod

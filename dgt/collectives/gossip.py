@@ -11,9 +11,9 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Part, Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
-from dgt.collectives.parts import recv_parts, send_parts
+from dgt.collectives.parts import recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 
@@ -47,12 +47,16 @@ class Gossip(Collective):
         if sorted(senders) != sorted(self.neighbours):
             raise ValueError("mixing matrix must have a symmetric sparsity pattern (neighbours exchange both ways)")
 
+    def peers(self) -> list[int]:
+        return list(self.neighbours)
+
     @one_error
     async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
                              ) -> tuple[dict[int, list[Received]], CollectiveStats]:
         """Send ``parts`` to every neighbour and return the parts each neighbour sent (as they arrived). Algorithms
         that keep their own per-neighbour state (DCD/ECD-PSGD nodes) drive the exchange with this."""
         g = self.group
+        await self.connect()
         stats = CollectiveStats()
         rnd = g.next_round("gossip", bucket_id)
         got: dict[int, list[Received]] = {}
@@ -68,20 +72,23 @@ class Gossip(Collective):
                     nursery.start_soon(recv, j)
         return got, stats
 
+    @tells_peers
     @one_error
     async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
         flat = x.detach().reshape(-1)
+        self.codec.check_input(flat)
         segs = segments or [flat.numel()]
-        parts = self.codec.encode(flat, self.state(bucket_id, flat, segs))
+        parts = self.codec.encode(flat, self.state(state_key("gossip", bucket_id), flat, segs))
         got, stats = await self.exchange_parts(parts, bucket_id)
         out = {}
         for j in self.neighbours:
-            st = self.state((1 << 30) | (bucket_id * 1024 + j), flat, segs)
+            st = self.state(state_key("gossip-rx", bucket_id, j), flat, segs)
             out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
         return out, stats
 
+    @tells_peers
     @one_error
     async def mix(self, x: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None) -> CollectiveResult:
         """sum_j W[rank, j] x_j: one gossip step."""

@@ -1,25 +1,40 @@
-"""A group of ranks joined by DGT endpoints: rendezvous through the c10d store, then all-to-all connections."""
+"""A group of ranks joined by DGT endpoints: rendezvous through the c10d store, then connections opened lazily, only
+to the peers a collective talks to (ring: two neighbours; parameter server: workers and server; gossip: the mixing
+matrix's neighbours)."""
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable
 from typing import Any
 
 import torch.distributed as dist
 
 from dgt.collectives.rendezvous import Rendezvous
 
+CONNECT = ("lazy", "all")
+
 
 class Group:
-    """What every collective runs on: this rank's endpoint, the world size, per-bucket round counters."""
+    """What every collective runs on: this rank's endpoint, the world size, per-bucket round counters, and the links
+    collectives ask for (:meth:`links`)."""
 
-    def __init__(self, endpoint: Any, rank: int, world: int, token: int, store: dist.Store | None = None) -> None:
+    def __init__(self, endpoint: Any, rank: int, world: int, token: int, store: dist.Store | None = None,
+                 rendezvous: Rendezvous | None = None, timeout: float = 60.0) -> None:
         self.endpoint = endpoint
         self.store = store  # rank 0 may host it: it must live as long as the group, or late ranks lose it
         self.rank = rank
         self.world = world
         self.token = token
+        self.rendezvous = rendezvous
+        self.timeout = timeout
         self._rounds: dict[tuple[str, int], int] = {}
+        self._linked: set[int] = set()  # peers connected through links()
+        self._seq = 0  # calls of links() so far; they pass in call order (see links)
+        self._passed = 0
+        self._gave_up: set[int] = set()
+        self._turns: dict[int, Any] = {}
+        self._connecting: dict[int, Any] = {}  # peer -> trio.Event set when the call connecting it is done
 
     @classmethod
     async def create(
@@ -32,26 +47,30 @@ class Group:
         host: str = "127.0.0.1",
         timeout: float = 60.0,
         prefix: str = "dgt",
+        connect: str = "lazy",
     ) -> Group:
-        """Meet through the c10d store (``store`` or env://), open this rank's endpoint, connect to every peer."""
+        """Meet through the c10d store (``store`` or env://) and open this rank's endpoint. ``connect="lazy"``
+        (default): no connection yet; each collective connects to the peers it needs on its first call.
+        ``connect="all"``: connect to every peer now (for code that drives the endpoint to arbitrary peers)."""
         import trio
 
-        from dgt.endpoint import Endpoint, PeerAddress, TransportConfig
+        from dgt.endpoint import Endpoint, TransportConfig
 
+        if connect not in CONNECT:
+            raise ValueError(f"connect must be one of {CONNECT}, not {connect!r}")
         rv = Rendezvous(rank, world, store, timeout, prefix)
-        token = await trio.to_thread.run_sync(rv.token)
+        # a thread of its own (not trio's shared pool of 40): many ranks in one process all block in the store's wait
+        token = await trio.to_thread.run_sync(rv.token, limiter=trio.CapacityLimiter(1))
         ep = await Endpoint.open(rank, token, config or TransportConfig(), host=host)
         try:
-            addr = dataclasses.asdict(ep.address)
-            addrs = await trio.to_thread.run_sync(rv.exchange, addr)
-            peers = {r: PeerAddress(**a) for r, a in addrs.items() if r != rank}
-            if peers:
-                with trio.fail_after(timeout + 5):
-                    await ep.connect(peers, timeout=timeout)
+            await trio.to_thread.run_sync(rv.exchange, dataclasses.asdict(ep.address), limiter=trio.CapacityLimiter(1))
+            group = cls(ep, rank, world, token, rv.store, rv, timeout)
+            if connect == "all":
+                await group.links(range(world))
         except BaseException:
             await ep.aclose()
             raise
-        return cls(ep, rank, world, token, rv.store)
+        return group
 
     def next_round(self, collective: str, bucket: int) -> int:
         """Round numbers advance per (collective, bucket); every rank calls collectives in the same order."""
@@ -59,5 +78,78 @@ class Group:
         self._rounds[key] = self._rounds.get(key, -1) + 1
         return self._rounds[key]
 
+    @property
+    def connected(self) -> list[int]:
+        """Peers this rank has a live connection to (opened by it or by the peer)."""
+        return sorted(self.endpoint.peers)
+
+    async def links(self, peers: Iterable[int]) -> None:
+        """Make sure this rank is connected to ``peers`` (both sides of a pair ask; the lower rank dials). Once they
+        are connected this returns without yielding, so a collective that takes a stream ticket right after it
+        keeps its call order; calls that had to wait for a connection leave here in the order they came."""
+        want = {int(p) for p in peers if p != self.rank}
+        seq = self._seq
+        self._seq += 1
+        if seq == self._passed and want <= self._linked and want.issubset(self.endpoint.peers):
+            self._passed += 1
+            return
+        try:
+            await self._connect(want)
+            await self._turn(seq)
+        finally:
+            self._leave(seq)
+
+    async def _connect(self, want: set[int]) -> None:
+        """Connect to the peers of ``want`` not connected yet; a peer another call is connecting already is waited
+        for, not dialled twice."""
+        import trio
+
+        from dgt.endpoint import PeerAddress
+
+        live = set(self.endpoint.peers)
+        missing = sorted(r for r in want - live if r not in self._connecting)
+        others = [self._connecting[r] for r in sorted(want - live) if r in self._connecting]
+        if missing:
+            if self.rendezvous is None:
+                raise ValueError(f"rank {self.rank} is not connected to ranks {missing} and has no rendezvous")
+            done = trio.Event()
+            for r in missing:
+                self._connecting[r] = done
+            try:
+                dial = [r for r in missing if r > self.rank]  # the higher rank waits for the lower to dial it
+                addrs = await trio.to_thread.run_sync(self.rendezvous.addresses, dial,
+                                                      limiter=trio.CapacityLimiter(1)) if dial else {}
+                # a lower rank's address is never dialled (its hello carries it): a placeholder with the lane count
+                nowhere = PeerAddress("0.0.0.0", 0, (0,) * len(self.endpoint.udp))
+                wanted = {r: PeerAddress.from_dict(addrs[r]) if r in addrs else nowhere for r in missing}
+                await self.endpoint.connect(wanted, timeout=self.timeout)
+            finally:
+                for r in missing:
+                    self._connecting.pop(r, None)
+                done.set()
+        for ev in others:
+            await ev.wait()
+        lost = sorted(want - set(self.endpoint.peers))
+        if lost:  # another call's connection attempt failed (its caller got the reason)
+            raise ConnectionError(f"rank {self.rank} could not connect to ranks {lost}")
+        self._linked |= want
+
+    async def _turn(self, seq: int) -> None:
+        import trio
+
+        while self._passed < seq:
+            ev = self._turns.setdefault(seq, trio.Event())
+            await ev.wait()
+
+    def _leave(self, seq: int) -> None:
+        self._gave_up.add(seq)
+        while self._passed in self._gave_up:
+            self._gave_up.discard(self._passed)
+            self._passed += 1
+        ev = self._turns.pop(self._passed, None)
+        if ev is not None:
+            ev.set()
+
     async def aclose(self) -> None:
         await self.endpoint.aclose()
+

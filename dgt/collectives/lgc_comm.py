@@ -48,7 +48,7 @@ class TransportComm:
 
         async def main() -> None:
             try:
-                self._group = await Group.create(rank, world, **group_kwargs)
+                self._group = await Group.create(rank, world, connect="all", **group_kwargs)  # all-gather/broadcast
             except BaseException as exc:
                 self._error = exc
                 ready.set()
@@ -87,7 +87,9 @@ class TransportComm:
     # -- the Comm protocol ---------------------------------------------------------------------------------------
     def allreduce_sum(self, t: torch.Tensor, *, tag: str) -> torch.Tensor:
         bucket = self._buckets.setdefault(tag, len(self._buckets))  # collective: every rank sees tags in one order
-        res = self._run(self._ring.allreduce, t.detach().to("cpu", torch.float32), 0x10000 + bucket, None)
+        # the ring is the only collective on this comm's own group: tag ids are its bucket ids (transport keys hold
+        # bucket ids below 16384; send_tensor messages travel in their own key range)
+        res = self._run(self._ring.allreduce, t.detach().to("cpu", torch.float32), bucket, None)
         self.stats.add_sent(tag, sum(res.stats.bytes_sent.values()))
         self.stats.add_received(tag, nbytes(t) * 2 * (self.world_size - 1) // max(self.world_size, 1))
         return res.tensor.to(device=t.device, dtype=t.dtype)

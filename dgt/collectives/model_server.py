@@ -137,6 +137,10 @@ class ModelServer(Collective):
         self.pull_tx_state = self._state() if self.is_server else None
         self._templates: dict[int, list[Part]] = {}
 
+    def peers(self) -> list[int]:
+        g = self.group
+        return [r for r in range(g.world) if r != g.rank] if g.rank == self.server else [self.server]
+
     def _state(self) -> BucketState:
         st = BucketState(self.numel, self.dtype)
         set_segments(st, self.segments)
@@ -156,6 +160,8 @@ class ModelServer(Collective):
         With ``average=True`` (Oland & Raj's model averaging) a worker pushes its parameters ``local`` (``delta`` is
         ignored), the server sets ``w`` to the mean of the decoded pushes and every worker continues from it."""
         g = self.group
+        if g.world > 1:
+            await self.connect()  # workers-server, first call only
         stats = ModelServerStats()
         trains = not self.is_server or self.server_trains
         if trains and (local is None or (delta is None and not self.average)):

@@ -9,21 +9,40 @@ import trio
 
 from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
+from dgt.errors import RankMismatch
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
-MAX_PARTS = 8
-MAX_STEPS = 64
+# the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
+PART_BITS, STEP_BITS, PHASE_BITS, BUCKET_BITS = 3, 12, 3, 14
+MAX_PARTS = 1 << PART_BITS  # parts one codec emits per chunk
+MAX_STEPS = 1 << STEP_BITS  # ring steps / PS shards: worlds up to 4096 ranks
+MAX_BUCKETS = 1 << BUCKET_BITS  # bucket ids 0..16383
+assert PART_BITS + STEP_BITS + PHASE_BITS + BUCKET_BITS == 32 and len(PHASES) <= 1 << PHASE_BITS
 
 
 def transport_key(bucket: int, phase: str, step: int = 0, part: int = 0) -> int:
-    """A 32-bit transport bucket id unique per (bucket, phase, step, part); error feedback state follows it."""
-    if not 0 <= part < MAX_PARTS or not 0 <= step < MAX_STEPS:
-        raise ValueError("too many parts or steps for the transport key")
-    key = ((bucket * len(PHASES) + PHASES[phase]) * MAX_STEPS + step) * MAX_PARTS + part
-    if key >= 1 << 32:
-        raise ValueError(f"bucket id {bucket} too large")
-    return key
+    """A 32-bit transport bucket id unique per (bucket, phase, step, part): each field has its own bits, and a value
+    outside its field is refused here (never wrapped into a neighbour's key). Error feedback state follows it."""
+    if not 0 <= part < MAX_PARTS:
+        raise ValueError(f"part {part} outside the transport key's {MAX_PARTS} parts per chunk")
+    if not 0 <= step < MAX_STEPS:
+        raise ValueError(f"step {step} outside the transport key's {MAX_STEPS} steps (a world of at most "
+                         f"{MAX_STEPS} ranks)")
+    if not 0 <= bucket < MAX_BUCKETS:
+        raise ValueError(f"bucket id {bucket} outside the transport key's range 0..{MAX_BUCKETS - 1}")
+    return (((bucket << PHASE_BITS | PHASES[phase]) << STEP_BITS | step) << PART_BITS) | part
+
+
+def check_world(world: int, what: str) -> None:
+    """Refuse, when a collective is made, a world whose steps or shards the transport key cannot tell apart."""
+    if world > MAX_STEPS:
+        raise ValueError(f"{what}: a world of {world} ranks exceeds the transport key's {MAX_STEPS} steps")
+
+
+def state_key(role: str, bucket: int, *index: int) -> tuple:
+    """A codec state key: a tuple per (role, bucket, index...), so no arithmetic on ids can make two overlap."""
+    return (role, bucket, *index)
 
 
 @lru_cache(maxsize=256)
@@ -82,11 +101,11 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
                      order))
         _count_sent(stats, part, cls)
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
-        await _send_one(*jobs[0])
+        await _send_one(stats, *jobs[0])
         return
     async with trio.open_nursery() as nursery:
         for job in jobs:
-            nursery.start_soon(_send_one, *job)
+            nursery.start_soon(_send_one, stats, *job)
 
 
 def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
@@ -100,25 +119,37 @@ def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
     stats.add_sent(1, part.nbytes - rel)
 
 
-async def _send_one(ep, peer, key, rnd, data, layout, cls, order) -> None:
+async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cls, order) -> None:
     # a lossless round has nothing to learn from its drop report: do not spend a round trip waiting for it
     lossless = cls == 0 if isinstance(cls, int) else not bool((cls != 0).any())
-    await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order, wait=not lossless)
+    st = await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order, wait=not lossless)
+    unsent = getattr(st, "unsent_bytes", 0)
+    if unsent:  # the send budget kept these back (error feedback carries them): not sent on the unreliable lane
+        stats.add_sent(1, -unsent)
+        stats.bytes_unsent += unsent
 
 
 async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],
                      stats: CollectiveStats, into: list[torch.Tensor | None] | None = None,
-                     device: torch.device | None = None) -> list[Received]:
+                     device: torch.device | None = None, exact: bool = False) -> list[Received]:
     """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry).
     ``into``: per part, a contiguous CPU tensor to reassemble straight into (no extra buffer, no copy).
     ``device``: where the caller decodes (the bucket's device): data and block masks move there together, since
-    decoders index the data with the masks."""
+    decoders index the data with the masks. ``exact``: the parts are element-aligned (a summable codec), so a part
+    of another size or dtype means the ranks called the collective differently (:class:`RankMismatch`)."""
     out: list[Received | None] = [None] * len(like)
 
     async def one(i: int, part: Part) -> None:
         dst = into[i] if into else None
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
+        want = layout_of(part).numel
+        # parts of summable codecs hold one element per element and must match exactly; those of other codecs
+        # (QSGD records, sparse payloads) may differ in size from rank to rank
+        if exact and (res.data.numel() != want or res.data.dtype != part.data.dtype):
+            raise RankMismatch(f"rank {peer} sent {res.data.numel()} x {res.data.dtype} for {phase} step {step} of "
+                               f"bucket {bucket}, this rank expects {want} x {part.data.dtype}: the ranks called "
+                               f"the collective with different sizes or dtypes")
         # a BULK message is lossless and knows no segments: every block of our geometry arrived
         if res.bulk:
             mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool)

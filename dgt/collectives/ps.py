@@ -2,7 +2,8 @@
 pull.
 
 Two placements: a central server rank (every rank is also a worker; the server's own gradient never crosses the
-network), or ``server="sharded"``: every rank owns one block-aligned shard, reduces it and sends it back.
+network), or ``server="sharded"``: every rank owns one block-aligned shard, reduces it and sends it back (with
+``shards=S``, S ranks spread over the world serve one shard each: a worker then connects to S servers, not W-1).
 
 Dropped blocks count as zeros from that worker. How the average is normalised is an option: ``normalize="world"``
 divides every element by K (a lost block biases that block towards zero, like plain gradient dropping), while
@@ -23,9 +24,18 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
-from dgt.collectives.parts import MAX_STEPS, as_received, like_parts, recv_parts, send_parts, transport_key
+from dgt.collectives.parts import (
+    MAX_STEPS,
+    as_received,
+    check_world,
+    like_parts,
+    recv_parts,
+    send_parts,
+    state_key,
+    transport_key,
+)
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import CodecMismatch, one_error
 from dgt.transport.streams import Hop
@@ -35,7 +45,7 @@ class ParameterServer(Collective):
     name = "parameter server"
 
     def __init__(self, group: Group, codec: str | Codec = "dense", op: str = "mean", server: int | str = 0,
-                 normalize: str = "world", lossy_pull: bool = False) -> None:
+                 normalize: str = "world", lossy_pull: bool = False, shards: int | None = None) -> None:
         super().__init__(group, codec, op)
         if normalize not in ("world", "contributors"):
             raise ValueError("normalize must be 'world' or 'contributors'")
@@ -43,16 +53,27 @@ class ParameterServer(Collective):
             raise CodecMismatch(f"normalize='contributors' needs an element-aligned codec; {self.codec.name!r} is not")
         if server != "sharded" and not (isinstance(server, int) and 0 <= server < group.world):
             raise ValueError("server must be a rank or 'sharded'")
+        if server == "sharded":
+            check_world(group.world, "sharded parameter server")
+        W = group.world
+        if shards is not None and (server != "sharded" or not 1 <= shards <= W):
+            raise ValueError(f"shards: 1..{W} shard servers, and only with server='sharded'")
+        S = W if shards is None else shards
+        self.servers = [i * W // S for i in range(S)] if server == "sharded" else [server]
         self.server = server
         self.normalize = normalize
         self.lossy_pull = lossy_pull
 
+    @tells_peers
     @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
         goes (``bucket`` itself for an in-place all-reduce); by default a new tensor."""
+        self.check_input(bucket)
         g = self.group
+        if g.world > 1:
+            await self.connect()  # workers-server (sharded: every rank serves a shard), first call only
         if g.world > 1 and self._streams_fit(bucket, out):
             # no await before this point: the exchange's ticket follows the order collectives were called in
             return await self._stream_allreduce(bucket, bucket_id, segments or [bucket.numel()], out)
@@ -67,12 +88,8 @@ class ParameterServer(Collective):
         rnd = g.next_round("ps", bucket_id)
         segs = segments or [flat.numel()]
         block = getattr(self.codec, "block", 1024)
-        if self.server == "sharded":
-            ch = self.chunking(segs, block, g.world)
-            owners = list(range(g.world))
-        else:
-            ch = self.chunking(segs, block, 1)
-            owners = [self.server]
+        ch = self.chunking(segs, block, len(self.servers))
+        owners = self.servers
         out = flat.clone()
 
         async def serve_shard(shard: int, owner: int) -> None:
@@ -80,16 +97,15 @@ class ParameterServer(Collective):
             if piece.numel() == 0:
                 return
             sg = ch.segments[shard]
-            key = bucket_id * 1024 + shard
-            parts = self.codec.encode(piece, self.state(key, piece, sg))
+            parts = self.codec.encode(piece, self.state(state_key("push", bucket_id, shard), piece, sg))
             if owner != g.rank:  # worker: push, then pull
                 with self.phase(stats, "push"):
                     await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats)
                 with self.phase(stats, "pull"):
                     like = like_parts(parts, sg, self.codec, piece)
                     got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
-                                           device=piece.device)
-                    pull_state = self.state((1 << 29) | key, piece, sg)
+                                           device=piece.device, exact=self.codec.capabilities.summable)
+                    pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
                     ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
                 return
             # server of this shard: gather every worker's parts, decode, reduce
@@ -99,7 +115,7 @@ class ParameterServer(Collective):
                 async def gather(w: int) -> None:
                     like = like_parts(parts, sg, self.codec, piece)
                     received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
-                                                   device=piece.device)
+                                                   device=piece.device, exact=self.codec.capabilities.summable)
 
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):
@@ -108,15 +124,16 @@ class ParameterServer(Collective):
             with self.phase(stats, "reduce"):
                 decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
                 for w in range(g.world):
-                    st = self.state((2 << 29) | key * 64 + w, piece, sg)
+                    st = self.state(state_key("push-rx", bucket_id, shard, w), piece, sg)
                     decoded.append(self.codec.decode(received[w], st, piece).to(piece.dtype))
                     if self.normalize == "contributors":
                         counts += received[w][0].element_mask().to(device=piece.device, dtype=torch.float32)
                 total = self.codec.aggregate(decoded)
                 reduced = self.finish(total, counts.clamp(min=1) if self.normalize == "contributors" else None)
             with self.phase(stats, "pull"):
-                pull = self.codec.encode(reduced, self.state((3 << 29) | key, reduced, sg))
-                mine = self.codec.decode([as_received(p) for p in pull], self.state((1 << 29) | key, piece, sg), piece)
+                pull = self.codec.encode(reduced, self.state(state_key("pull", bucket_id, shard), reduced, sg))
+                own_rx = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
+                mine = self.codec.decode([as_received(p) for p in pull], own_rx, piece)
                 ch.chunk(out, shard).copy_(mine)
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):
@@ -130,10 +147,17 @@ class ParameterServer(Collective):
         # results arrive already averaged by the server; op is applied there
         return CollectiveResult(out.view_as(bucket), stats)
 
+    def peers(self) -> list[int]:
+        g = self.group
+        if g.rank in self.servers:
+            return [r for r in range(g.world) if r != g.rank]
+        return [s for s in self.servers if s != g.rank]
+
     def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
         """Dense float32 in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps that fit a key."""
-        wire = getattr(self.codec, "wire_dtype", bucket.dtype)
+        wire = getattr(self.codec, "wire_dtype", None) or bucket.dtype
         return (self.codec.name == "dense" and wire == bucket.dtype and self.group.world <= MAX_STEPS
+                and (self.server != "sharded" or len(self.servers) == self.group.world)
                 and self.on_streams(bucket) and (out is None or self.on_streams(out)))
 
     async def _stream_allreduce(self, bucket: torch.Tensor, bucket_id: int, segments: list[int],

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -36,17 +35,22 @@ def store_from_env(rank: int, world: int, timeout: float = 60.0) -> dist.Store:
                          timeout=timedelta(seconds=timeout), wait_for_workers=False)
 
 
-def _wait(st: dist.Store, keys: list[str], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not st.check(keys):
-        if time.monotonic() >= deadline:
-            raise RendezvousTimeout(f"{what} did not show up within {timeout:.1f} s")
-        time.sleep(0.01)
+def _wait(st: dist.Store, keys: list[str], timeout: float) -> bool:
+    """One blocking store call (the store's own ``wait``): True once every key exists, False at the timeout."""
+    try:
+        st.wait(keys, timedelta(seconds=max(timeout, 0.001)))
+    except dist.DistStoreError as exc:
+        if "timeout" not in str(exc).lower():
+            raise
+        return False
+    return True
 
 
 class Rendezvous:
     """Two steps, because the token must be known before an endpoint opens and its address after:
-    ``token()`` (rank 0 draws it), then ``exchange(address)``."""
+    ``token()`` (rank 0 draws it), then ``exchange(address)``; then :meth:`addresses` of just the peers a collective
+    needs. Store operations per rank are O(1) (set, add, wait) plus one ``multi_get`` of the wanted addresses; no
+    polling. Use a fresh ``prefix`` per group on a shared store."""
 
     def __init__(self, rank: int, world: int, store: dist.Store | None = None, timeout: float = 60.0,
                  prefix: str = "dgt") -> None:
@@ -55,24 +59,57 @@ class Rendezvous:
         self.rank, self.world, self.timeout, self.prefix = rank, world, timeout, prefix
         self.store = store if store is not None else store_from_env(rank, world, timeout)
         self._st = dist.PrefixStore(f"{prefix}/", self.store)
+        self.ops = 0  # store operations this rank issued (measured by the scale test)
 
     def token(self) -> int:
         if self.rank == 0:
             self._st.set("token", str(secrets.randbits(64)))
-        _wait(self._st, ["token"], self.timeout, f"rendezvous '{self.prefix}': rank 0's session token")
+            self.ops += 1
+        self.ops += 2
+        if not _wait(self._st, ["token"], self.timeout):
+            raise RendezvousTimeout(f"rendezvous '{self.prefix}': rank 0's session token did not show up within "
+                                    f"{self.timeout:.1f} s")
         return int(self._st.get("token"))
 
-    def exchange(self, address: dict) -> dict[int, dict]:
+    def exchange(self, address: dict) -> None:
+        """Publish this rank's address and wait until every rank has (a counter; the last rank to arrive sets the
+        ``ready`` key everyone waits on). RendezvousTimeout names the ranks that never published."""
         self._st.set(f"addr/{self.rank}", json.dumps(address))
-        keys = [f"addr/{r}" for r in range(self.world)]
-        try:
-            _wait(self._st, keys, self.timeout, "")
-        except RendezvousTimeout:
-            missing = [r for r in range(self.world) if not self._st.check([f"addr/{r}"])]
+        if self._st.add("arrived", 1) == self.world:
+            self._st.set("ready", "1")
+            self.ops += 1
+        self.ops += 3
+        if not _wait(self._st, ["ready"], self.timeout):
+            missing = self.missing()
             raise RendezvousTimeout(
-                f"rendezvous '{self.prefix}': ranks {missing} did not show up within {self.timeout:.1f} s"
-            ) from None
-        return {r: json.loads(self._st.get(f"addr/{r}")) for r in range(self.world)}
+                f"rendezvous '{self.prefix}': ranks [{_ranges(missing)}] did not show up within {self.timeout:.1f} s "
+                f"({len(missing)} of {self.world} missing)"
+            )
+
+    def missing(self) -> list[int]:
+        """Ranks whose address is not in the store (O(W) checks: for the error message only)."""
+        return [r for r in range(self.world) if not self._st.check([f"addr/{r}"])]
+
+    def addresses(self, ranks: list[int]) -> dict[int, dict]:
+        """The published addresses of ``ranks`` (after :meth:`exchange`): one ``multi_get``."""
+        ranks = sorted(set(ranks))
+        if not ranks:
+            return {}
+        self.ops += 1
+        vals = self._st.multi_get([f"addr/{r}" for r in ranks])
+        return {r: json.loads(v) for r, v in zip(ranks, vals)}
+
+
+def _ranges(ranks: list[int]) -> str:
+    """[1, 2, 3, 7] -> '1-3, 7' (a thousand missing ranks stay readable)."""
+    out: list[list[int]] = []
+    for r in ranks:
+        if out and r == out[-1][1] + 1:
+            out[-1][1] = r
+        else:
+            out.append([r, r])
+    out_s = [str(a) if a == b else f"{a}-{b}" for a, b in out]
+    return ", ".join(out_s)
 
 
 def rendezvous(
@@ -86,4 +123,5 @@ def rendezvous(
     """Both steps at once (for callers whose address does not depend on the token)."""
     rv = Rendezvous(rank, world, store, timeout, prefix)
     token = rv.token()
-    return RendezvousInfo(rank, world, token, rv.exchange(address), rv.store)
+    rv.exchange(address)
+    return RendezvousInfo(rank, world, token, rv.addresses(list(range(world))), rv.store)

@@ -15,9 +15,9 @@ import torch
 import trio
 
 from dgt.codecs.base import Received
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.chunks import Chunking
-from dgt.collectives.parts import as_received, like_parts, recv_parts, send_parts, transport_key
+from dgt.collectives.parts import as_received, check_world, like_parts, recv_parts, send_parts, state_key, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 from dgt.transport.streams import Hop
@@ -30,18 +30,22 @@ class RingAllReduce(Collective):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
+        check_world(self.group.world, self.name)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
 
+    @tells_peers
     @one_error
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """Sum (or mean) of ``bucket`` over the group. ``out``: where the result goes (``bucket`` itself for an
         in-place all-reduce); by default a new tensor."""
+        self.check_input(bucket)
         g = self.group
         W, r = g.world, g.rank
         stats = CollectiveStats()
         if W == 1:
             return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
+        await self.connect()  # the two neighbours, on the first call; then it does not yield
         direct = self._direct(bucket)
         if direct and not self.codec.capabilities.lossy_tolerant:
             # lossless: no copy of the input first. Every chunk of the result is written by a reduce-scatter add
@@ -89,7 +93,7 @@ class RingAllReduce(Collective):
                 # codec state follows (bucket, step): the same chunk travels at the same step every round
                 into = [rs_land[s]] if direct else None
                 dec = await self._hop(ch, src if s == 0 else flat, (r - s) % W, (r - s - 1) % W, bucket_id, "rs", s,
-                                      rnd, stats, state_key=bucket_id * 4096 + s, into=into)
+                                      rnd, stats, state_key=state_key("rs", bucket_id, s), into=into)
                 if dec is not None:  # (None: an empty chunk)
                     c = (r - s - 1) % W
                     torch.add(ch.chunk(src, c), dec.to(flat.dtype), out=ch.chunk(flat, c))
@@ -104,7 +108,7 @@ class RingAllReduce(Collective):
                 into = [ag_land[s]] if direct else None
                 # the owner keeps exactly what the others decode; with a direct codec that is the chunk itself
                 dec = await self._hop(ch, flat, (own - s) % W, (own - s - 1) % W, bucket_id, "ag", s, rnd, stats,
-                                      state_key=(1 << 30) | bucket_id, reliable=True,
+                                      state_key=state_key("ag", bucket_id), reliable=True,
                                       keep_own=(s == 0 and not direct), into=into)
                 if dec is not None and not direct:
                     ch.chunk(flat, (own - s - 1) % W).copy_(dec)
@@ -131,7 +135,7 @@ class RingAllReduce(Collective):
         stats.phases["all_gather"] = stats.phases.get("all_gather", 0.0) + done[-1].finished - done[W - 2].finished
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,
-                   step: int, rnd: int, stats: CollectiveStats, state_key: int, reliable: bool = False,
+                   step: int, rnd: int, stats: CollectiveStats, state_key: tuple, reliable: bool = False,
                    keep_own: bool = False, into: list[torch.Tensor] | None = None) -> torch.Tensor | None:
         """Send chunk ``send_c`` to the next rank while receiving chunk ``recv_c`` from the previous one; returns the
         decoded received chunk (None when that chunk is empty). ``into``: the received chunk lands there whole."""
@@ -150,7 +154,7 @@ class RingAllReduce(Collective):
 
         async def recv() -> None:
             got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
-                                        device=mine.device))
+                                        device=mine.device, exact=True))
 
         async with trio.open_nursery() as nursery:
             if parts:
@@ -162,7 +166,7 @@ class RingAllReduce(Collective):
             return None
         if into is not None:
             return into[0]  # reassembled in place (a dense chunk: the decoded value is the data itself)
-        return self.codec.decode(got, self.state(-state_key - 1, mine, ch.segments[recv_c]), mine)
+        return self.codec.decode(got, self.state(("rx", *state_key), mine, ch.segments[recv_c]), mine)
 
     async def _lossless_hop(self, out: torch.Tensor, land: torch.Tensor | None, bucket_id: int, phase: str, step: int,
                             rnd: int, stats: CollectiveStats) -> torch.Tensor | None:
@@ -183,10 +187,14 @@ class RingAllReduce(Collective):
             await pending.wait()  # the chunk may be overwritten (all-gather landing) once this returns
         return land
 
+    def peers(self) -> list[int]:
+        g = self.group
+        return sorted({(g.rank - 1) % g.world, (g.rank + 1) % g.world} - {g.rank})
+
     def _direct(self, flat: torch.Tensor) -> bool:
         """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
         instead of being decoded from a fresh buffer."""
-        wire = getattr(self.codec, "wire_dtype", flat.dtype)
+        wire = getattr(self.codec, "wire_dtype", None) or flat.dtype
         return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0) -> None:

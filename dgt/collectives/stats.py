@@ -11,6 +11,8 @@ class CollectiveStats:
     bytes_sent: dict[int, int] = field(default_factory=dict)  # lane -> bytes of payload parts handed to the transport
     blocks: int = 0  # blocks received in total
     dropped: int = 0  # blocks lost (wholly or partly) at their deadline
+    unsent: int = 0  # blocks received as missing because their sender's send budget kept them back (not lost)
+    bytes_unsent: int = 0  # payload bytes this rank's send budget kept back (error feedback carries them)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
     def add_round(self, stats) -> None:
@@ -18,6 +20,7 @@ class CollectiveStats:
             self.bytes_received[lane] = self.bytes_received.get(lane, 0) + ls.bytes
         self.blocks += stats.blocks
         self.dropped += stats.dropped
+        self.unsent += getattr(stats, "unsent", 0)
 
     def add_sent(self, lane: int, nbytes: int) -> None:
         self.bytes_sent[lane] = self.bytes_sent.get(lane, 0) + nbytes
@@ -29,6 +32,8 @@ class CollectiveStats:
             self.add_sent(lane, b)
         self.blocks += other.blocks
         self.dropped += other.dropped
+        self.unsent += other.unsent
+        self.bytes_unsent += other.bytes_unsent
         for k, v in other.phases.items():
             self.phases[k] = self.phases.get(k, 0.0) + v
 

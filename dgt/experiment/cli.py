@@ -24,6 +24,9 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
     g.add_argument("--rate", default=net.rate, help="link rate of every host, tc units (default: %(default)s)")
     g.add_argument("--queue-limit", type=int, default=net.queue_limit,
                    help="packets per priority-class queue (default: %(default)s)")
+    g.add_argument("--no-priority", action="store_true",
+                   help="netem: one FIFO queue per link, DSCP bleached (most cloud networks), instead of DSCP "
+                        "priority classes")
     g.add_argument("--cross-traffic", default=net.cross_traffic, metavar="RATE",
                    help="netem: best-effort UDP at RATE from an extra host into the server's link")
     g = p.add_argument_group("training")
@@ -45,6 +48,9 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
     g.add_argument("--deadline", default=defaults.deadline,
                    help="how long a receiver waits for unimportant blocks after the last important one "
                         "(default: %(default)s)")
+    g.add_argument("--cc", action=argparse.BooleanOptionalAction, default=defaults.congestion_control,
+                   help="congestion control of the UDP lanes (LEDBAT-like rate + send budget; --no-cc: every "
+                        "unimportant block is sent, unpaced, as before) (default: %(default)s)")
     g.add_argument("--dgt-codec", default=defaults.codecs["dgt"], help="the DGT codec spec (default: %(default)s)")
     g = p.add_argument_group("output")
     g.add_argument("--out", default=defaults.out_dir, help="directory for results.json, report.md, PNGs, logs "
@@ -55,13 +61,13 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
 
 def _config(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> ExperimentConfig:
     net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit,
-                        cross_traffic=args.cross_traffic)
+                        cross_traffic=args.cross_traffic, priority=not args.no_priority)
     codecs = dict(base.codecs, dgt=args.dgt_codec)
     return dataclasses.replace(
         base, network=net, workers=args.workers, target=args.target, max_iters=args.max_iters,
         max_time=args.max_time, eval_every=args.eval_every, batch=args.batch, lr=args.lr, momentum=args.momentum,
         seed=args.seed, server=args.server, lossy_pull=args.lossy_pull, deadline=args.deadline, codecs=codecs,
-        out_dir=args.out, plots=not args.no_plots, **extra,
+        out_dir=args.out, plots=not args.no_plots, congestion_control=args.cc, **extra,
     )
 
 
@@ -132,6 +138,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--width", type=int, default=base.width, help="model width multiplier (default: %(default)s)")
     _common(t, base)
     t.set_defaults(func=table1)
+    from dgt.experiment.ddp_cli import add_ddp_parser
+
+    add_ddp_parser(esub)
     from dgt.experiment.codecs_cli import add_parser as add_codecs
 
     add_codecs(esub)

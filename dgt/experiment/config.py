@@ -28,7 +28,12 @@ class NetworkConfig:
         no priorities), or ``auto`` (netem when this process can build namespaces).
     rate: link rate (tc units: '40mbit'); the server's link is the bottleneck of a parameter server.
     queue_limit: packets per priority class queue.
-    cross_traffic: rate of a best-effort UDP flow from an extra host into the server's link (None: none).
+    cross_traffic: rate of a flow from an extra host into the server's (host 0's) link (None: none).
+    priority: DSCP priority classes on every link (False: one FIFO queue per link, DSCP bleached, as on most cloud
+        networks).
+    loss: random loss per link direction, a fraction (netem only).
+    delay: one-way delay per link direction (netem only; needs the kernel's delay line).
+    cross_proto: ``udp`` or ``tcp`` for the cross traffic.
     """
 
     mode: str = "auto"
@@ -37,6 +42,10 @@ class NetworkConfig:
     cross_traffic: str | None = None
     cross_dscp: int = 0
     prefix: str = "dgtx"
+    priority: bool = True
+    loss: float = 0.0
+    delay: str | None = None
+    cross_proto: str = "udp"
 
 
 @dataclass
@@ -67,6 +76,7 @@ class ExperimentConfig:
     peer_timeout: float = 30.0
     round_timeout: float = 60.0  # one all-reduce taking longer than this fails the run (a hang, not slowness)
     loss_smoothing: float = 0.0
+    congestion_control: bool = True  # TransportConfig.congestion_control: LEDBAT-like UDP rate and send budget
     codecs: dict[str, str] = field(default_factory=lambda: dict(PROTOCOLS))
     network: NetworkConfig = field(default_factory=NetworkConfig)
     out_dir: str = "dgt-results"
@@ -101,7 +111,7 @@ class ExperimentConfig:
             target=self.target, eval_every=self.eval_every, max_iters=self.max_iters, max_time=self.max_time,
             server=self.server, lossy_pull=self.lossy_pull, deadline=self.deadline, gso=self.gso,
             peer_timeout=self.peer_timeout, round_timeout=self.round_timeout, loss_smoothing=self.loss_smoothing,
-            out_dir=out_dir,
+            out_dir=out_dir, congestion_control=self.congestion_control,
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -139,6 +149,7 @@ class RunSpec:
     loss_smoothing: float
     out_dir: str
     pace_rate: float | None = None  # bytes/s on every socket (loopback mode)
+    congestion_control: bool = True
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)

@@ -57,7 +57,8 @@ class Reporter:
     def update(self, rec: dict[str, Any]) -> None:
         if self.progress is None:
             return
-        fields = {"bct": f"{rec['bct']:.2f}s", "p": f"{rec['p']:.2f}", "train": f"{rec['train_time']:.0f}s trained"}
+        fields = {"bct": f"{rec['bct']:.2f}s", "p": f"{rec['p']:.2f}" if "p" in rec else "-",
+                  "train": f"{rec['train_time']:.0f}s trained"}
         if "acc" in rec:
             fields["acc"] = f"{rec['acc']:.3f}"
         self.progress.update(self.task, completed=rec["it"], **fields)

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from typing import Any
 
 from dgt.collectives.launch import free_port
-from dgt.experiment.config import RunSpec
 from dgt.experiment.network import MASTER_PORT, Network
 from dgt.experiment.worker import PROGRESS
 
@@ -43,9 +42,11 @@ def _tail(path: str, n: int = 2000) -> str:
         return ""
 
 
-def launch(net: Network, spec: RunSpec, run_dir: str, on_progress: Callable[[dict[str, Any]], None] | None = None,
-           hard_timeout: float = 600.0) -> list[dict[str, Any]]:
-    """Run ``spec`` on ``net`` with one process per rank; return the ranks' result dicts (rank order)."""
+def launch(net: Network, spec: Any, run_dir: str, on_progress: Callable[[dict[str, Any]], None] | None = None,
+           hard_timeout: float = 600.0, module: str = "dgt.experiment.worker") -> list[dict[str, Any]]:
+    """Run ``spec`` (a :class:`RunSpec`, or any spec with ``workers``, ``out_dir``, ``pace_rate`` and ``to_json``)
+    on ``net`` with one process per rank running ``python -m module SPEC.json``; return the ranks' result dicts
+    (rank order)."""
     os.makedirs(run_dir, exist_ok=True)
     spec.out_dir = run_dir
     spec.pace_rate = net.pace_rate
@@ -59,7 +60,7 @@ def launch(net: Network, spec: RunSpec, run_dir: str, on_progress: Callable[[dic
     base = dict(os.environ)
     base.update({"WORLD_SIZE": str(spec.workers), "MASTER_ADDR": net.master_addr, "MASTER_PORT": str(port),
                  "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"})
-    argv = [sys.executable, "-m", "dgt.experiment.worker", spec_path]
+    argv = [sys.executable, "-m", module, spec_path]
     procs: list[subprocess.Popen] = []
     logs: list[str] = []
     deadline = time.monotonic() + hard_timeout

@@ -22,6 +22,24 @@ def _sum_lanes(rows: list[dict[str, int]]) -> dict[str, int]:
     return out
 
 
+def _transport_lanes(ranks: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Per lane over all ranks, whole run (the endpoints' counters): bytes and frames sent and received, blocks
+    delivered, kept back by the send budget (unsent) and lost."""
+    out: dict[str, dict[str, int]] = {}
+    for rk in ranks:
+        for ls in rk.get("transport", {}).get("lanes", []):
+            acc = out.setdefault(str(ls["lane"]), {})
+            for k, v in ls.items():
+                if k.startswith(("tx_", "rx_", "delivered_")) and isinstance(v, (int, float)):
+                    acc[k] = acc.get(k, 0) + int(v)
+    return out
+
+
+def _block_delivery(lane: dict[str, int]) -> float | None:
+    got, lost = lane.get("delivered_blocks", 0), lane.get("tx_lost_blocks", 0)
+    return got / (got + lost) if got + lost else None
+
+
 def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """One run: rank 0's clock is the run's clock (it is the evaluator and, as the server, the last to finish an
     iteration). Time to target = training time (sum of BCTs, evaluation pauses excluded) at the first evaluation
@@ -30,6 +48,7 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     receiver's dropped blocks."""
     r0 = ranks[0]
     recs = r0["records"]
+    lanes = _transport_lanes(ranks)
     evals = r0["evals"]
     hit = next((e for e in evals if e["acc"] >= target), None)
     n = hit["it"] if hit else len(recs)
@@ -39,6 +58,8 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     sent_upto = _sum_lanes([rec["sent"] for rk in ranks for rec in rk["records"][:n]])
     recv_upto = _sum_lanes([rec["recv"] for rk in ranks for rec in rk["records"][:n]])
     dropped = sum(rec["dropped"] for rk in ranks for rec in rk["records"][:n])
+    unsent = sum(rec.get("unsent", 0) for rk in ranks for rec in rk["records"][:n])
+    unsent_bytes = sum(rec.get("unsent_bytes", 0) for rk in ranks for rec in rk["records"][:n])
     blocks = sum(rec["blocks"] for rk in ranks for rec in rk["records"][:n])
     return {
         "reached": hit is not None,
@@ -60,6 +81,13 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "bytes_per_iteration": sum(sent_upto.values()) / n if n else 0.0,
         "delivered_per_iteration": sum(recv_upto.values()) / n if n else 0.0,
         "dropped_blocks": dropped,
+        "unsent_blocks": unsent,  # kept back by the senders' send budget (error feedback carries them; not lost)
+        "bytes_unsent": unsent_bytes,
+        # bytes delivered (headers included) / payload bytes sent on UDP, until the target
+        "udp_delivery": recv_upto.get("1", 0) / sent_upto["1"] if sent_upto.get("1") else None,
+        "transport_lanes": lanes,
+        # whole run, blocks: delivered / (delivered + lost) on lane 1 (unsent blocks are neither)
+        "udp_block_delivery": _block_delivery(lanes.get("1", {})),
         "received_blocks": blocks,
         "drop_rate": dropped / blocks if blocks else 0.0,
         "iterations_run": len(recs),

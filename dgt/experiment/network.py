@@ -77,7 +77,8 @@ class Network:
 
             extra = 1 if self.cfg.cross_traffic else 0
             self.topo = Topology(hosts=self.workers + extra, rate=self.cfg.rate, limit=self.cfg.queue_limit,
-                                 priority=True, prefix=self.prefix, replace=True)
+                                 priority=self.cfg.priority, loss=self.cfg.loss or None, delay=self.cfg.delay,
+                                 prefix=self.prefix, replace=True)
             self.topo.up()
         return self
 
@@ -113,22 +114,25 @@ class Network:
         return subprocess.Popen(list(argv), env=env, **kwargs)
 
     def start_cross_traffic(self, duration: float) -> None:
-        """Best-effort UDP from the extra host into the server's link for ``duration`` seconds (netem only)."""
+        """Best-effort traffic from the extra host into the server's link for ``duration`` seconds (netem only)."""
         if self.topo is None or not self.cfg.cross_traffic:
             return
         from dgt.netem import cross_traffic
 
-        self.flow = cross_traffic(self.topo, self.workers, 0, proto="udp", dscp=self.cfg.cross_dscp,
+        self.flow = cross_traffic(self.topo, self.workers, 0, proto=self.cfg.cross_proto, dscp=self.cfg.cross_dscp,
                                   rate=self.cfg.cross_traffic, duration=duration)
 
     # -- reporting
     def describe(self) -> str:
         if self.mode == "netem":
-            cross = f"; cross traffic {self.cfg.cross_traffic} UDP DSCP {self.cfg.cross_dscp} into the server's link" \
-                if self.cfg.cross_traffic else ""
+            cross = (f"; cross traffic {self.cfg.cross_traffic} {self.cfg.cross_proto.upper()} DSCP "
+                     f"{self.cfg.cross_dscp} into the server's link") if self.cfg.cross_traffic else ""
+            queues = (f"HTB, DSCP classes EF > AF > BE > LE, {self.cfg.queue_limit}-packet queue per class"
+                      if self.cfg.priority else f"HTB, one FIFO queue of {self.cfg.queue_limit} packets, DSCP ignored")
+            extra = (f", {self.cfg.loss * 100:g} % random loss" if self.cfg.loss else "") + \
+                (f", {self.cfg.delay} delay" if self.cfg.delay else "")
             return (f"netem: {self.workers} hosts in network namespaces on one switch, every link shaped to "
-                    f"{self.cfg.rate} each way (HTB, DSCP classes EF > AF > BE > LE, {self.cfg.queue_limit}-packet "
-                    f"queue per class){cross}")
+                    f"{self.cfg.rate} each way ({queues}){extra}{cross}")
         share = self.pace_rate or 0.0
         return (f"loopback: every TCP connection and every peer's UDP lanes paced to {self.cfg.rate} / "
                 f"{self.workers - 1} = {share * 8 / 1e6:.3g} Mbit/s; no shared bottleneck queue and no DSCP priority "

@@ -75,8 +75,9 @@ def render(results: dict[str, Any]) -> str:
               "blocks are 1024-element blocks the receivers gave up on at the deadline (error feedback re-sends "
               "them in a later round).", "", "Traffic until the target, sent -> delivered (frame headers included "
               "in delivered):", "", _row(["Model", "Protocol", "TCP sent", "TCP delivered", "UDP sent",
-                                          "UDP delivered", "Delivered per iteration"]),
-              _row(["---"] * 2 + ["---:"] * 5)]
+                                          "UDP delivered", "UDP blocks delivered/(delivered+lost)",
+                                          "Unsent (send budget)", "Delivered per iteration"]),
+              _row(["---"] * 2 + ["---:"] * 7)]
     for r in results["runs"]:
         s = r.get("summary")
         if s is None:
@@ -84,6 +85,7 @@ def render(results: dict[str, Any]) -> str:
         sent, got = s["bytes_per_lane"], s.get("bytes_delivered_per_lane", {})
         lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"], fmt_bytes(sent.get("0", 0)),
                            fmt_bytes(got.get("0", 0)), fmt_bytes(sent.get("1", 0)), fmt_bytes(got.get("1", 0)),
+                           pct(s.get("udp_block_delivery")), fmt_bytes(s.get("bytes_unsent", 0)),
                            fmt_bytes(s.get("delivered_per_iteration", 0))]))
     lines += ["", "## DGT against the baseline, beside the paper", "",
               _row(["Model", "BCT reduction", "paper", "Time-to-target reduction", "paper", "Iterations", "paper"]),

@@ -93,8 +93,10 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
 
     store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
     cfg = TransportConfig(deadline=spec.deadline, peer_timeout=spec.peer_timeout, gso=spec.gso,
-                          pace_rate=spec.pace_rate)
-    group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp")
+                          pace_rate=spec.pace_rate, congestion_control=spec.congestion_control)
+    # every link now: TCP pacing below applies to the connections open at this point
+    group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp",
+                               connect="all")
     paced = pace_tcp(group.endpoint, spec.pace_rate) if spec.pace_rate else 0
     server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
     ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)
@@ -144,7 +146,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
             st = res.stats
             rec = {"it": it, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
                    "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
-                   "blocks": st.blocks, "dropped": st.dropped,
+                   "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
                    "phases": {k: round(v, 6) for k, v in st.phases.items()}}
             records.append(rec)
             decision = None
@@ -173,10 +175,16 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
         "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "paced_tcp_sockets": paced,
         "transport": {"late_frames": tstats.late_frames, "closed_by": dict(tstats.closed_by),
                       "deadline_wait_total": tstats.deadline_wait_total,
-                      "lanes": [{"lane": ls.lane, "name": ls.name, "kind": ls.kind, "dscp": ls.dscp,
-                                 "tx_bytes": ls.tx_bytes, "rx_bytes": ls.rx_bytes,
-                                 "tx_abandoned": getattr(ls, "tx_abandoned", 0)} for ls in tstats.lanes]},
+                      "pace_rates": {str(k): v for k, v in tstats.pace_rates.items()},
+                      "lanes": [_lane_row(ls) for ls in tstats.lanes]},
     }
+
+
+def _lane_row(ls: Any) -> dict[str, Any]:
+    """One lane of the endpoint for results.json: sent, delivered (to this rank), unsent and lost blocks."""
+    keys = ("lane", "name", "kind", "dscp", "tx_bytes", "tx_frames", "rx_bytes", "rx_frames", "tx_abandoned",
+            "tx_unsent_blocks", "tx_lost_blocks", "delivered_blocks", "delivered_bytes")
+    return {k: getattr(ls, k, 0) for k in keys}
 
 
 def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:

@@ -67,7 +67,8 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
     con.print(lanes)
     con.print(
         f"blocks {t['blocks']}: important {t['important']}, unimportant received {t['unimportant_received']}, "
-        f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), late frames {t['late_frames']}, "
+        f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), "
+        f"unsent {t.get('unsent', 0)} (kept back by the send budget), late frames {t['late_frames']}, "
         f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
     )
     if t.get("bulk_messages"):
@@ -89,6 +90,7 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
             "imp",
             "unimp",
             "dropped",
+            "unsent",
             "partial",
             "late",
             "dup",
@@ -109,6 +111,7 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
                 str(r["important"]),
                 str(r["unimportant_received"]),
                 str(r["dropped"]),
+                str(r.get("unsent", 0)),
                 str(r["partial"]),
                 str(r["late_frames"]),
                 str(r["duplicated"]),

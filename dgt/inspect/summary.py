@@ -17,6 +17,7 @@ import numpy as np
 from dgt import wire
 from dgt.inspect import reassembly
 from dgt.inspect.pcapio import TCP, UDP, PacketTable, addr, read_pcap
+from dgt.protocol.report import TRAILER_SIZE
 from dgt.wire import Flags, FrameType
 
 EF, CS1, LE = 46, 8, 1
@@ -311,11 +312,12 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
                 r.end = (float(fr_ts[i]), end)
         elif t == FrameType.DROP_REPORT:
             nb = int(fr_h["count"][i])
-            if len(p) != (nb + 7) // 8:
+            nbm = (nb + 7) // 8  # the bitmap, then with flag TIMING the timing trailer (dgt.protocol.report)
+            if len(p) != nbm + (TRAILER_SIZE if fr_h["flags"][i] & Flags.TIMING else 0):
                 malformed["drop-report"] += 1
                 reports.append((i, None))
                 continue
-            reports.append((i, np.unpackbits(np.frombuffer(p, np.uint8), count=nb).astype(bool)))
+            reports.append((i, np.unpackbits(np.frombuffer(p[:nbm], np.uint8), count=nb).astype(bool)))
         elif t == FrameType.CONTROL:
             try:
                 msg = json.loads(p.decode())
@@ -522,7 +524,9 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
             st["fragments_seen"] = int(np.unique(b[good] * g.per_block + fi[good]).size)
         done = nfrag >= g.needed
         partial = (nfrag > 0) & ~done
-        dropped = nb - int(done.sum())
+        # blocks the ROUND_END does not announce were kept back by the sender's send budget: unsent, not lost
+        unsent = min(max(nb - r.end[1][0] - r.end[1][1], 0), nb - int(done.sum())) if r.end else 0
+        dropped = nb - int(done.sum()) - unsent
         late_blocks_n = len([x for x in late_blocks if not done[x]])
         for lane, c in zip(*np.unique(lane_of[done], return_counts=True)):
             lanes.setdefault(int(lane), Counter())["blocks"] = int(c)
@@ -547,6 +551,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
             important=int((done & important).sum()),
             unimportant_received=int((done & ~important).sum()),
             dropped=dropped,
+            unsent=unsent,
             partial=int(partial.sum()),
             missing=dropped - int(partial.sum()),
             late_frames=st["late_frames"],
@@ -575,7 +580,8 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
                 rec["report"] = dict(valid=False)
             else:
                 rec["report"] = dict(
-                    valid=True, received=int(m.sum()), dropped=nb - int(m.sum()), agrees=bool((m == done).all())
+                    valid=True, received=int(m.sum()), dropped=nb - int(m.sum()) - unsent,
+                    agrees=bool((m == done).all())
                 )
                 if not rec["report"]["agrees"]:
                     warnings.append(
@@ -698,6 +704,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
         "important",
         "unimportant_received",
         "dropped",
+        "unsent",
         "partial",
         "missing",
         "late_frames",

@@ -44,6 +44,7 @@ class TrafficSpec:
     seed: int = 0
     token: int = 0x5EED_0D67_0000_0001
     timeout: float = 20.0
+    budget: int | None = None  # send budget in datagram bytes per round (dgt.protocol.budget); None: send all
 
 
 @dataclass
@@ -199,7 +200,7 @@ def plan_round(rng: np.random.Generator, spec: TrafficSpec, tx: RoundSender, lay
     cls = torch.from_numpy(
         np.where(rng.random(layout.nblocks) < spec.important, 0, rng.integers(1, spec.lanes, layout.nblocks))
     )
-    return tx.plan(0, rnd, flat, layout, cls)
+    return tx.plan(0, rnd, flat, layout, cls, budget=spec.budget)
 
 
 def datagrams_of(plan, lane: int) -> list[bytes]:

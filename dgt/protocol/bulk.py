@@ -73,7 +73,7 @@ class BulkReceiver:
     """Where BULK payloads go. Frames of one message must come in order and fit it; anything else is a protocol
     violation of that peer (:class:`ProtocolError`, which ends its connection with that error), since a TCP stream
     from a well-behaved sender cannot produce it. Memory stays bounded whatever a header says: at most
-    ``max_open`` messages in progress, and at most ``max_bytes`` of buffers this receiver allocates itself (a
+    ``max_open`` messages in progress per peer, and at most ``max_bytes`` of buffers this receiver allocates itself (a
     posted landing buffer is the caller's memory)."""
 
     def __init__(self, max_open: int, max_bytes: int,
@@ -93,7 +93,7 @@ class BulkReceiver:
         if msg is None:
             if offset != 0:
                 raise ProtocolError(f"rank {rank}: bulk message {key[1:]} starts at element {offset}, not 0")
-            if len(self.open) >= self.max_open:
+            if sum(1 for k in self.open if k[0] == rank) >= self.max_open:  # per peer: a world's worth may be open
                 raise ProtocolError(f"rank {rank}: more than {self.max_open} bulk messages in progress")
             data, need = self.landing(key, total, dtype), 0
             if data is None:

@@ -26,6 +26,7 @@ from dgt.layout import BucketLayout
 from dgt.protocol.datagram_rows import scatter_rows
 from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.geometry import Geometry
+from dgt.protocol.report import Timing, encode_timing
 from dgt.protocol.stats import ReceiverCounters, RoundStats
 from dgt.wire import Flags, FrameType
 
@@ -61,6 +62,13 @@ _MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
 @lru_cache(maxsize=64)
+def _timing(r: _Round) -> Timing:
+    """The drop report's timing trailer: what arrived on the unreliable lanes and when (dgt.protocol.report)."""
+    unimp = [ls for lane, ls in r.stats.lanes.items() if lane > 0]
+    return Timing(sum(ls.frames for ls in unimp), r.first_arrival, r.last_arrival, r.stats.deadline_wait,
+                  sum(ls.bytes for ls in unimp))
+
+
 def _layout(sizes: tuple[int, ...], block: int) -> BucketLayout:
     """Layouts by geometry: a bucket keeps its shape round after round (bounded: sizes come off the wire)."""
     return BucketLayout(list(sizes), block)
@@ -150,6 +158,7 @@ class _Round:
         self.end: tuple[int, int, int, int] | None = None
         self.imp_done_at: float | None = None
         self.last_arrival: float | None = None
+        self.first_arrival: float | None = None  # of the unimportant datagrams (the report's timing trailer)
         self.mean_gap: float | None = None
         self.batch_gap: float | None = None  # EWMA of the time between batches (GSO/GRO make arrivals bursty)
         self.unimp_frames = 0
@@ -191,6 +200,8 @@ class RoundReceiver:
         limits: wire.Limits = wire.DEFAULT_LIMITS,
         deadline: DeadlinePolicy | None = None,
         early_bytes: int = 16 << 20,
+        early_ttl: float = 5.0,
+        early_rounds_per_peer: int = 8,
         max_open_bytes: int = 4 << 30,
         allocator: Allocator | None = None,
     ) -> None:
@@ -200,21 +211,46 @@ class RoundReceiver:
         self.limits = limits
         self.deadline = deadline or AdaptiveGrace()
         self.early_bytes = early_bytes
+        self.early_ttl = early_ttl
+        self.early_rounds_per_peer = early_rounds_per_peer
         self.max_open_bytes = max_open_bytes
         self.rounds: dict[Key, _Round] = {}
         self.closed: OrderedDict[Key, None] = OrderedDict()
         self.counters = ReceiverCounters()
-        # (key, lane, bytes, datagram sizes or None for one frame): input for rounds not open yet, replayed in order
-        self._early: list[tuple[Key, int, bytes, np.ndarray | None]] = []
+        # (key, lane, bytes, datagram sizes or None for one frame, arrival): input for rounds not open yet, replayed
+        # in order; bounded in bytes, in rounds per peer, and in age (forged future rounds must not wait forever)
+        self._early: list[tuple[Key, int, bytes, np.ndarray | None, float]] = []
         self._early_size = 0
+        self._senders: set[int] = set()  # ranks that opened rounds: the closed-round memory grows with them
 
     # -- helpers
-    def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None) -> None:
+    def _expire_early(self, now: float) -> None:
+        """Drop early-buffer entries older than ``early_ttl`` (counted): a round whose opening never came in time
+        was forged or abandoned, and must not be filled from them later."""
+        if self._early and now - self._early[0][4] > self.early_ttl:  # entries are in arrival order
+            keep = [e for e in self._early if now - e[4] <= self.early_ttl]
+            self.counters.early_expired += len(self._early) - len(keep)
+            self._early = keep
+            self._early_size = sum(len(e[2]) for e in keep)
+
+    def _admit_early(self, key: Key, nbytes: int, now: float) -> bool:
+        """Whether ``nbytes`` more of round ``key`` fit the early buffer (after expiring old entries): a peer may
+        hold at most ``early_rounds_per_peer`` rounds there, all peers together ``early_bytes``."""
+        self._expire_early(now)
+        if self._early_size + nbytes > self.early_bytes:
+            return False
+        rounds = {e[0] for e in self._early if e[0][0] == key[0]}
+        if key not in rounds and len(rounds) >= self.early_rounds_per_peer:
+            self.counters.early_refused += 1
+            return False
+        return True
+
+    def _late_or_unknown(self, key: Key, lane: int, frame_bytes: bytes | None, now: float) -> None:
         if key in self.closed:
             self.counters.late += 1
             return
-        if frame_bytes is not None and self._early_size + len(frame_bytes) <= self.early_bytes:
-            self._early.append((key, lane, frame_bytes, None))
+        if frame_bytes is not None and self._admit_early(key, len(frame_bytes), now):
+            self._early.append((key, lane, frame_bytes, None, now))
             self._early_size += len(frame_bytes)
             self.counters.early_buffered += 1
         else:
@@ -235,9 +271,10 @@ class RoundReceiver:
             if r.layout != layout or r.geom.frag != frag or r.dtype != f.dtype:
                 self.counters.reject("begin-mismatch")
             return []
-        if len(self.rounds) >= self.limits.max_open_rounds:
+        if sum(1 for k in self.rounds if k[0] == f.rank) >= self.limits.max_open_rounds:  # per sender (#23)
             self.counters.reject("too-many-rounds")
             return []
+        self._senders.add(f.rank)
         need = numel * int(wire.ITEMSIZE[f.dtype]) + layout.nblocks * -(-block // frag)
         if sum(r.nbytes for r in self.rounds.values()) + need > self.max_open_bytes:
             self.counters.reject("memory-budget")
@@ -245,11 +282,12 @@ class RoundReceiver:
         self.rounds[key] = r = _Round(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
         r.want_report = not f.flags & Flags.NO_REPORT
         events: list = []
+        self._expire_early(now)
         if self._early:
             replay = [e for e in self._early if e[0] == key]
             self._early = [e for e in self._early if e[0] != key]
             self._early_size = sum(len(e[2]) for e in self._early)
-            for _, lane, data, sizes in replay:
+            for _, lane, data, sizes, _t in replay:
                 if sizes is None:
                     events += self.receive_bytes(data, lane, now)
                 else:
@@ -307,7 +345,7 @@ class RoundReceiver:
         key = (f.rank, f.bucket, f.round)
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, 0, _reencode(f))
+            self._late_or_unknown(key, 0, _reencode(f), now)
             return []
         try:
             r.end = wire.decode_round_end(f.payload)
@@ -351,7 +389,7 @@ class RoundReceiver:
         key = (int(h["rank"]), int(h["bucket"]), int(h["round"]))
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, lane, None)
+            self._late_or_unknown(key, lane, None, now)
             return []
         if not landed:
             r.stats.rejected += 1
@@ -462,7 +500,7 @@ class RoundReceiver:
         key = (f.rank, f.bucket, f.round)
         r = self.rounds.get(key)
         if r is None:
-            self._late_or_unknown(key, lane, _reencode(f))
+            self._late_or_unknown(key, lane, _reencode(f), now)
             return []
         if f.flags & Flags.FRAGMENT:
             h = wire.headers(1)
@@ -496,13 +534,13 @@ class RoundReceiver:
             sel = idx if one else idx[inv == j]
             r = self.rounds.get(key)
             if r is None:
-                self._early_datagrams(key, lane, batch, sel)
+                self._early_datagrams(key, lane, batch, sel, now)
                 continue
             hsel, psel = (h, batch.payload_pos) if one and every else (h[sel], batch.payload_pos[sel])
             events += self._fragments(r, hsel, src, psel, lane, now)
         return events
 
-    def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray) -> None:
+    def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray, now: float) -> None:
         """Datagrams of a round that is not open (yet): late if it closed, else kept as one block that is replayed
         through this vectorised path when its ROUND_BEGIN arrives (datagrams often overtake it)."""
         if key in self.closed:
@@ -510,7 +548,7 @@ class RoundReceiver:
             return
         sizes = batch.headers["length"][sel].astype(np.int64) + wire.HEADER_SIZE
         total = int(sizes.sum())
-        if self._early_size + total > self.early_bytes:
+        if not self._admit_early(key, total, now):
             self.counters.unknown += len(sel)
             return
         src = np.frombuffer(batch.buf, np.uint8)
@@ -521,7 +559,7 @@ class RoundReceiver:
             data = rows[starts].tobytes()
         else:  # odd-size tails mixed in: rare, a slice per datagram
             data = b"".join(src[a : a + n].tobytes() for a, n in zip(starts.tolist(), sizes.tolist()))
-        self._early.append((key, lane, data, sizes))
+        self._early.append((key, lane, data, sizes, now))
         self._early_size += total
         self.counters.early_buffered += len(sel)
 
@@ -583,6 +621,8 @@ class RoundReceiver:
             span = max(now - r.last_arrival, 0.0)
             r.batch_gap = span if r.batch_gap is None else 0.8 * r.batch_gap + 0.2 * span
         r.last_arrival = now
+        if r.first_arrival is None:
+            r.first_arrival = now
         r.unimp_frames += k
         return self._progress(r, now)
 
@@ -640,7 +680,9 @@ class RoundReceiver:
         st = r.stats
         st.important = int((mask & r.important).sum())
         st.unimportant_received = int((mask & ~r.important).sum())
-        st.dropped = g.nblocks - int(mask.sum())
+        missing = g.nblocks - int(mask.sum())
+        st.unsent = 0 if r.end is None else min(max(g.nblocks - r.end[0] - r.end[1], 0), missing)
+        st.dropped = missing - st.unsent  # sent and lost; unsent: kept back by the sender's send budget
         st.partial = int(partial.sum())
         st.deadline_wait = 0.0 if r.imp_done_at is None else max(now - r.imp_done_at, 0.0)
         st.closed_by = why
@@ -648,13 +690,13 @@ class RoundReceiver:
             st.lane(int(lane)).blocks = int(n)
         del self.rounds[r.key]
         self.closed[r.key] = None
-        while len(self.closed) > 16 * self.limits.max_open_rounds:
+        while len(self.closed) > 16 * (self.limits.max_open_rounds + len(self._senders)):
             self.closed.popitem(last=False)
         sender, bucket, round_ = r.key
         report = None
         if r.want_report or st.dropped:  # a lossless round that lost blocks would be a protocol breach: say so
             report = wire.encode_frame(
-                FrameType.DROP_REPORT, np.packbits(mask).tobytes(), token=self.token, rank=self.rank, round=round_,
-                bucket=bucket, count=g.nblocks, flags=Flags.CLOSED,
+                FrameType.DROP_REPORT, np.packbits(mask).tobytes() + encode_timing(_timing(r)), token=self.token,
+                rank=self.rank, round=round_, bucket=bucket, count=g.nblocks, flags=Flags.CLOSED | Flags.TIMING,
             )
         return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout)

@@ -10,8 +10,10 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
+from dgt.protocol.budget import fold_blocks, split_budget
 from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
+from dgt.protocol.report import Timing, decode_report
 from dgt.wire import Flags, FrameType
 
 LONG_RUN = 8
@@ -38,7 +40,11 @@ class RoundPlan:
     datagrams: dict[int, DatagramRows] = field(default_factory=dict)
     odd: dict[int, list[bytes]] = field(default_factory=dict)
     important_blocks: int = 0
-    unimportant_blocks: int = 0
+    unimportant_blocks: int = 0  # those sent (announced in ROUND_END)
+    unsent_blocks: int = 0  # beyond the send budget: folded into error feedback, never sent
+    unsent_lanes: dict[int, int] = field(default_factory=dict)  # lane class -> unsent blocks
+    unsent_bytes: int = 0  # payload bytes of the unsent blocks
+    cls: np.ndarray | None = None  # lane class per block (int8)
 
     @property
     def reliable_bytes(self) -> int:
@@ -61,8 +67,11 @@ class RoundPlan:
 class DropInfo:
     bucket: int
     round: int
-    missing_blocks: int
+    missing_blocks: int  # sent but lost (unsent blocks are not counted here)
     folded_elems: int
+    unsent_blocks: int = 0  # missing because the send budget kept them back (folded when the round was planned)
+    timing: Timing | None = None  # the report's timing trailer, for the congestion controller
+    lost_mask: np.ndarray | None = None  # per block: sent and lost
 
 
 def raw_bytes(flat: torch.Tensor) -> np.ndarray:
@@ -105,7 +114,8 @@ class RoundSender:
         self.max_pending = max_pending
         self.codec = codec
         self._residual: dict[int, torch.Tensor] = {}
-        self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout]] = OrderedDict()
+        self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
+            OrderedDict()
         self._closed: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._geom: dict[tuple[BucketLayout, int], Geometry] = {}
         self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
@@ -129,29 +139,31 @@ class RoundSender:
         self._close(key)
         entry = self._pending.pop(key, None)
         if entry is None:
-            return DropInfo(frame.bucket, frame.round, 0, 0)
-        sent, layout = entry
+            timing = decode_report(frame)[1] if frame.flags & Flags.TIMING else None
+            return DropInfo(frame.bucket, frame.round, 0, 0, timing=timing)
+        sent, layout, unsent = entry
         nb = layout.nblocks
-        if frame.count != nb or len(frame.payload) != (nb + 7) // 8:
+        if frame.count != nb:
             raise wire.WireError(f"drop report covers {frame.count} blocks, round had {nb}")
-        got = np.unpackbits(np.frombuffer(frame.payload, np.uint8), count=nb).astype(bool)
-        missing = torch.from_numpy(~got)
+        got, timing = decode_report(frame)
+        missing_np = ~got
+        n_unsent = 0
+        if unsent is not None:  # kept back by the send budget: already folded when the round was planned
+            n_unsent = int(missing_np[unsent].sum())
+            missing_np[unsent] = False
+        missing = torch.from_numpy(missing_np)
         n_missing = int(missing.sum())
         folded = 0
         if n_missing and self.error_feedback:
-            res = self._residual.get(frame.bucket)
-            if res is None or res.numel() != sent.numel() or res.dtype != sent.dtype:
-                res = torch.zeros_like(sent)
-                self._residual[frame.bucket] = res
-            # indices of the missing blocks' elements only: the work follows the loss, not the bucket size
-            blocks = torch.nonzero(missing).flatten()
-            lens = layout.block_len[blocks]
-            folded = int(lens.sum())
-            first = torch.cumsum(lens, 0) - lens
-            idx = torch.repeat_interleave(layout.block_start[blocks] - first, lens, output_size=folded)
-            idx += torch.arange(folded)
-            res.index_add_(0, idx, sent[idx])
-        return DropInfo(frame.bucket, frame.round, n_missing, folded)
+            folded = fold_blocks(self._residual_for(frame.bucket, sent), sent, layout, torch.nonzero(missing).flatten())
+        return DropInfo(frame.bucket, frame.round, n_missing, folded, n_unsent, timing, missing_np)
+
+    def _residual_for(self, bucket: int, sent: torch.Tensor) -> torch.Tensor:
+        res = self._residual.get(bucket)
+        if res is None or res.numel() != sent.numel() or res.dtype != sent.dtype:
+            res = torch.zeros_like(sent)
+            self._residual[bucket] = res
+        return res
 
     def closed(self, bucket: int, round: int) -> bool:
         """True once the receiver finalised the round: unsent unimportant frames of it are stale."""
@@ -179,10 +191,13 @@ class RoundSender:
         cls: torch.Tensor | int,
         order: torch.Tensor | None = None,
         report: bool = True,
+        budget: int | None = None,
     ) -> RoundPlan:
         """Frames for one round. ``cls``: lane class per block (0 = reliable) or one class for all; ``order``: the
         unimportant blocks, most important first (default: block order). ``report=False`` asks the receiver for no
-        drop report (only honoured for a round with every block on the reliable lane: it has nothing to report)."""
+        drop report (only honoured for a round with every block on the reliable lane: it has nothing to report).
+        ``budget``: datagram bytes the unreliable lanes may carry (None: no limit); the unimportant blocks beyond it
+        are not sent and go straight into the error-feedback residual (``RoundPlan.unsent_blocks``)."""
         if layout.block != self.block:
             raise ValueError(f"layout block {layout.block} != sender block {self.block}")
         if flat.numel() != layout.numel:
@@ -202,6 +217,7 @@ class RoundSender:
         else:
             unimp = order.detach().to("cpu").numpy().astype(np.int64)
             unimp = unimp[cls_np[unimp] > 0]
+        unimp, unsent = split_budget(geom, unimp, isz, budget)
         common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=self.codec)
 
         reliable: list[tuple[bytes, memoryview]] = []
@@ -210,15 +226,26 @@ class RoundSender:
         begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, flags=quiet, **common)
         reliable.append((begin_hdr, memoryview(begin)))
         reliable += self._runs(raw, isz, dt, geom, important, common)
-        plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp))
+        plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp),
+                         unsent_blocks=len(unsent), cls=cls_np.astype(np.int8))
+        if len(unsent):
+            lanes, counts = np.unique(cls_np[unsent], return_counts=True)
+            plan.unsent_lanes = dict(zip(lanes.tolist(), counts.tolist()))
+            plan.unsent_bytes = int(geom.block_len[unsent].sum()) * isz
         for lane in range(1, self.lanes):
             blocks = unimp[cls_np[unimp] == lane]
             if len(blocks):
                 self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common)
         end = wire.encode_round_end(len(important), len(unimp), len(reliable) - 1, plan.unreliable_frames())
         reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
-        if self.error_feedback and len(unimp):
-            self._pending[(bucket, round)] = (flat, layout)
+        unsent_mask = None
+        if len(unsent):
+            unsent_mask = np.zeros(layout.nblocks, dtype=bool)
+            unsent_mask[unsent] = True
+            if self.error_feedback:
+                fold_blocks(self._residual_for(bucket, flat), flat, layout, torch.from_numpy(unsent))
+        if self.error_feedback and (len(unimp) or len(unsent)):
+            self._pending[(bucket, round)] = (flat, layout, unsent_mask)
             while len(self._pending) > self.max_pending:
                 self._pending.popitem(last=False)
                 self.unreported += 1

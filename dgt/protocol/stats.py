@@ -14,7 +14,7 @@ class LaneStats:
 
 @dataclass
 class RoundStats:
-    """Receiver-side account of one round. Invariant: important + unimportant_received + dropped == blocks."""
+    """Receiver-side account of one round. Invariant: important + unimportant_received + dropped + unsent == blocks."""
 
     sender: int = 0
     bucket: int = 0
@@ -22,7 +22,8 @@ class RoundStats:
     blocks: int = 0
     important: int = 0
     unimportant_received: int = 0
-    dropped: int = 0  # unimportant blocks missing (wholly or partly) at finalisation
+    dropped: int = 0  # unimportant blocks sent but missing (wholly or partly) at finalisation: lost
+    unsent: int = 0  # unimportant blocks the sender's send budget kept back (not announced in ROUND_END)
     partial: int = 0  # of the dropped blocks, those with some fragments in (zeroed)
     duplicated: int = 0  # frames whose data had already arrived
     rejected: int = 0  # frames that failed validation against the round (bad offsets, counts)
@@ -50,6 +51,8 @@ class ReceiverCounters:
     late: int = 0  # for rounds already finalised
     unknown: int = 0  # for rounds never announced and beyond the early buffer
     early_buffered: int = 0
+    early_expired: int = 0  # early-buffer entries dropped unreplayed after ``early_ttl``
+    early_refused: int = 0  # input refused by the early buffer's per-peer bound (``early_rounds_per_peer``)
     reasons: dict[str, int] = field(default_factory=dict)
 
     def reject(self, reason: str, n: int = 1) -> None:

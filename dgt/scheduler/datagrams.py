@@ -34,6 +34,8 @@ class DatagramJob:
     sent_bytes: int = 0
     abandoned: int = 0
     seq: int = 0
+    first_sent_at: float | None = None  # clock when its first datagram was handed to the kernel
+    last_sent_at: float | None = None  # ... and its last one so far (the congestion controller's delay samples)
 
     @property
     def total(self) -> int:
@@ -136,6 +138,9 @@ class DatagramScheduler:
         """One GSO send of rows; with the last rows also the odd-size tails (a handful), so a round's final
         datagrams leave together instead of one scheduling step later. Returns the bytes sent."""
         before = job.sent_bytes
+        if job.first_sent_at is None:
+            job.first_sent_at = now
+        job.last_sent_at = now
         chan = self.channels[job.lane]
         pacer = self.pacer_of(job.peer)
         if job.pos < len(job.rows):
@@ -158,3 +163,11 @@ class DatagramScheduler:
             job.sent += 1
             job.sent_bytes += len(dgram)
         return job.sent_bytes - before
+
+
+def sent_summary(jobs: list[DatagramJob]) -> tuple[int, int, float | None, float | None]:
+    """(datagrams, bytes, first send time, last send time) of a round's jobs so far."""
+    firsts = [j.first_sent_at for j in jobs if j.first_sent_at is not None]
+    lasts = [j.last_sent_at for j in jobs if j.last_sent_at is not None]
+    return (sum(j.sent for j in jobs), sum(j.sent_bytes for j in jobs), min(firsts) if firsts else None,
+            max(lasts) if lasts else None)

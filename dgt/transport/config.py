@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from dgt import wire
 from dgt.channels.duplex import NATIVE
 from dgt.channels.lanes import LaneSpec, default_lanes, validate_lanes
+from dgt.channels.ports import check_port_range, env_port_range
 from dgt.protocol.deadline import DeadlinePolicy, make_deadline
 
 
@@ -51,14 +52,21 @@ class TransportConfig:
 
     lanes: lane 0 the TCP lane, then UDP lanes in descending importance (block class k goes to lane k).
     datagram_payload: UDP payload bytes per datagram (fits a 1500-byte MTU; raise it on loopback or jumbo links).
-    pace_rate: bytes/s per peer over all unreliable lanes (None: unpaced unless adaptive).
-    adaptive_pacing: move the rate with the loss that drop reports show, starting at pace_rate or pace_start.
+    pace_rate: bytes/s per peer over all unreliable lanes: fixed without congestion_control, the ceiling with it.
+    congestion_control: a less-than-best-effort controller per peer (dgt.protocol.congestion: LEDBAT-like, queuing
+        delay target ``cc_target`` seconds, back-off on loss) sets the unreliable lanes' rate from the drop reports,
+        starting at pace_start within [pace_min, pace_max] (pace_max capped by pace_rate), and a send budget
+        (dgt.protocol.budget) keeps back the unimportant blocks that rate cannot deliver before the round's expected
+        close: they go into error feedback as ``unsent``. False: the behaviour before (unpaced, or paced at a fixed
+        pace_rate; every unimportant block sent).
     deadline: "adaptive", "fixed:SECONDS", seconds, or a DeadlinePolicy.
     peer_timeout: silence after which a peer counts as gone; pending operations then fail with PeerTimeout.
     drop_fraction: test hook: the receiver discards this fraction of arriving datagrams (seeded by drop_seed).
     check_source: drop datagrams not sent from a connected peer's lane socket.
     stream_hops: how lossless ring hops run on stream lanes (dgt.transport.streams): "auto" (the native loop when
         it was built, else the Python one), "native", "python", or "off" (on the session link, as BULK frames).
+    port_range: (LO, HI): bind the TCP listener and the UDP lane sockets to free ports in this range (firewalled
+        clusters); None: any port. Default: the DGT_PORT_RANGE environment variable ("30000-30999"), else None.
     hop_threads: threads per native stream hop: 1 (send and receive in one loop) or 2 (the send half on a second
         thread, so the kernel's two copies of a hop run on two cores); 0 = auto (see :meth:`hop_thread_count`).
     """
@@ -66,13 +74,18 @@ class TransportConfig:
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
     datagram_payload: int = 1400
     pace_rate: float | None = None
-    adaptive_pacing: bool = False
-    pace_start: float = 100e6
-    pace_min: float = 1e6
+    congestion_control: bool = True
+    cc_target: float = 0.010
+    pace_start: float = 12.5e6
+    pace_min: float = 10e3
     pace_max: float = 10e9
     pace_burst: int = 256 << 10
     deadline: str | float | DeadlinePolicy = "adaptive"
     peer_timeout: float = 10.0
+    # session secret (else DGT_SECRET / DGT_SECRET_FILE, else derived from the token): never printed or exported
+    secret: bytes | str | None = field(default=None, repr=False)
+    max_pending_handshakes: int = 64  # accepted connections not yet authenticated; more are closed at once
+    round_timeout: float = 600.0  # the longest a receive waits for a live peer's round (ranks may be out of step)
     connect_timeout: float | None = None  # default: peer_timeout
     heartbeat: float | None = None  # default: peer_timeout / 4
     gso: bool = True
@@ -93,13 +106,14 @@ class TransportConfig:
     stream_hops: str = "auto"
     hop_threads: int = 0
     limits: wire.Limits = field(default_factory=lambda: wire.DEFAULT_LIMITS)
+    port_range: tuple[int, int] | None = field(default_factory=env_port_range)
 
     def __post_init__(self) -> None:
         self.lanes = validate_lanes([ln if isinstance(ln, LaneSpec) else LaneSpec.parse(ln) for ln in self.lanes])
         if not 0.0 <= self.drop_fraction <= 1.0:
             raise ValueError("drop_fraction must be in [0, 1]")
-        if self.peer_timeout <= 0:
-            raise ValueError("peer_timeout must be positive")
+        if self.peer_timeout <= 0 or self.round_timeout <= 0:
+            raise ValueError("peer_timeout and round_timeout must be positive")
         if self.datagram_payload < 16 or self.datagram_payload > 65000:
             raise ValueError("datagram_payload must be in [16, 65000] bytes")
         make_deadline(self.deadline)  # fail early on a bad spec
@@ -107,6 +121,7 @@ class TransportConfig:
             raise ValueError("stream_hops must be auto, native, python or off")
         if self.stream_hops == "native" and not NATIVE:
             raise ValueError("stream_hops='native': dgt was installed without its native hop loop (no C compiler)")
+        self.port_range = check_port_range(self.port_range)
         if self.hop_threads not in (0, 1, 2):
             raise ValueError("hop_threads must be 0 (auto), 1 or 2")
 
@@ -128,7 +143,8 @@ class TransportConfig:
         return make_deadline(self.deadline)
 
     def to_dict(self) -> dict:
-        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in ("lanes", "limits", "deadline")}
+        skip = ("lanes", "limits", "deadline", "secret")
+        d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["lanes"] = [ln.to_dict() for ln in self.lanes]
         d["deadline"] = self.deadline if isinstance(self.deadline, (str, int, float)) else repr(self.deadline)
         return d

@@ -11,9 +11,12 @@ from dgt.wire import FrameType
 
 HELLO = "hello"  # dialer -> acceptor: rank, address, lanes
 WELCOME = "welcome"  # acceptor -> dialer: accepted
+CHALLENGE = "challenge"  # acceptor -> dialer: its nonce and its proof (dgt.transport.auth)
+AUTH = "auth"  # dialer -> acceptor: the dialer's proof
 REFUSE = "refuse"  # acceptor -> dialer: why not
 PING = "ping"
 BYE = "bye"  # the sender is closing its endpoint on purpose
+ABORT = "abort"  # the sender's collective failed for a reason every rank must see (a RankMismatch): ``why``
 STALE = "stale"  # receiver -> sender: that round is ignored (key closed already, or refused by the limits)
 
 

@@ -9,6 +9,7 @@ feeds ``trio.current_time()`` and routes the events.
 
 from __future__ import annotations
 
+import errno
 from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -20,30 +21,40 @@ import trio
 
 from dgt import wire
 from dgt.channels.framing import KEEP, FrameReader
-from dgt.channels.pacing import AdaptiveRate, Pacer
+from dgt.channels.pacing import Pacer
+from dgt.channels.ports import bind_in_range
 from dgt.channels.sockopts import canonical_host, get_dscp, get_priority
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, WireError, one_error
+from dgt.errors import (
+    InputRejected,
+    PeerClosed,
+    PeerTimeout,
+    ProtocolError,
+    RankMismatch,
+    WireError,
+    one_error,
+)
 from dgt.layout import BucketLayout
+from dgt.protocol.budget import RoundWindow
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
-from dgt.protocol.datagram_rows import DatagramRows
+from dgt.protocol.congestion import Feedback, LedbatRate
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 from dgt.protocol.stats import LaneStats as RoundLaneStats
 from dgt.protocol.stats import RoundStats
-from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
+from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler, sent_summary
 from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
 from dgt.scheduler.slot import Slot
-from dgt.transport import control
+from dgt.transport import auth, control
+from dgt.transport.checks import check_classes
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
 from dgt.transport.streams import Hop, HopResult, StreamHub
 from dgt.wire import Flags, FrameType
 
 BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
-_BLOCK_FIELD = slice(28, 32)  # byte range of the big-endian block index inside a 48-byte header
 
 
 @dataclass
@@ -63,6 +74,7 @@ class _Link:
     last_ping: float = 0.0
     said_bye: bool = False
     dirty: set[int] = field(default_factory=set)  # buckets whose residual holds folded losses
+    window: RoundWindow = field(default_factory=RoundWindow)  # expected round length, for the send budget
 
 
 @dataclass
@@ -72,6 +84,8 @@ class _SendTrack:
     report: Slot = field(default_factory=Slot)
     jobs: list[DatagramJob] = field(default_factory=list)
     detached: bool = False  # send_round returned without waiting for the report
+    t0: float = 0.0  # when the round started (the send budget learns the round's length from its report)
+    cls: np.ndarray | None = None  # lane class per block (per-lane loss accounting)
 
 
 class PendingSend:
@@ -117,14 +131,14 @@ class Endpoint:
         self.receiver = RoundReceiver(
             self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), allocator=self._allocate
         )
-        self.listener = TcpListener(host, c.lanes[0])
+        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
         self.udp: dict[int, UdpChannel] = {}
         try:
             for lane in range(1, len(c.lanes)):
-                self.udp[lane] = UdpChannel(
+                self.udp[lane] = bind_in_range(lambda p, lane=lane: UdpChannel(
                     host, c.lanes[lane], gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                    max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes,
-                )  # fmt: skip
+                    max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p,
+                ), c.port_range, f"UDP lane {lane}")  # fmt: skip
         except BaseException:
             self._close_sockets()
             raise
@@ -143,6 +157,8 @@ class Endpoint:
         self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
         self._rx_dropped_hook: dict[int, int] = dict.fromkeys(self.udp, 0)
         self._tx_abandoned: dict[int, int] = dict.fromkeys(self.udp, 0)
+        self._tx_unsent: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks the send budget kept back
+        self._tx_lost: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks sent that the peers reported missing
         self._stats = TransportStats(self.rank, [])
         self._lane_delivered: dict[int, list[int]] = {}
         self.scheduler = DatagramScheduler(self.udp, self._round_closed, self._pacer_of)
@@ -152,6 +168,10 @@ class Endpoint:
         self._stopped = trio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
+        self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
+        self._handshakes = 0  # accepted connections whose handshake is under way (capped)
+        self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
+        self._aborted = trio.Event()
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count())
@@ -238,6 +258,20 @@ class Endpoint:
         self._stop.set()
         await self._stopped.wait()
 
+    async def aborted(self, within: float) -> RankMismatch | None:
+        """The mismatch a peer reported (control ABORT), waiting up to ``within`` s for one; None if none came."""
+        with trio.move_on_after(within):
+            await self._aborted.wait()
+        return self._abort
+
+    def abort_peers(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed for ``why`` (queued, no waiting): their
+        pending operations on this rank fail with :class:`RankMismatch` carrying it, instead of waiting for a round
+        that will never come."""
+        for ln in self._links.values():
+            if ln.error is None:
+                ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why[:2000])])
+
     def _teardown(self, error: BaseException) -> None:
         self._closing = True
         for rank in list(self._links):
@@ -312,15 +346,19 @@ class Endpoint:
                 sock = await dial(host, port, self.cfg.lanes[0], timeout)
                 chan = self._tcp_channel(sock, rank)
                 try:
+                    dn = auth.nonce()
                     hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), **fields)
+                                            lanes=len(self.udp), nonce=dn, **fields)
                     await chan.send_buffers([hello])
-                    head = bytearray(wire.HEADER_SIZE)
-                    await chan.recv_exactly(memoryview(head))
-                    h = wire.decode_header(head, self.cfg.limits, self.token)
-                    body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
-                    await chan.recv_exactly(memoryview(body))
-                    peer, msg = control.parse(bytes(head + body), self.cfg.limits)
+                    peer, msg = await self._read_control(chan)
+                    if msg["op"] == control.CHALLENGE and peer == rank:
+                        an, why = str(msg.get("nonce", "")), auth.purpose(fields)
+                        if not auth.verify(self._key, msg.get("proof"), "acceptor", rank, self.rank, dn, an, why):
+                            raise ProtocolError(f"rank {self.rank}: rank {rank} could not prove the session key "
+                                                f"for {what or 'the session'} (another DGT_SECRET?)")
+                        mine = auth.proof(self._key, "dialer", self.rank, rank, dn, an, why)
+                        await chan.send_buffers([control.control(self.token, self.rank, control.AUTH, proof=mine)])
+                        peer, msg = await self._read_control(chan)
                     if msg["op"] != control.WELCOME or peer != rank:
                         raise ProtocolError(f"rank {rank} refused {what or 'the session'}: {msg.get('why', msg['op'])}")
                 except PeerClosed:
@@ -334,6 +372,30 @@ class Endpoint:
             why = f"rank {self.rank}: rank {rank} did not accept {what + ' ' if what else ''}within {timeout:g} s"
             raise PeerTimeout(why) from None
         return chan
+
+    async def _read_control(self, chan: TcpChannel) -> tuple[int, dict]:
+        """One CONTROL frame, read exactly (never past it: a stream lane's first message may follow right behind)."""
+        head = bytearray(wire.HEADER_SIZE)
+        await chan.recv_exactly(memoryview(head))
+        h = wire.decode_header(head, self.cfg.limits, self.token)
+        body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
+        await chan.recv_exactly(memoryview(body))
+        return control.parse(bytes(head + body), self.cfg.limits)
+
+    async def _challenge(self, chan: TcpChannel, reader: FrameReader, rank: int, msg: dict) -> str | None:
+        """The acceptor's half of the challenge-response (dgt.transport.auth): prove the key to the dialer, then
+        check its proof. Why the dialer is refused, or None when it proved the key for the rank it claims."""
+        dn, an, why = msg.get("nonce"), auth.nonce(), auth.purpose(msg)
+        if not isinstance(dn, str) or len(dn) != 2 * auth.NONCE_BYTES:
+            return "no valid nonce in the hello"
+        mine = auth.proof(self._key, "acceptor", self.rank, rank, dn, an, why)
+        await chan.send_buffers([control.control(self.token, self.rank, control.CHALLENGE, nonce=an, proof=mine)])
+        rf = await reader.next(lambda h: KEEP)
+        peer, answer = control.parse(rf.frame, self.cfg.limits)
+        if peer != rank or answer["op"] != control.AUTH or \
+                not auth.verify(self._key, answer.get("proof"), "dialer", rank, self.rank, dn, an, why):
+            return "authentication failed"
+        return None
 
     def _link_error(self, rank: int) -> BaseException | None:
         """Why the session link to ``rank`` is unusable (None: it is live)."""
@@ -351,12 +413,32 @@ class Endpoint:
             raise PeerTimeout(f"rank {self.rank}: rank {rank} did not connect within {timeout:g} s") from None
 
     async def _accept_loop(self) -> None:
+        """Accept dialers. Accept errors (EMFILE, ENFILE, ENOBUFS...) are counted (``accept:<errno>``) and
+        survived with a short back-off; beyond ``max_pending_handshakes`` unfinished handshakes a new connection is
+        closed at once (``handshake-cap``), so silent connections cannot exhaust memory or descriptors."""
         while True:
-            sock = await self.listener.accept()
+            try:
+                sock = await self.listener.accept()
+            except OSError as exc:
+                self.receiver.counters.reject(f"accept:{errno.errorcode.get(exc.errno or 0, exc.errno)}")
+                await trio.sleep(0.05)  # the listener stays readable while the limit holds: do not spin
+                continue
+            if self._handshakes >= self.cfg.max_pending_handshakes:
+                self.receiver.counters.reject("handshake-cap")
+                sock.close()
+                continue
+            self._handshakes += 1
             self._nursery.start_soon(self._handshake_in, sock)
 
     async def _handshake_in(self, sock) -> None:
-        """Validate a dialer's hello (token, rank, lanes) within the connect timeout; welcome or refuse it."""
+        """Validate a dialer's hello (token, rank, lanes, proof of the key) within the connect timeout; welcome or
+        refuse it."""
+        try:
+            await self._handshake(sock)
+        finally:
+            self._handshakes -= 1
+
+    async def _handshake(self, sock) -> None:
         chan = self._tcp_channel(sock, -1)
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
         try:
@@ -365,6 +447,13 @@ class Endpoint:
                 rf = await reader.next(lambda h: KEEP)
                 rank, msg = control.parse(rf.frame, self.cfg.limits)
                 why = None
+                if msg["op"] == control.HELLO:
+                    why = await self._challenge(chan, reader, rank, msg)
+                    if why is not None:
+                        self.receiver.counters.reject("auth")
+                        await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
+                        chan.close()
+                        return
                 if msg["op"] == control.HELLO and msg.get("stream"):
                     direction = msg.get("direction", 0)
                     why = self.streams.refusal(rank, direction)
@@ -415,9 +504,10 @@ class Endpoint:
             self._sources[(host, p)] = rank
         pacer = None
         now = trio.current_time()
-        if c.adaptive_pacing:
-            start = c.pace_rate or c.pace_start
-            pacer = Pacer(start, c.pace_burst, AdaptiveRate(start, c.pace_min, c.pace_max), now)
+        if c.congestion_control:
+            top = min(c.pace_max, c.pace_rate or c.pace_max)  # a configured pace_rate is the start and the ceiling
+            cc = LedbatRate(min(c.pace_start, top), min(c.pace_min, top), top, target=c.cc_target)
+            pacer = Pacer(cc.rate, c.pace_burst, cc, now)
         elif c.pace_rate:
             pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
         sender = RoundSender(
@@ -475,8 +565,18 @@ class Endpoint:
         self.streams.abort(rank, error, graceful=link.said_bye)
         self._link_ready.pop(rank, None)
 
+    def _fail_pending(self, rank: int, error: BaseException) -> None:
+        """Fail what waits on ``rank`` (receives, drop reports, stream hops) without closing its session link."""
+        for key in [k for k in self._recv_waiters if k[0] == rank]:
+            self._recv_waiters.pop(key).fail(error)
+        for key in [k for k in self._sending if k[0] == rank]:
+            self._sending[key].report.fail(error)
+        self.streams.abort(rank, error)
+
     def _link(self, peer: int) -> _Link:
         self._check_open()
+        if self._abort is not None:
+            raise self._abort.with_traceback(None)
         link = self._links.get(peer)
         if link is None:
             raise ValueError(f"rank {self.rank} is not connected to rank {peer}; call connect() first")
@@ -541,7 +641,7 @@ class Endpoint:
                 if begin:
                     why = "already closed" if key in recv.closed else None
                     self._opened[key] = now
-                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds:
+                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
                     before = dict(recv.counters.reasons)
                 events = recv.receive_bytes(rf.frame, 0, now)
@@ -569,6 +669,19 @@ class Endpoint:
             return
         if msg["op"] == control.BYE:
             link.said_bye = True  # the connection's end follows; pending operations fail as "closed its endpoint"
+        elif msg["op"] == control.ABORT:
+            # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
+            # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
+            error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
+            if self._abort is None:
+                self._abort = error
+                self._aborted.set()
+            self._fail_peer(link.rank, error)
+            # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
+            # show them a closed connection instead of its reason); what waits on them fails now, and new
+            # operations raise the mismatch (_link)
+            for rank in list(self._links):
+                self._fail_pending(rank, error)
         elif msg["op"] == control.STALE:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
@@ -694,9 +807,7 @@ class Endpoint:
             return
         track = self._sending.get((peer, frame.bucket, frame.round))
         if track is not None:
-            if link.pacer is not None and track.jobs:
-                sent, lost = self._loss_of(track, frame)
-                link.pacer.on_report(sent, lost)
+            self._account_report(link, track, info)
             track.report.set(info)
             if track.detached:
                 del self._sending[(peer, frame.bucket, frame.round)]
@@ -704,29 +815,19 @@ class Endpoint:
             link.dirty.add(frame.bucket)
         self.scheduler.poke()
 
-    @staticmethod
-    def _loss_of(track: _SendTrack, frame: wire.Frame) -> tuple[int, int]:
-        """Unimportant blocks wholly sent before the report, and how many of those the receiver missed."""
-        nb = frame.count
-        if len(frame.payload) * 8 < nb:
-            return 0, 0
-        got = np.unpackbits(np.frombuffer(frame.payload, np.uint8), count=nb).astype(bool)
-        sent_blocks = []
-        for job in track.jobs:
-            rows = job.rows[: job.pos]
-            if len(rows) == 0:
-                continue
-            hdr = job.rows.headers if isinstance(job.rows, DatagramRows) else job.rows  # header bytes lead each row
-            blk = np.ascontiguousarray(hdr[: job.pos, _BLOCK_FIELD]).view(">u4").reshape(-1).astype(np.int64)
-            if job.pos < len(job.rows):  # the block being sent when the report came is not wholly sent
-                cut = int(np.ascontiguousarray(hdr[job.pos, _BLOCK_FIELD]).view(">u4")[0])
-                blk = blk[blk != cut]
-            sent_blocks.append(blk)
-        if not sent_blocks:
-            return 0, 0
-        blocks = np.unique(np.concatenate(sent_blocks))
-        blocks = blocks[blocks < nb]
-        return len(blocks), int((~got[blocks]).sum())
+    def _account_report(self, link: _Link, track: _SendTrack, info) -> None:
+        """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
+        if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
+            lanes, counts = np.unique(track.cls[info.lost_mask], return_counts=True)
+            for lane, n in zip(lanes.tolist(), counts.tolist()):
+                self._tx_lost[lane] = self._tx_lost.get(lane, 0) + n
+        if link.pacer is None or link.pacer.cc is None or info.timing is None or not track.jobs:
+            return
+        now = trio.current_time()
+        t = info.timing
+        n, nbytes, first, last = sent_summary(track.jobs)
+        link.pacer.on_feedback(Feedback(n, nbytes, t.datagrams, t.nbytes, first, last, t.first, t.last, t.wait), now)
+        link.window.observe(now - track.t0, t.wait)
 
     # ------------------------------------------------------------------------------------------------ sending
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
@@ -776,6 +877,9 @@ class Endpoint:
         layout = layout or self._layout(flat.numel())
         if layout.block != self.cfg.block:
             raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
+        if flat.numel() != layout.numel:
+            raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
+        check_classes(cls, order, layout)
         key = (peer, bucket, round)
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
@@ -787,10 +891,18 @@ class Endpoint:
         link.dirty.discard(bucket)
         data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet)
+        budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
+        if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
+            budget = link.window.budget(link.pacer.rate)
+        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
-                          len(plan.reliable), plan.reliable_bytes, copied=copy)  # fmt: skip
-        track = self._sending[key] = _SendTrack()
+                          len(plan.reliable), plan.reliable_bytes, copied=copy,
+                          unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
+        for lane, n in plan.unsent_lanes.items():
+            self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
+        if plan.unsent_blocks and self.cfg.error_feedback:
+            link.dirty.add(bucket)  # the blocks kept back are in the residual: the next round adds it
+        track = self._sending[key] = _SendTrack(t0=t0, cls=plan.cls)
         finished = False
         try:
             with trio.fail_after(timeout) if timeout else nullcontext():
@@ -886,7 +998,7 @@ class Endpoint:
         if key in self._results or key in self.receiver.rounds or key in self.receiver.closed or key in self.bulk.open:
             return  # already open or done: too late to land in place
         self._out[key] = out
-        while len(self._out) > 4 * self.cfg.limits.max_open_rounds:
+        while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
             self._out.popitem(last=False)
 
     async def recv_round(
@@ -901,7 +1013,8 @@ class Endpoint:
         """The round ``round`` of ``bucket`` from ``peer`` once it closed (complete, or by its deadline once all
         important blocks were in). Rounds that closed before the call are buffered and returned at once. With
         ``out`` (called before the round opens), the data is reassembled straight into ``out``; otherwise it is
-        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``."""
+        copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``
+        (default: the config's ``round_timeout``, so no receive waits unbounded)."""
         key = (peer, bucket, round)
         res = self._results.pop(key, None)
         if res is None:
@@ -912,6 +1025,7 @@ class Endpoint:
             if out is not None and key not in self.receiver.rounds and key not in self.bulk.open:
                 self._out[key] = out
             try:
+                timeout = timeout or self.cfg.round_timeout
                 with trio.fail_after(timeout) if timeout else nullcontext():
                     res = await slot.wait()
             except trio.TooSlowError:
@@ -925,8 +1039,9 @@ class Endpoint:
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
             if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
-                raise ValueError(f"out has {out.numel()} x {out.dtype}, the round {res.data.numel()} x "
-                                 f"{res.data.dtype}")  # fmt: skip
+                raise RankMismatch(f"rank {self.rank}: round {round} of bucket {bucket} from rank {peer} holds "
+                                   f"{res.data.numel()} x {res.data.dtype}, this rank expects {out.numel()} x "
+                                   f"{out.dtype}: the ranks called the collective with different sizes or dtypes")
             out.view(-1).copy_(res.data)
             res.data = out
             self._stats.rounds_copied += 1
@@ -1013,7 +1128,8 @@ class Endpoint:
             lanes.append(LaneStats(
                 lane, spec.name, spec.kind, spec.dscp, spec.so_priority,
                 tx_bytes=cc.tx_bytes, tx_frames=cc.tx_datagrams, tx_calls=cc.tx_calls, tx_gso_calls=cc.tx_gso_calls,
-                tx_abandoned=self._tx_abandoned.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
+                tx_abandoned=self._tx_abandoned.get(lane, 0), tx_unsent_blocks=self._tx_unsent.get(lane, 0),
+                tx_lost_blocks=self._tx_lost.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
                 rx_frames=cc.rx_datagrams, rx_calls=cc.rx_calls, rx_gro_reads=cc.rx_gro_reads,
                 rx_dropped_hook=self._rx_dropped_hook.get(lane, 0), rx_unknown_source=cc.rx_unknown_source,
                 rx_truncated=cc.rx_truncated, rx_kernel_drops=ch.kernel_drops(), gso=ch.gso, gro=ch.gro,

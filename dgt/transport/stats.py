@@ -57,7 +57,9 @@ class SendStats:
     datagram_bytes: dict[int, int] = field(default_factory=dict)
     abandoned: dict[int, int] = field(default_factory=dict)  # lane -> datagrams not sent: the round had closed
     report: bool = False  # the receiver's drop report arrived
-    lost_blocks: int = 0  # blocks the receiver missed (from the drop report)
+    lost_blocks: int = 0  # blocks sent that the receiver missed (from the drop report)
+    unsent_blocks: int = 0  # unimportant blocks the send budget kept back (into error feedback, not lost)
+    unsent_bytes: int = 0  # their payload bytes
     folded_elems: int = 0  # elements folded into the error-feedback residual
     copied: bool = False  # the bucket was copied (error-feedback residual added)
     elapsed: float = 0.0
@@ -87,6 +89,8 @@ class LaneStats:
     tx_calls: int = 0
     tx_gso_calls: int = 0
     tx_abandoned: int = 0  # datagrams never sent because their round had closed
+    tx_unsent_blocks: int = 0  # unimportant blocks the send budget kept back (error feedback carries them)
+    tx_lost_blocks: int = 0  # unimportant blocks sent on this lane that the receivers reported missing
     tx_errors: int = 0
     rx_bytes: int = 0
     rx_frames: int = 0

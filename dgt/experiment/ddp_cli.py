@@ -1,0 +1,79 @@
+"""``dgt experiment ddp``: the command line of the DDP drop-in comparison."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+
+from dgt.experiment.config import NetworkConfig
+from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig
+
+
+def ddp(args: argparse.Namespace) -> int:
+    from dgt.experiment.console import Reporter
+    from dgt.experiment.ddp_report import arm_row
+    from dgt.experiment.ddp_runner import run_ddp
+
+    base = DDPConfig()
+    net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit, prefix=base.network.prefix)
+    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+    cfg = DDPConfig(arms=arms, profile=args.profile, model=args.model, workers=args.workers, batch=args.batch,
+                    lr=args.lr, seed=args.seed, target=args.target, eval_every=args.eval_every,
+                    max_iters=args.max_iters, max_time=args.max_time, network=net, out_dir=args.out,
+                    plots=not args.no_plots)
+    ui = Reporter()
+    via_dgt = os.path.basename(sys.argv[0]) in ("dgt", "__main__.py")
+    command = shlex.join(["dgt", *sys.argv[1:]]) if via_dgt else None
+    me = os.getpid()  # SIGTERM unwinds like Ctrl-C so namespaces are removed (see cli._run)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143) if os.getpid() == me else os._exit(143))
+    try:
+        results = run_ddp(cfg, ui, command=command)
+    except RuntimeError as exc:  # the network cannot be built (--network netem without root); arms fail on their own
+        ui.note(f"[red]error:[/red] {exc}")
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    if results.get("skipped"):
+        ui.note(results["skipped"])
+        return 0
+    for r in results["runs"]:
+        print(arm_row(r, results["ratios"].get(r["arm"], {})))
+    ui.note(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md")
+    if args.json:
+        print(json.dumps(results["ratios"], indent=1))
+    return 1 if any("error" in r for r in results["runs"]) else 0
+
+
+def add_ddp_parser(esub: argparse._SubParsersAction) -> None:
+    base = DDPConfig()
+    p = esub.add_parser(
+        "ddp", help="a plain DDP trainer: Gloo vs fp16 vs PowerSGD vs the DGT hook and backend, on one network profile",
+        description="Train the same model, data and seed with torch DistributedDataParallel in K processes (each in "
+        "its own emulated host, env:// rendezvous as under torchrun), once per arm: " + "; ".join(
+            f"{a}: {d}" for a, d in ARMS.items()) + ". Report time to target, steps, step time, bytes, drops.",
+    )
+    p.add_argument("--profile", choices=list(PROFILES), default=base.profile,
+                   help="; ".join(f"{k}: {v}" for k, v in PROFILES.items()).replace("%", "%%")
+                   + " (default: %(default)s)")
+    p.add_argument("--arms", default=",".join(base.arms), help="comma-separated (default: %(default)s)")
+    p.add_argument("--network", choices=["auto", "netem", "loopback"], default="auto",
+                   help="netem (root), loopback (nothing shaped), auto: netem when it works (default: %(default)s)")
+    p.add_argument("--rate", default=base.network.rate, help="every host link, tc units (default: %(default)s)")
+    p.add_argument("--queue-limit", type=int, default=base.network.queue_limit, help="packets (default: %(default)s)")
+    p.add_argument("--model", default=base.model, help="alexnet or vgg11 (default: %(default)s)")
+    p.add_argument("--workers", type=int, default=base.workers, help="K (default: %(default)s)")
+    p.add_argument("--target", type=float, default=base.target, help="test accuracy (default: %(default)s)")
+    p.add_argument("--max-iters", type=int, default=base.max_iters, help="per arm (default: %(default)s)")
+    p.add_argument("--max-time", type=float, default=base.max_time, help="training s per arm (default: %(default)s)")
+    p.add_argument("--eval-every", type=int, default=base.eval_every, help="steps (default: %(default)s)")
+    p.add_argument("--batch", type=int, default=base.batch, help="per worker (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=base.lr, help="SGD (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=base.seed, help="(default: %(default)s)")
+    p.add_argument("--out", default=base.out_dir, help="output directory (default: %(default)s)")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the ratios against Gloo as JSON at the end")
+    p.set_defaults(func=ddp)

@@ -1,0 +1,136 @@
+"""What `dgt experiment ddp` is: the arms (what a user's DDP trainer can switch on), the network profiles, the
+training setup, and the spec one arm's worker processes get (as JSON)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields, replace
+from typing import Any
+
+from dgt.experiment.config import NetworkConfig
+
+# arm -> what it is (the report prints this)
+ARMS: dict[str, str] = {
+    "gloo": "torch DDP on Gloo, no hook (the reference)",
+    "fp16": "Gloo + torch's default_hooks.fp16_compress_hook",
+    "powersgd": "Gloo + torch's powerSGD_hook, PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=10, "
+                "use_error_feedback=True, warm_start=True) (PyTorch's recommended settings, rank 1)",
+    "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
+    "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
+    "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
+                     "feeds DGT's p = p0 * loss_t / loss_0; without it p stays 1 and nothing is dropped)",
+}
+
+# profile -> (what it is, how its network differs from the `priority` one)
+PROFILES: dict[str, str] = {
+    "priority": "every host link shaped, DSCP priority classes honoured (EF > AF > BE > LE)",
+    "fifo": "every host link shaped, one FIFO queue per link, DSCP bleached (most cloud networks)",
+    "cross": "fifo + TCP cross traffic at half the link rate from an extra host into host 0's link",
+    "lossy": "fifo + 1 % random loss per link direction",
+    "wan": "fifo + 20 ms delay and 0.5 % loss per link direction (needs a delay line)",
+}
+
+
+def rate_half(rate: str) -> str:
+    """Half of a tc rate, as bit/s."""
+    from dgt.netem.spec import parse_rate
+
+    bps = parse_rate(rate)
+    if bps is None:
+        raise ValueError(f"bad rate {rate!r}")
+    return f"{int(bps // 2)}bit"
+
+
+def profile_network(profile: str, base: NetworkConfig) -> NetworkConfig:
+    """The network of ``profile``, starting from ``base`` (mode, rate, queue limit, prefix)."""
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; known: {', '.join(PROFILES)}")
+    common = dict(cross_traffic=None, loss=0.0, delay=None)
+    if profile == "priority":
+        return replace(base, priority=True, **common)
+    net = replace(base, priority=False, **common)
+    if profile == "cross":
+        return replace(net, cross_traffic=rate_half(base.rate), cross_proto="tcp", cross_dscp=0)
+    if profile == "lossy":
+        return replace(net, loss=0.01)
+    if profile == "wan":
+        return replace(net, delay="20ms", loss=0.005)
+    return net
+
+
+@dataclass
+class DDPConfig:
+    """One `dgt experiment ddp` run: every arm, one profile."""
+
+    arms: list[str] = field(default_factory=lambda: list(ARMS))
+    profile: str = "priority"
+    model: str = "alexnet"
+    dataset: str = "digits"
+    data_dir: str | None = None
+    width: int = 1
+    workers: int = 4
+    batch: int = 32
+    lr: float = 0.1
+    momentum: float = 0.0
+    seed: int = 0
+    target: float = 0.97
+    eval_every: int = 2
+    max_iters: int = 300
+    max_time: float = 150.0  # training seconds (evaluation excluded) per arm
+    network: NetworkConfig = field(default_factory=lambda: NetworkConfig(prefix="dgtd"))
+    out_dir: str = "dgt-ddp"
+    plots: bool = True
+
+    def __post_init__(self) -> None:
+        if self.workers < 2:
+            raise ValueError("need at least 2 workers")
+        unknown = [a for a in self.arms if a not in ARMS]
+        if unknown or not self.arms:
+            raise ValueError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError("target accuracy must be in (0, 1]")
+        if self.eval_every < 1 or self.max_iters < 1 or self.max_time <= 0:
+            raise ValueError("eval_every, max_iters and max_time must be positive")
+
+    def spec(self, arm: str, out_dir: str, wire_if: str | None = None) -> DDPSpec:
+        return DDPSpec(arm=arm, model=self.model, dataset=self.dataset, data_dir=self.data_dir, width=self.width,
+                       workers=self.workers, batch=self.batch, lr=self.lr, momentum=self.momentum, seed=self.seed,
+                       target=self.target, eval_every=self.eval_every, max_iters=self.max_iters,
+                       max_time=self.max_time, out_dir=out_dir, wire_if=wire_if)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class DDPSpec:
+    """What every worker process of one arm gets."""
+
+    arm: str
+    model: str
+    dataset: str
+    data_dir: str | None
+    width: int
+    workers: int
+    batch: int
+    lr: float
+    momentum: float
+    seed: int
+    target: float
+    eval_every: int
+    max_iters: int
+    max_time: float
+    out_dir: str
+    wire_if: str | None = None  # the interface whose counters are this rank's own (netem: eth0; loopback: none)
+    pace_rate: float | None = None  # set by launch(); the DDP worker does not pace (Gloo's sockets are torch's)
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> DDPSpec:
+        data = json.loads(text)
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})

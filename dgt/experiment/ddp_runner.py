@@ -1,0 +1,193 @@
+"""`dgt experiment ddp` end to end: each arm trains the same model, data and seed with a plain DDP trainer in K
+processes on the profile's network; summarise each arm, compare with Gloo, write results.json, report.md and the
+accuracy-vs-time plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from dgt.experiment.console import Reporter
+from dgt.experiment.data import load_dataset
+from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig, profile_network
+from dgt.experiment.launch import RunFailed, launch
+from dgt.experiment.models import build_model, describe
+from dgt.experiment.network import Network, resolve_mode
+
+
+def hard_timeout(cfg: DDPConfig) -> float:
+    return 2.0 * cfg.max_time + 180.0
+
+
+def profile_unsupported(cfg: DDPConfig, mode: str) -> str | None:
+    """Why the profile's network cannot be built here (None: it can). Asks the topology itself, so a delay line
+    that does not need sch_netem makes `wan` run as soon as the topology supports it."""
+    if mode != "netem":
+        return None
+    net = cfg.network
+    if not (net.delay or net.loss):
+        return None
+    from dgt.errors import EmulationUnsupported
+    from dgt.netem import Topology
+
+    topo = Topology(hosts=2, rate=net.rate, limit=net.queue_limit, priority=net.priority, loss=net.loss or None,
+                    delay=net.delay, prefix=net.prefix)
+    try:
+        topo._check_kernel()
+    except EmulationUnsupported as exc:
+        return str(exc)
+    return None
+
+
+def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | None = None) -> dict[str, Any]:
+    """Run every arm of ``cfg``; returns the results dict also written to ``cfg.out_dir/results.json``."""
+    ui = reporter or Reporter(quiet=True)
+    cfg = replace(cfg, network=profile_network(cfg.profile, cfg.network))
+    mode, why = resolve_mode(cfg.network)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+    net_desc = Network(cfg.network, cfg.workers, mode).describe() if mode == "netem" else (
+        "loopback: all ranks on 127.0.0.1, nothing shaped (torch's Gloo sockets cannot be paced from outside), "
+        f"so the {cfg.profile!r} profile is NOT emulated; run as root for the netem profiles")
+    results: dict[str, Any] = {
+        "experiment": "ddp", "command": command, "config": cfg.to_dict(), "profile": cfg.profile,
+        "profile_description": PROFILES[cfg.profile],
+        "network": {"mode": mode, "why_not_netem": why, "description": net_desc},
+        "dataset": data.describe(), "model": describe(build_model(cfg.model, data.shape, data.num_classes, cfg.width)),
+        "arms": {a: ARMS[a] for a in cfg.arms},
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "platform": platform.platform()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [], "ratios": {},
+    }
+    ui.note(f"[bold]profile {cfg.profile}:[/bold] {net_desc}")
+    skipped = profile_unsupported(cfg, mode)
+    if skipped:
+        results["skipped"] = f"profile {cfg.profile!r} needs what this kernel lacks: {skipped}"
+        ui.note(f"[yellow]skipped:[/yellow] {results['skipped']}")
+    t0 = time.monotonic()
+    for i, arm in enumerate([] if skipped else cfg.arms):
+        results["runs"].append(_one_arm(cfg, arm, mode, i, ui))
+        _write(cfg, results)
+    results["ratios"] = ratios(results["runs"])
+    results["elapsed"] = time.monotonic() - t0
+    if cfg.plots and results["runs"]:
+        results["plots"] = {"accuracy_vs_time": write_plot(results, cfg.out_dir)}
+    _write(cfg, results)
+    from dgt.experiment.ddp_report import write_report
+
+    write_report(results, os.path.join(cfg.out_dir, "report.md"))
+    return results
+
+
+def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter) -> dict[str, Any]:
+    run_dir = os.path.join(cfg.out_dir, arm)
+    spec = cfg.spec(arm, run_dir, wire_if="eth0" if mode == "netem" else None)
+    entry: dict[str, Any] = {"arm": arm, "run_dir": run_dir}
+    ui.start_run(cfg.model, arm, cfg.max_iters)
+    started = time.monotonic()
+    try:
+        with Network(cfg.network, cfg.workers, mode, tag=str(index)) as net:
+            net.start_cross_traffic(hard_timeout(cfg))
+            ranks = launch(net, spec, run_dir, ui.update, hard_timeout(cfg), module="dgt.experiment.ddp_worker")
+            entry["queues"] = net.counters()
+    except (RunFailed, OSError, RuntimeError) as exc:
+        entry["error"] = str(exc)
+        ui.end_run(error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+        return entry
+    entry["summary"] = summarize(ranks, cfg.target)
+    entry["summary"]["run_wall_time"] = time.monotonic() - started
+    entry["curve"] = [{k: e[k] for k in ("it", "train_time", "acc")} for e in ranks[0]["evals"]]
+    entry["steps"] = ranks[0]["steps"]
+    entry["dgt"] = [r["dgt"] for r in ranks]
+    ui.end_run(entry["summary"])
+    return entry
+
+
+def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
+    """Rank 0's times up to the first evaluation at or above ``target`` (the whole run when never reached);
+    wire bytes per rank and step up to the same point; DGT's own counters over the whole run."""
+    r0 = ranks[0]
+    hit = next((e for e in r0["evals"] if e["acc"] >= target), None)
+    upto = hit or (r0["evals"][-1] if r0["evals"] else {"it": len(r0["steps"]), "train_time": r0["train_time"]})
+    n = upto["it"]
+    steps = r0["steps"][:n]
+    wires = [next((e["wire"] for e in r["evals"] if e["it"] == n), None) for r in ranks]
+    tx = [w["tx"] for w in wires if w]
+    lanes: dict[str, int] = {}
+    for r in ranks:
+        for lane, b in r["dgt"].get("lanes", {}).items():
+            lanes[lane] = lanes.get(lane, 0) + b
+    run_steps = sum(len(r["steps"]) for r in ranks)
+    return {
+        "reached": hit is not None,
+        "time_to_target": hit["train_time"] if hit else None,
+        "iterations": n,
+        "iterations_run": len(r0["steps"]),
+        "train_time": upto["train_time"],
+        "step_mean": statistics.fmean(steps) if steps else None,
+        "step_p95": sorted(steps)[min(len(steps) - 1, int(0.95 * len(steps)))] if steps else None,
+        "step_median": statistics.median(steps) if steps else None,
+        "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None,
+        "wire_tx_per_rank_step": statistics.fmean(tx) / n if tx and n else None,
+        "dgt_lane_bytes_per_rank_step": {k: v / run_steps for k, v in lanes.items()} if lanes else None,
+        "dgt_dropped_blocks": sum(r["dgt"].get("dropped", 0) for r in ranks),
+        "dgt_blocks": sum(r["dgt"].get("blocks", 0) for r in ranks),
+        "stop_reason": r0["stop_reason"],
+    }
+
+
+def ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Every arm against Gloo: time to target and mean step time (below 1 = faster than Gloo)."""
+    by = {r["arm"]: r["summary"] for r in runs if r.get("summary")}
+    base = by.get("gloo")
+    out: dict[str, dict[str, float | None]] = {}
+    if base is None:
+        return out
+    for arm, s in by.items():
+        t = (s["time_to_target"] / base["time_to_target"]
+             if s["reached"] and base["reached"] and base["time_to_target"] else None)
+        st = s["step_mean"] / base["step_mean"] if s["step_mean"] and base["step_mean"] else None
+        out[arm] = {"time_to_target": t, "step_mean": st}
+    return out
+
+
+def write_plot(results: dict[str, Any], out_dir: str) -> str:
+    """Test accuracy against training time, every arm on one chart; returns the file name."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    target = results["config"]["target"]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results["runs"]:
+        if not r.get("summary"):
+            continue
+        line, = ax.plot([e["train_time"] for e in r["curve"]], [e["acc"] for e in r["curve"]], marker=".",
+                        label=r["arm"])
+        if r["summary"]["reached"]:
+            ax.axvline(r["summary"]["time_to_target"], color=line.get_color(), ls=":", lw=1)
+    ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
+    ax.set(title=f"DDP, {results['config']['workers']} workers, profile {results['profile']} "
+                 f"({results['network']['mode']})", xlabel="training time (s, evaluation excluded)",
+           ylabel="test accuracy", ylim=(0, 1))
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    name = "accuracy_vs_time.png"
+    fig.savefig(os.path.join(out_dir, name), dpi=110)
+    plt.close(fig)
+    return name
+
+
+def _write(cfg: DDPConfig, results: dict[str, Any]) -> None:
+    path = os.path.join(cfg.out_dir, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)

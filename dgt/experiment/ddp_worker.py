@@ -1,0 +1,200 @@
+"""One rank of one arm of `dgt experiment ddp`: a plain ``DistributedDataParallel`` trainer, as a user writes it.
+
+Run as ``python -m dgt.experiment.ddp_worker SPEC.json`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
+environment (what torchrun sets); the process group meets through ``env://``. The arm decides the one line that
+differs: no hook (Gloo), torch's fp16 or PowerSGD hook, the DGT hook with no options, or ``backend="dgt"``.
+
+Timing: a step is forward + backward (DDP all-reduces the buckets inside backward, and waits for them at its end)
++ optimizer step. Every ``eval_every`` steps rank 0 measures test accuracy while the others wait on the store; that
+pause is outside every step, so training time = sum of step times. Bytes on the wire: the host's eth0 counters
+(netem: each rank has its own namespace), None on loopback, where every rank shares ``lo``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from dgt.experiment.data import ShardSampler, load_dataset
+from dgt.experiment.ddp_config import DDPSpec
+from dgt.experiment.models import build_model
+from dgt.experiment.worker import PROGRESS, evaluate
+
+POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
+            "warm_start": True}
+
+
+def wire_bytes(ifname: str | None) -> dict[str, int] | None:
+    """(tx, rx) bytes of ``ifname`` in this process's network namespace; None when there is no such interface."""
+    if ifname is None:
+        return None
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == ifname:
+                    v = rest.split()
+                    return {"rx": int(v[0]), "tx": int(v[8])}
+    except OSError:
+        pass
+    return None
+
+
+def attach_arm(arm: str, ddp: Any) -> Any:
+    """Register the arm's hook on ``ddp``; returns the hook's state (None: none)."""
+    if arm in ("gloo", "dgt-backend"):
+        return None
+    if arm == "fp16":
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        return None
+    if arm == "powersgd":
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        state = psgd.PowerSGDState(process_group=None, **POWERSGD)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        return state
+    if arm in ("dgt-hook", "dgt-hook-loss"):
+        import dgt.shim
+
+        state = dgt.shim.DGTState()
+        ddp.register_comm_hook(state, dgt.shim.hook)
+        return state
+    raise ValueError(f"unknown arm {arm!r}")
+
+
+def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
+    """What DGT itself counted: bytes per lane and dropped blocks (hook), or the backend's counters."""
+    import torch.distributed as dist
+
+    if arm.startswith("dgt-hook") and state is not None:
+        t = state.totals
+        return {"lanes": {str(k): int(v) for k, v in t["bytes_sent"].items()}, "dropped": int(t["dropped"]),
+                "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"])}
+    if arm == "dgt-backend":
+        pg = dist.distributed_c10d._get_default_group()
+        stats = getattr(pg, "stats", None)
+        return {"dropped": int(stats["dropped"]), "backend": dict(stats)} if stats else {}
+    return {}
+
+
+def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if spec.arm == "dgt-backend":
+        import dgt.shim  # noqa: F401 - registers backend "dgt"
+    if spec.wire_if:  # netem: Gloo would pick the address the host name resolves to (loopback); use the host's link
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", spec.wire_if)
+    dist.init_process_group("dgt" if spec.arm == "dgt-backend" else "gloo", init_method="env://")
+    store = dist.distributed_c10d._get_default_store()
+    data = load_dataset(spec.dataset, spec.data_dir, spec.seed)
+    model = build_model(spec.model, data.shape, data.num_classes, spec.width, seed=spec.seed)
+    ddp = DDP(model)
+    state = attach_arm(spec.arm, ddp)
+    opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr, momentum=spec.momentum)
+    sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
+    wire0 = wire_bytes(spec.wire_if)
+    steps: list[float] = []
+    evals: list[dict[str, Any]] = []
+    train_time = 0.0
+    stop_reason = "max_iters"
+    t_start = time.perf_counter()
+    for it in range(1, spec.max_iters + 1):
+        t0 = time.perf_counter()
+        idx = sampler.next()
+        loss = F.cross_entropy(ddp(data.x_train[idx]), data.y_train[idx])
+        opt.zero_grad(set_to_none=False)
+        loss.backward()
+        opt.step()
+        if spec.arm == "dgt-hook-loss":
+            state.observe_loss(loss)
+        dt = time.perf_counter() - t0
+        loss_v = float(loss.detach())
+        if not math.isfinite(loss_v):
+            raise FloatingPointError(f"rank {rank}: training loss is {loss_v} at iteration {it}")
+        steps.append(dt)
+        train_time += dt
+        decision = None
+        if it % spec.eval_every == 0 or it == spec.max_iters:
+            decision = _decide(store, rank, it, spec, model, data, train_time)
+            wire = wire_bytes(spec.wire_if)
+            evals.append({"it": it, "train_time": train_time, "acc": decision["acc"],
+                          "wire": _delta(wire, wire0)})
+        if emit:
+            out = {"it": it, "bct": dt, "loss": loss_v, "train_time": train_time}
+            if decision is not None:
+                out["acc"] = decision["acc"]
+            print(PROGRESS + json.dumps(out), flush=True)
+        if decision is not None and decision["stop"]:
+            stop_reason = decision["reason"]
+            break
+    counters = dgt_counters(spec.arm, state)
+    _leave(store, rank, world)
+    if state is not None and hasattr(state, "close"):
+        state.close()
+    dist.destroy_process_group()
+    return {"rank": rank, "world": world, "arm": spec.arm, "steps": steps, "evals": evals, "train_time": train_time,
+            "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "dgt": counters,
+            "wire": _delta(wire_bytes(spec.wire_if), wire0)}
+
+
+def _delta(now: dict[str, int] | None, then: dict[str, int] | None) -> dict[str, int] | None:
+    return None if now is None or then is None else {k: now[k] - then[k] for k in now}
+
+
+def _decide(store: Any, rank: int, it: int, spec: DDPSpec, model: torch.nn.Module, data: Any,
+            train_time: float) -> dict[str, Any]:
+    """Rank 0 evaluates and publishes {acc, stop, reason} in the store; the others wait for it."""
+    key = f"dgtddp/eval/{it}"
+    if rank == 0:
+        acc = evaluate(model, data)
+        reason = ("target" if acc >= spec.target else "max_iters" if it >= spec.max_iters
+                  else "max_time" if train_time >= spec.max_time else None)
+        decision = {"acc": acc, "stop": reason is not None, "reason": reason}
+        store.set(key, json.dumps(decision))
+        return decision
+    return json.loads(store.get(key))
+
+
+def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:
+    """Every rank has read its counters before anyone tears the group down; rank 0 hosts the store, so it goes last,
+    after every other rank said it no longer needs the store."""
+    store.add("dgtddp/left", 1)
+    end = time.monotonic() + timeout
+    while store.add("dgtddp/left", 0) < world and time.monotonic() < end:
+        time.sleep(0.01)
+    if rank != 0:
+        store.add("dgtddp/gone", 1)
+        return
+    while store.add("dgtddp/gone", 0) < world - 1 and time.monotonic() < end:
+        time.sleep(0.01)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1:
+        print("usage: python -m dgt.experiment.ddp_worker SPEC.json", file=sys.stderr)
+        return 2
+    torch.set_num_threads(1)
+    with open(argv[0]) as f:
+        spec = DDPSpec.from_json(f.read())
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    result = train(spec, rank, world, rank == 0)
+    path = os.path.join(spec.out_dir, f"rank{rank}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The send budget of the unreliable lanes, sans-IO.
+
+Per round and peer the sender puts on the unreliable lanes only as many unimportant blocks, most important first,
+as the lane's current rate (:mod:`dgt.protocol.congestion`) can deliver before the round is expected to close. The
+rest are *unsent*: they go straight into the error-feedback residual (:func:`fold_blocks`) at planning time, so
+nothing is lost whether or not a drop report ever comes, and the round's ROUND_END announces only the blocks that
+are sent, so the receiver can close the round "complete" as soon as those are in.
+
+The expected close is learnt from the drop reports: a round ends for the sender when its report is in, and the
+report's timing trailer says how long the receiver waited after the important blocks were complete. The difference
+is the time the reliable lane took (:class:`RoundWindow`); the unimportant blocks that fit in it at the lane's rate
+ride along without holding the round open.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dgt import wire
+from dgt.layout import BucketLayout
+from dgt.protocol.geometry import Geometry
+
+
+@dataclass
+class RoundWindow:
+    """The seconds from a round's start to the moment its important blocks were all in at the receiver: a shorter
+    round is taken at once (the budget must not hold rounds open), a longer one through an EWMA of weight ``alpha``.
+    Before the first report the budget covers ``initial`` seconds."""
+
+    alpha: float = 0.25
+    floor: float = 0.005  # the budget never covers less than this much time (so the lane keeps probing)
+    initial: float = 0.05
+    value: float | None = None
+
+    def observe(self, duration: float, wait: float) -> None:
+        """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait."""
+        sample = max(duration - max(wait, 0.0), 0.0)
+        if self.value is None or sample <= self.value:
+            self.value = sample
+        else:
+            self.value = (1 - self.alpha) * self.value + self.alpha * sample
+
+    def budget(self, rate: float) -> int:
+        """Bytes the unreliable lanes may carry in the next round at ``rate``."""
+        return int(rate * max(self.initial if self.value is None else self.value, self.floor))
+
+
+def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:
+    """Datagram bytes (payload + one header per fragment) each of ``blocks`` costs on an unreliable lane."""
+    return geom.block_len[blocks] * itemsize + geom.frags_needed[blocks] * wire.HEADER_SIZE
+
+
+def split_budget(geom: Geometry, unimp: np.ndarray, itemsize: int, budget: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """(sent, unsent): the longest prefix of ``unimp`` (most important first) whose datagrams fit in ``budget``
+    bytes, and the rest. At least one block is sent when there is any, so the lane is never starved of samples."""
+    if budget is None or len(unimp) == 0:
+        return unimp, unimp[:0]
+    cum = np.cumsum(wire_bytes_of_blocks(geom, unimp, itemsize))
+    k = max(int(np.searchsorted(cum, budget, side="right")), 1)
+    return unimp[:k], unimp[k:]
+
+
+def fold_blocks(residual: torch.Tensor, sent: torch.Tensor, layout: BucketLayout, blocks: torch.Tensor) -> int:
+    """``residual[b] += sent[b]`` for every (distinct) block in ``blocks``; the work follows the number of blocks, not
+    the bucket size. Full blocks of a numpy-representable dtype: one row-wise add over block-long rows of an
+    overlapping strided view (the rows of distinct blocks are disjoint); the rest: one index_add over their
+    elements. Returns the elements folded."""
+    if len(blocks) == 0:
+        return 0
+    if residual.dtype != torch.bfloat16 and residual.device.type == "cpu":
+        full = layout.block_len[blocks] == layout.block
+        if bool(full.any()):
+            b = layout.block
+            starts = layout.block_start[blocks[full]].numpy()
+            r, s = residual.numpy(), sent.numpy()
+            rows = np.lib.stride_tricks.as_strided(r, (len(r) - b + 1, b), (r.itemsize, r.itemsize))
+            srows = np.lib.stride_tricks.as_strided(s, (len(s) - b + 1, b), (s.itemsize, s.itemsize))
+            rows[starts] += srows[starts]
+            rest = blocks[~full]
+            return len(starts) * b + _fold_elems(residual, sent, layout, rest)
+    return _fold_elems(residual, sent, layout, blocks)
+
+
+def _fold_elems(residual: torch.Tensor, sent: torch.Tensor, layout: BucketLayout, blocks: torch.Tensor) -> int:
+    if len(blocks) == 0:
+        return 0
+    lens = layout.block_len[blocks]
+    folded = int(lens.sum())
+    first = torch.cumsum(lens, 0) - lens
+    idx = torch.repeat_interleave(layout.block_start[blocks] - first, lens, output_size=folded)
+    idx += torch.arange(folded)
+    residual.index_add_(0, idx, sent[idx])
+    return folded

@@ -1,0 +1,158 @@
+"""Less-than-best-effort congestion control of the unreliable lanes (LEDBAT-like, RFC 6817), sans-IO.
+
+UDP has no congestion control of its own, and the unimportant blocks are worth only the spare capacity of the path:
+a lane that pushes them into a full queue delays our own reliable lane (on a FIFO bottleneck) and other people's
+traffic (RFC 8085), and the queue throws most of them away anyway. The controller here is fed, once per drop report,
+a :class:`Feedback` built from the sender's send times and the receiver's report (arrival times of the round's first
+and last unimportant datagrams, datagrams and bytes delivered; ``docs/protocol.md``, DROP_REPORT timing trailer).
+
+One-way delay samples are ``receiver clock at arrival - sender clock at send``. The two clocks are not synchronised;
+as in LEDBAT the offset cancels against the *base delay*, the minimum sample over a bounded history of intervals, so
+``queuing delay = sample - base``. The rate then moves:
+
+* loss above ``loss_threshold`` (datagrams sent that never arrived, or arrived after the round closed):
+  multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
+  send)``, sender clock: what the lane got through before the round closed);
+* otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
+  ``beta``; below the target it probes up, above it backs off in proportion to how far above it is;
+* the time the receiver held the round open for unimportant blocks after the important ones were in counts as
+  queuing delay too (the lane is that far behind, wherever the queue is: a link, a socket, a busy CPU);
+* until the first decrease (*slow start*) a report with no loss and a queuing delay under half the target doubles
+  the rate, so a fast idle path is found in a few rounds instead of dozens.
+
+The endpoint applies the rate with a token bucket (:class:`dgt.channels.pacing.Pacer`) and derives the send budget
+of a round from it (:mod:`dgt.protocol.budget`). Nothing here reads a clock: every time is passed in.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Feedback:
+    """What one drop report tells the controller about one round to one peer.
+
+    sent_*: the round's datagrams the sender handed to the kernel before the report (abandoned ones excluded);
+    first_sent/last_sent: sender clock when its first and last datagram left; recv_first/recv_last: receiver clock
+    when its first and last unimportant datagram arrived (None: none arrived); delivered_*: what arrived.
+    """
+
+    sent_datagrams: int
+    sent_bytes: int
+    delivered_datagrams: int
+    delivered_bytes: int
+    first_sent: float | None = None
+    last_sent: float | None = None
+    recv_first: float | None = None
+    recv_last: float | None = None
+    hold: float = 0.0  # seconds the receiver kept the round open for unimportant blocks after the important ones
+
+    @property
+    def loss(self) -> float:
+        if self.sent_datagrams <= 0:
+            return 0.0
+        return max(0.0, 1.0 - self.delivered_datagrams / self.sent_datagrams)
+
+    def delay_samples(self) -> tuple[float, ...]:
+        """Raw one-way delays (with the unknown clock offset) of the first and the last datagram that arrived."""
+        out = []
+        if self.recv_first is not None and self.first_sent is not None:
+            out.append(self.recv_first - self.first_sent)
+        if self.recv_last is not None and self.last_sent is not None:
+            out.append(self.recv_last - self.last_sent)
+        return tuple(out)
+
+    def goodput(self, now: float) -> float | None:
+        """Bytes/s delivered from the first send to the report (``now``, sender clock); None: nothing was sent."""
+        if self.first_sent is None or now <= self.first_sent:
+            return None
+        return self.delivered_bytes / (now - self.first_sent)
+
+
+@dataclass
+class BaseDelay:
+    """Minimum one-way delay over the last ``history`` intervals of ``interval`` seconds each (RFC 6817's
+    BASE_HISTORY): old minima age out, so a route change or clock drift is forgotten after a bounded time."""
+
+    interval: float = 60.0
+    history: int = 10
+    _mins: deque = field(default_factory=deque)  # (interval index, minimum)
+
+    def update(self, sample: float, now: float) -> None:
+        idx = int(now // self.interval)
+        if self._mins and self._mins[-1][0] == idx:
+            if sample < self._mins[-1][1]:
+                self._mins[-1] = (idx, sample)
+        else:
+            self._mins.append((idx, sample))
+        while self._mins and self._mins[0][0] <= idx - self.history:
+            self._mins.popleft()
+
+    @property
+    def value(self) -> float | None:
+        return min(m for _, m in self._mins) if self._mins else None
+
+
+@dataclass
+class LedbatRate:
+    """The lane's send rate in bytes/s, moved by :meth:`on_feedback` within ``[min_rate, max_rate]``."""
+
+    rate: float
+    min_rate: float = 1e6
+    max_rate: float = 10e9
+    target: float = 0.010  # seconds of queuing delay the lane may cause (RFC 6817 allows up to 0.1)
+    gain: float = 0.25  # relative rate step per report at zero queuing delay
+    beta: float = 0.5  # multiplicative back-off on loss; also the largest single downward step
+    loss_threshold: float = 0.02
+    base: BaseDelay = field(default_factory=BaseDelay)
+    qdelay: float | None = None  # last queuing delay estimate
+    slow_start: bool = True  # doubling per clean report until the first decrease
+    decreases: int = 0
+    increases: int = 0
+    loss_backoffs: int = 0
+
+    def __post_init__(self) -> None:
+        if not 0 < self.min_rate <= self.max_rate:
+            raise ValueError("need 0 < min_rate <= max_rate")
+        if self.target <= 0 or not 0 < self.beta < 1 or self.gain <= 0:
+            raise ValueError("need target > 0, 0 < beta < 1, gain > 0")
+        self.rate = self._clamp(self.rate)
+
+    def _clamp(self, rate: float) -> float:
+        return min(self.max_rate, max(self.min_rate, float(rate)))
+
+    def on_feedback(self, fb: Feedback, now: float) -> float:
+        """Take one report's feedback (``now``: the sender's clock); returns the new rate."""
+        samples = fb.delay_samples()
+        for s in samples:
+            self.base.update(s, now)
+        if samples:
+            self.qdelay = max(0.0, samples[-1] - self.base.value)
+        if fb.sent_datagrams <= 0:
+            return self.rate  # nothing was sent: nothing learnt about the path
+        if fb.loss > self.loss_threshold:
+            new = self.rate * self.beta
+            gp = fb.goodput(now)
+            if gp is not None:
+                new = min(new, gp)
+            self.rate = self._clamp(new)
+            self.slow_start = False
+            self.loss_backoffs += 1
+            self.decreases += 1
+            return self.rate
+        if not samples:
+            return self.rate
+        behind = max(self.qdelay, fb.hold)
+        off = (self.target - behind) / self.target  # 1 at an empty queue, negative above the target
+        step = max(self.beta, 1.0 + self.gain * off)
+        if self.slow_start and off > 0.5:
+            step = 2.0
+        if step > 1.0:
+            self.increases += 1
+        elif step < 1.0:
+            self.decreases += 1
+            self.slow_start = False
+        self.rate = self._clamp(self.rate * step)
+        return self.rate

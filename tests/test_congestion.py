@@ -1,0 +1,155 @@
+"""The less-than-best-effort controller (dgt.protocol.congestion) against a fake clock and a fluid model of one
+FIFO bottleneck: converges to the spare rate, backs off when delay rises or datagrams are lost, recovers."""
+
+from __future__ import annotations
+
+import pytest
+
+from dgt.protocol.congestion import BaseDelay, Feedback, LedbatRate
+
+OFFSET = 1234.5  # receiver clock - sender clock: unknown to the controller, cancelled by the base delay
+PROP = 0.004  # one-way propagation delay
+DGRAM = 1448
+
+
+class Link:
+    """A FIFO bottleneck of ``capacity`` bytes/s with a ``buffer`` of bytes, shared with ``cross`` bytes/s of other
+    traffic. ``send`` plays one round: our lane sends at ``rate`` for ``span`` seconds (fluid, in small steps), then
+    the queue drains before the next round. Returns the feedback a drop report would carry."""
+
+    def __init__(self, capacity: float, cross: float, buffer: float = 256e3, dt: float = 1e-3) -> None:
+        self.capacity, self.cross, self.buffer, self.dt = capacity, cross, buffer, dt
+        self.queue = 0.0
+
+    def send(self, rate: float, t0: float, span: float = 0.1) -> Feedback:
+        sent = delivered = 0.0
+        recv_first = recv_last = None
+        steps = int(round(span / self.dt))
+        for i in range(steps):
+            t = t0 + i * self.dt
+            ours, theirs = rate * self.dt, self.cross * self.dt
+            room = self.buffer - self.queue + self.capacity * self.dt
+            taken = min(1.0, max(room, 0.0) / (ours + theirs)) if ours + theirs > 0 else 1.0
+            sent += ours
+            delivered += ours * taken
+            self.queue = max(0.0, self.queue + (ours + theirs) * taken - self.capacity * self.dt)
+            arrival = t + PROP + self.queue / self.capacity + OFFSET
+            if ours * taken > 0:
+                recv_first = arrival if recv_first is None else recv_first
+                recv_last = arrival
+        self.queue = 0.0  # the gap between rounds drains it
+        n_sent, n_got = int(sent // DGRAM), int(delivered // DGRAM)
+        return Feedback(n_sent, int(sent), n_got, int(delivered), first_sent=t0, last_sent=t0 + span - self.dt,
+                        recv_first=recv_first, recv_last=recv_last)
+
+
+def run(cc: LedbatRate, link: Link, rounds: int, t0: float = 0.0) -> tuple[list[float], float]:
+    rates, t = [], t0
+    for _ in range(rounds):
+        fb = link.send(cc.rate, t)
+        t += 0.2
+        rates.append(cc.on_feedback(fb, t))
+    return rates, t
+
+
+@pytest.mark.parametrize("start", [1e6, 200e6])
+def test_converges_to_the_spare_rate_of_the_link(start):
+    link = Link(capacity=5e6, cross=3e6)  # 40 Mbit/s, 24 of them taken: 2 MB/s spare
+    cc = LedbatRate(start, min_rate=0.1e6)
+    rates, _ = run(cc, link, 120)
+    tail = rates[-40:]
+    mean = sum(tail) / len(tail)
+    # the fixed point: the queue at the end of a 0.1 s send span equals the 10 ms target,
+    # i.e. spare + target * capacity / span = 2.5 MB/s; within 30 % of the spare rate either way
+    assert mean == pytest.approx(2e6 + cc.target * 5e6 / 0.1, rel=0.1), mean
+    assert 0.7 * 2e6 <= min(tail) and max(tail) <= 1.3 * 2e6, (min(tail), max(tail))
+    assert cc.qdelay is not None and cc.qdelay <= 3 * cc.target  # the queue it leaves is near the small target
+    assert abs(cc.base.value - (PROP + OFFSET)) < 2e-3  # the clock offset is absorbed by the base delay
+
+
+def test_backs_off_when_delay_rises_and_recovers_when_it_falls():
+    link = Link(capacity=5e6, cross=0.0)
+    cc = LedbatRate(1e6, min_rate=0.1e6)
+    rates, t = run(cc, link, 80)
+    free = sum(rates[-20:]) / 20
+    assert free >= 0.75 * 5e6
+    link.cross = 4.5e6  # someone else's flow arrives: the queue (and delay) rises, the lane must yield
+    rates, t = run(cc, link, 80, t)
+    yielded = sum(rates[-20:]) / 20
+    # spare 0.5 MB/s plus the 10 ms target's worth over a 0.1 s span (0.5 MB/s): it gives up >= 3/4 of its rate
+    assert yielded == pytest.approx(0.5e6 + cc.target * 5e6 / 0.1, rel=0.2) and yielded <= 0.25 * free
+    assert cc.decreases > 0
+    link.cross = 0.0  # the other flow is gone: recover
+    rates, t = run(cc, link, 80, t)
+    assert sum(rates[-20:]) / 20 >= 0.75 * 5e6
+
+
+def test_slow_start_doubles_until_the_first_decrease():
+    cc = LedbatRate(1e6, target=0.01)
+    for i in range(3):
+        cc.on_feedback(Feedback(100, 144800, 100, 144800, i, i + 0.01, 5.0 + i, 5.01 + i), i + 0.1)
+    assert cc.rate == pytest.approx(8e6) and cc.slow_start
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 3.0, 3.01, 8.0, 8.03), 3.1)  # 20 ms queue: back off
+    assert not cc.slow_start and cc.rate == pytest.approx(6e6)
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 4.0, 4.01, 9.0, 9.01), 4.1)  # clean again: LEDBAT steps
+    assert cc.rate == pytest.approx(7.5e6)
+
+
+def test_delay_above_target_backs_off_in_proportion_and_below_probes_up():
+    cc = LedbatRate(10e6, target=0.01, gain=0.25, slow_start=False)
+    base = Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01)
+    cc.on_feedback(base, 0.1)  # qdelay 0: probes up by gain
+    assert cc.rate == pytest.approx(12.5e6)
+    q = Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.03)  # last sample 20 ms above base: 2x target
+    cc.on_feedback(q, 1.1)
+    assert cc.qdelay == pytest.approx(0.02)
+    assert cc.rate == pytest.approx(12.5e6 * 0.75)
+    huge = Feedback(100, 144800, 100, 144800, 2.0, 2.01, 7.0, 8.01)  # 1 s of queue: step floored at beta
+    cc.on_feedback(huge, 2.1)
+    assert cc.rate == pytest.approx(12.5e6 * 0.75 * 0.5)
+
+
+def test_a_round_held_open_by_the_lane_counts_as_delay():
+    cc = LedbatRate(10e6, target=0.01, slow_start=False)
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.0), 0.1)
+    assert cc.rate == pytest.approx(12.5e6)
+    # no queue in the samples, but the receiver waited 20 ms for our datagrams after the important blocks
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.01, hold=0.02), 1.1)
+    assert cc.qdelay == pytest.approx(0.0) and cc.rate == pytest.approx(12.5e6 * 0.75)
+    ss = LedbatRate(10e6, target=0.01)
+    ss.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.03), 0.1)
+    assert not ss.slow_start and ss.rate == pytest.approx(5e6)
+
+
+def test_loss_backs_off_to_what_arrived():
+    cc = LedbatRate(100e6, min_rate=10e3)
+    fb = Feedback(1000, 1448000, 30, 43440, 0.0, 0.1, 3.0, 3.1)  # 97 % lost (or late); 43 kB in 0.2 s arrived
+    cc.on_feedback(fb, 0.2)
+    assert cc.loss_backoffs == 1
+    assert cc.rate == pytest.approx(43440 / 0.2)  # the round's goodput, not half of 100 MB/s
+    cc.on_feedback(Feedback(10, 14480, 0, 0, 1.0, 1.01), 1.2)  # nothing arrived: down to the floor
+    assert cc.rate == cc.min_rate
+    mild = LedbatRate(10e6)
+    mild.on_feedback(Feedback(100, 144800, 90, 130320, 0.0, 0.01, 3.0, 3.01), 0.02)  # 10 % lost, goodput 6.5 MB/s
+    assert mild.rate == pytest.approx(5e6)  # beta wins
+
+
+def test_nothing_sent_changes_nothing_and_bounds_hold():
+    cc = LedbatRate(5e6, min_rate=1e6, max_rate=6e6)
+    assert cc.on_feedback(Feedback(0, 0, 0, 0), 1.0) == 5e6
+    for i in range(20):
+        cc.on_feedback(Feedback(10, 14480, 10, 14480, i, i + 0.01, 9.0 + i, 9.01 + i), i + 0.5)
+    assert cc.rate == 6e6
+    with pytest.raises(ValueError):
+        LedbatRate(1e6, min_rate=0)
+    with pytest.raises(ValueError):
+        LedbatRate(1e6, beta=1.5)
+
+
+def test_base_delay_forgets_old_minima():
+    b = BaseDelay(interval=1.0, history=3)
+    b.update(0.5, 0.0)
+    b.update(0.9, 1.5)
+    assert b.value == 0.5
+    b.update(0.8, 3.2)  # interval 3: interval 0 is now older than 3 intervals
+    assert b.value == 0.8

@@ -1,0 +1,63 @@
+"""The receiver's early buffer (datagrams that overtook their round's opening) is bounded per peer and expires
+(issue 22: forged datagrams naming future rounds were kept forever and replayed into those rounds). Sans-IO, fake
+clock."""
+
+import torch
+
+from dgt import wire
+from dgt.estimator import ContributionEstimator
+from dgt.layout import BucketLayout
+from dgt.protocol.receiver import RoundDone, RoundReceiver
+from dgt.protocol.sender import RoundSender
+
+TOKEN = 0xC0FFEE
+
+
+def _plan(rnd, value, sender):
+    layout = BucketLayout([8 * 1024])
+    g = torch.full((layout.numel,), float(value))
+    est = ContributionEstimator(layout)
+    est.update(g + torch.arange(layout.numel) * 1e-3)
+    c = est.classify(0.25)
+    return g, sender.plan(0, rnd, sender.prepare(0, g), layout, c.cls, c.order)
+
+
+def _dgrams(plan):
+    return [(lane, arr[i].tobytes()) for lane, arr in plan.datagrams.items() for i in range(len(arr))]
+
+
+def _feed_udp(rx, items, t):
+    for lane, b in items:
+        rx.receive_datagrams(wire.decode_datagrams(b, [len(b)], token=TOKEN), lane, t)
+
+
+def test_forged_future_rounds_are_bounded_per_peer_and_expire_before_the_round_opens():
+    rx = RoundReceiver(TOKEN, early_ttl=5.0, early_rounds_per_peer=8)
+    forger = RoundSender(TOKEN, rank=3)  # knows the token, speaks as rank 3
+    for rnd in range(1, 21):  # forged blocks for 20 future rounds
+        _feed_udp(rx, _dgrams(_plan(rnd, 1000.0, forger)[1]), t=0.0)
+    held = {e[0] for e in rx._early}
+    assert held == {(3, 0, r) for r in range(1, 9)} and rx.counters.early_refused > 0  # rounds 9-20: refused
+    # 6 s later the real rank 3 opens round 5 (one of those held): the forged copies expired, nothing is replayed
+    real = RoundSender(TOKEN, rank=3)
+    g, plan = _plan(5, 1.0, real)
+    events = []
+    t = 6.0
+    for h, p in plan.reliable:
+        events += rx.receive_bytes(h + bytes(p), 0, t)
+    for lane, b in _dgrams(plan):
+        events += rx.receive_datagrams(wire.decode_datagrams(b, [len(b)], token=TOKEN), lane, t)
+    (done,) = [e for e in events if isinstance(e, RoundDone)]
+    assert rx.counters.early_expired >= 8
+    assert torch.equal(done.data, g), "forged blocks were replayed into the real round"
+
+
+def test_a_genuine_early_datagram_is_still_replayed_within_the_ttl():
+    rx = RoundReceiver(TOKEN)
+    g, plan = _plan(0, 2.0, RoundSender(TOKEN, rank=1))
+    _feed_udp(rx, _dgrams(plan), t=0.0)  # datagrams overtake the opening
+    events = []
+    for h, p in plan.reliable:
+        events += rx.receive_bytes(h + bytes(p), 0, 0.1)
+    (done,) = [e for e in events if isinstance(e, RoundDone)]
+    assert done.stats.closed_by == "complete" and torch.equal(done.data, g)

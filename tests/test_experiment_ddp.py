@@ -1,0 +1,151 @@
+"""`dgt experiment ddp`: profiles, configuration, summaries and report, and every arm end to end on a tiny
+configuration on loopback (netem when root, for one arm pair)."""
+
+import json
+import os
+
+import pytest
+
+from dgt.experiment.config import NetworkConfig
+from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig, profile_network
+from dgt.experiment.ddp_report import render
+from dgt.experiment.ddp_runner import profile_unsupported, ratios, summarize
+
+
+def test_profiles_build_the_networks_the_issue_names():
+    base = NetworkConfig(rate="40mbit", prefix="dgtd", cross_traffic="9mbit")
+    pri = profile_network("priority", base)
+    assert pri.priority and pri.cross_traffic is None and pri.loss == 0 and pri.delay is None
+    fifo = profile_network("fifo", base)
+    assert not fifo.priority and fifo.cross_traffic is None and fifo.loss == 0
+    cross = profile_network("cross", base)
+    assert not cross.priority and cross.cross_traffic == "20000000bit" and cross.cross_proto == "tcp"
+    lossy = profile_network("lossy", base)
+    assert not lossy.priority and lossy.loss == pytest.approx(0.01) and lossy.delay is None
+    wan = profile_network("wan", base)
+    assert not wan.priority and wan.delay == "20ms" and wan.loss > 0
+    with pytest.raises(ValueError, match="unknown profile"):
+        profile_network("lan", base)
+    assert set(PROFILES) == {"priority", "fifo", "cross", "lossy", "wan"}
+
+
+def test_config_rejects_bad_values():
+    for bad in (dict(arms=["nccl"]), dict(arms=[]), dict(profile="x"), dict(workers=1), dict(target=0.0),
+                dict(max_iters=0)):
+        with pytest.raises(ValueError):
+            DDPConfig(**bad)
+    assert DDPConfig().arms == list(ARMS) and DDPConfig().workers == 4
+
+
+def test_profile_unsupported_only_asks_the_kernel_for_delay_or_loss_on_netem():
+    cfg = DDPConfig(profile="wan", network=profile_network("wan", NetworkConfig()))
+    assert profile_unsupported(cfg, "loopback") is None
+    assert profile_unsupported(DDPConfig(network=profile_network("fifo", NetworkConfig())), "netem") is None
+
+
+def _rank(steps, evals, lanes=None, dropped=0):
+    return {"steps": steps, "evals": evals, "train_time": sum(steps), "stop_reason": "target",
+            "dgt": {"lanes": lanes or {}, "dropped": dropped, "blocks": 10} if lanes else {}}
+
+
+def test_summarize_stops_at_the_first_evaluation_at_target_and_ratios_compare_with_gloo():
+    evals = [{"it": 2, "train_time": 0.3, "acc": 0.5, "wire": {"tx": 200, "rx": 0}},
+             {"it": 4, "train_time": 0.6, "acc": 0.9, "wire": {"tx": 400, "rx": 0}},
+             {"it": 6, "train_time": 0.9, "acc": 0.95, "wire": {"tx": 600, "rx": 0}}]
+    steps = [0.1, 0.2, 0.1, 0.2, 0.1, 0.2]
+    s = summarize([_rank(steps, evals), _rank(steps, evals)], target=0.9)
+    assert s["reached"] and s["iterations"] == 4 and s["time_to_target"] == 0.6
+    assert s["step_mean"] == pytest.approx(0.15) and s["step_p95"] == 0.2
+    assert s["wire_tx_per_rank_step"] == pytest.approx(100.0)
+    miss = summarize([_rank(steps, evals, {"0": 60, "1": 30}, dropped=3)] * 2, target=0.99)
+    assert not miss["reached"] and miss["time_to_target"] is None and miss["iterations"] == 6
+    assert miss["dgt_lane_bytes_per_rank_step"] == {"0": 10.0, "1": 5.0} and miss["dgt_dropped_blocks"] == 6
+    fast = summarize([_rank([0.05] * 6, evals)], target=0.9)
+    r = ratios([{"arm": "gloo", "summary": s}, {"arm": "dgt-hook", "summary": fast},
+                {"arm": "fp16", "summary": miss}, {"arm": "powersgd", "error": "boom"}])
+    assert r["gloo"] == {"time_to_target": 1.0, "step_mean": 1.0}
+    assert r["dgt-hook"]["time_to_target"] == pytest.approx(0.6 / 0.6) and r["dgt-hook"]["step_mean"] == \
+        pytest.approx(0.05 / 0.15)
+    assert r["fp16"]["time_to_target"] is None and "powersgd" not in r
+
+
+def _results(profile, runs, ratios_, skipped=None):
+    res = {"config": DDPConfig(profile=profile).to_dict(), "profile": profile, "profile_description": "d",
+           "network": {"mode": "netem", "description": "n", "why_not_netem": None},
+           "dataset": {"name": "digits"}, "model": {"parameters": 10, "gradient_bytes": 40},
+           "arms": dict(ARMS), "runs": runs, "ratios": ratios_}
+    if skipped:
+        res["skipped"] = skipped
+    return res
+
+
+def test_report_says_whether_the_goals_are_met_and_says_a_skip():
+    s = summarize([_rank([0.1] * 4, [{"it": 4, "train_time": 0.4, "acc": 0.99, "wire": None}])], 0.97)
+    q = {"into_server": {"EF": {"drops": 2}, "LE": {"drops": 5}}, "from_server": {"FIFO": {"drops": 1}}}
+    runs = [{"arm": a, "summary": s, "queues": q} for a in ("gloo", "fp16", "dgt-hook")]
+    runs.append({"arm": "powersgd", "error": "x\ny"})
+    text = render(_results("priority", runs, {"gloo": {"time_to_target": 1.0, "step_mean": 1.0},
+                                              "fp16": {"time_to_target": 0.6, "step_mean": 0.5},
+                                              "dgt-hook": {"time_to_target": 0.8, "step_mean": 0.65}}))
+    assert "| powersgd | failed: x |" in text and text.count(" | 0 | 8 |") == 3  # 0 dropped blocks, 8 queue drops
+    assert "time to target vs Gloo: 0.80x (goal <= 0.75x): NOT met" in text
+    assert "step mean vs Gloo: 0.65x (goal <= 0.7x): met" in text
+    assert "dgt-hook / best = 1.33x" in text
+    skipped = render(_results("wan", [], {}, skipped="profile 'wan' needs a delay line"))
+    assert "**Skipped**: profile 'wan' needs a delay line" in skipped and "## Results" not in skipped
+
+
+def test_cli_parses_ddp_and_no_priority():
+    from dgt.cli import build_parser
+
+    args = build_parser(["experiment"]).parse_args(["experiment", "ddp", "--profile", "fifo", "--arms", "gloo,fp16"])
+    assert args.func.__name__ == "ddp" and args.profile == "fifo" and args.arms == "gloo,fp16" and args.workers == 4
+    from dgt.experiment.cli import _config
+    from dgt.experiment.config import ExperimentConfig
+
+    for argv, name in ((["demo", "--no-priority"], "demo"), (["experiment", "table1", "--no-priority"], "table1")):
+        a = build_parser([argv[0]]).parse_args(argv)
+        assert a.func.__name__ == name and a.no_priority
+        assert _config(a, ExperimentConfig()).network.priority is False
+    a = build_parser(["demo"]).parse_args(["demo"])
+    assert _config(a, ExperimentConfig()).network.priority is True
+
+
+def test_netem_asked_for_without_it_is_a_clear_error(monkeypatch, capsys):
+    from dgt.cli import main
+    from dgt.experiment import network
+
+    monkeypatch.setattr(network, "netem_unavailable_reason", lambda: "not root (network namespaces need CAP_NET_ADMIN)")
+    assert main(["experiment", "ddp", "--network", "netem", "--out", "/tmp/dgt-ddp-never-written"]) == 2
+    assert "--network netem: not root" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_every_arm_trains_on_loopback_tiny(tmp_path):
+    from dgt.cli import main
+
+    out = str(tmp_path / "res")
+    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "3", "--eval-every",
+               "3", "--target", "0.99", "--out", out])
+    assert rc == 0
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    assert res["network"]["mode"] == "loopback" and "NOT emulated" in res["network"]["description"]
+    assert [r["arm"] for r in res["runs"]] == list(ARMS)
+    for r in res["runs"]:
+        s = r["summary"]
+        assert s["iterations"] == 3 and s["iterations_run"] == 3 and len(r["steps"]) == 3, r["arm"]
+        assert s["step_mean"] > 0 and len(r["curve"]) == 1 and 0.0 <= r["curve"][0]["acc"] <= 1.0
+        assert s["wire_tx_per_rank_step"] is None  # loopback: no per-host wire counter
+    hook = next(r for r in res["runs"] if r["arm"] == "dgt-hook")
+    assert hook["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0  # the dense warm-up went over DGT's TCP lane
+    assert all(d["buckets"] >= 3 and d["codec_buckets"] >= 1 for d in hook["dgt"])  # 2 dense warm-up steps
+    fed = next(r for r in res["runs"] if r["arm"] == "dgt-hook-loss")
+    assert all(d["codec_buckets"] >= 1 for d in fed["dgt"]) and fed["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0
+    backend = next(r for r in res["runs"] if r["arm"] == "dgt-backend")
+    assert all(d["backend"]["dgt"] >= 2 for d in backend["dgt"])  # DDP's all-reduces went over DGT
+    assert set(res["ratios"]) == set(ARMS) and res["ratios"]["gloo"]["step_mean"] == 1.0
+    text = open(os.path.join(out, "report.md")).read()
+    assert "| dgt-backend |" in text and "NOT emulated" in text
+    with open(os.path.join(out, "accuracy_vs_time.png"), "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -1,0 +1,201 @@
+"""Bad input never returns a wrong answer (issue 22): lossless dense is bit-exact in every dtype it accepts, other
+dtypes and ops are refused before any traffic, the sender validates its class array, non-finite gradients are kept
+out of scores and residual."""
+
+import pytest
+import torch
+
+from dgt.collectives.launch import run_ranks
+
+# values float32 cannot hold: a float32 path rounds them (2^40+1 -> 2^40, 16777217 -> 16777216, 1+1e-12 -> 1)
+EXACT = {
+    "int64": (torch.int64, [2**40 + 1, -(2**52) - 3, 7]),
+    "int32": (torch.int32, [16_777_217, -5, 1 << 30]),
+    "float64": (torch.float64, [1 + 1e-12, 2.0**60 + 2.0**8, -3.5]),
+    "int8": (torch.int8, [3, -7, 50]),
+    "uint8": (torch.uint8, [1, 2, 100]),
+    "float16": (torch.float16, [1.0009765625, 3.0, -2.5]),
+}
+
+
+def _exact_worker(rank, world, kind, name):
+    import trio
+
+    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.endpoint import TransportConfig
+
+    dtype, vals = EXACT[name]
+    x = torch.tensor(vals * 700, dtype=dtype)  # a few blocks, so every hop carries data
+
+    async def main():
+        cfg = TransportConfig(stream_hops=kind.split("/")[1])
+        g = await Group.create(rank, world, config=cfg, timeout=30)
+        try:
+            coll = RingAllReduce(g, "dense", op="sum") if kind.startswith("ring") else \
+                ParameterServer(g, "dense", op="sum", server="sharded")
+            res = await coll.allreduce(x)
+            return res.tensor
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("kind", ["ring/auto", "ps/off"])
+@pytest.mark.parametrize("name", sorted(EXACT))
+def test_lossless_dense_is_bit_exact_in_the_tensors_own_dtype(kind, name):
+    dtype, vals = EXACT[name]
+    x = torch.tensor(vals * 700, dtype=dtype)
+    res = run_ranks(_exact_worker, 2, kind, name, timeout=60)
+    for r in (0, 1):
+        out = res[r]
+        assert out.dtype == dtype
+        assert torch.equal(out, x + x), (name, out[:3], (x + x)[:3])
+
+
+def test_refused_dtypes_and_ops_fail_before_any_traffic():
+    from dgt.collectives import ParameterServer, RingAllReduce
+    from dgt.collectives.gossip import Gossip
+    from dgt.collectives.group import Group
+    from dgt.errors import InputRejected
+
+    g = Group(None, 0, 2, 1)  # no endpoint: any traffic would fail with another error
+    cases = [
+        (RingAllReduce(g, "dense"), torch.zeros(8, dtype=torch.complex64), "complex64"),
+        (RingAllReduce(g, "dense"), torch.zeros(8, dtype=torch.bool), "bool"),
+        (RingAllReduce(g, "dense"), torch.zeros(8, dtype=torch.int16), "int16"),
+        (RingAllReduce(g, "dense", op="mean"), torch.zeros(8, dtype=torch.int64), "op='mean'"),
+        (RingAllReduce(g, "dgt:p=0.3"), torch.zeros(8, dtype=torch.bool), "bool"),
+        (RingAllReduce(g, "dgt:p=0.3"), torch.zeros(8, dtype=torch.int32), "int32"),
+        (ParameterServer(g, "dgt:p=0.3"), torch.zeros(8, dtype=torch.complex64), "complex64"),
+        (ParameterServer(g, "dense:dtype=fp16"), torch.zeros(8, dtype=torch.int64), "int64"),
+    ]
+    import trio
+
+    for coll, x, what in cases:
+        with pytest.raises(InputRejected, match=what):
+            trio.run(coll.allreduce, x)
+    with pytest.raises(InputRejected, match="bool"):
+        trio.run(Gossip(g, "dgt:p=0.3").mix, torch.zeros(8, dtype=torch.bool))
+
+
+async def _pair(cfg=None):
+    from dgt.endpoint import Endpoint, TransportConfig
+
+    cfg = cfg or TransportConfig(peer_timeout=5)
+    a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
+    b = await Endpoint.open(1, 0x22, cfg, host="127.0.0.1")
+    import trio
+
+    async with trio.open_nursery() as n:
+        n.start_soon(a.connect, {1: b.address})
+        n.start_soon(b.connect, {0: a.address})
+    return a, b
+
+
+def test_sender_refuses_a_class_array_that_does_not_cover_the_bucket():
+    import trio
+
+    from dgt.errors import InputRejected
+    from dgt.layout import BucketLayout
+
+    async def main():
+        a, b = await _pair()
+        try:
+            x = torch.randn(10 * 1024)
+            lay = BucketLayout([x.numel()], 1024)
+            ones = torch.ones(10, dtype=torch.int8)
+            bad = [
+                (torch.ones(7, dtype=torch.int8), None, "one class per block"),
+                (torch.tensor([0, 1, -1, 1, 1, 1, 1, 1, 1, 1], dtype=torch.int8), None, ">= 0"),
+                (torch.ones(10), None, "integer tensor"),
+                (-1, None, "negative"),
+                (ones, torch.arange(9), "leaves out droppable block 9"),
+                (ones, torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 9]), "more than once"),
+                (ones, torch.arange(1, 11), "outside"),
+            ]
+            for rnd, (cls, order, what) in enumerate(bad):
+                with pytest.raises(InputRejected, match=what):
+                    await a.send_round(1, 3, rnd, x, lay, cls, order)
+            # nothing was half sent: a valid round with the same ids goes through whole
+            async with trio.open_nursery() as n:
+                n.start_soon(a.send_round, 1, 3, 0, x, lay, 0)
+                res = await b.recv_round(0, 3, 0, timeout=10)
+            assert torch.equal(res.data, x) and bool(res.mask.all())
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
+
+
+def test_non_finite_gradients_are_counted_kept_out_of_scores_and_sent_reliably():
+    from dgt.codecs.dgt import DGTCodec
+
+    codec = DGTCodec(p=0.1)
+    x = torch.randn(20 * 1024, generator=torch.Generator().manual_seed(1)) * 1e-3
+    x[5 * 1024 + 3] = float("nan")  # a block that scores nothing else: unimportant but for its NaN
+    x[17 * 1024] = float("inf")
+    st = codec.state_for(0, x)
+    (part,) = codec.encode(x, st)
+    assert codec.nonfinite == 2 and st.values["nonfinite"] == 2
+    assert int(part.lane_class[5]) == 0 and int(part.lane_class[17]) == 0  # never dropped, so never in the residual
+    assert 5 not in part.order.tolist() and 17 not in part.order.tolist()
+    assert set(part.order.tolist()) == set(torch.nonzero(part.lane_class > 0).flatten().tolist())
+    scores = st.values["estimator"].scores
+    assert bool(torch.isfinite(scores).all())  # one NaN does not make its block important forever
+    y = torch.randn(20 * 1024, generator=torch.Generator().manual_seed(2)) * 1e-3
+    (part2,) = codec.encode(y, st)
+    assert bool(torch.isfinite(st.values["estimator"].scores).all()) and codec.nonfinite == 2
+    assert int((part2.lane_class == 0).sum()) == 2  # ceil(0.1 * 20): back to the normal top-p split
+
+
+def _mismatch_worker(rank, world, kind, codec, streams):
+    import time
+
+    import trio
+
+    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.collectives.rendezvous import store_from_env
+    from dgt.endpoint import TransportConfig
+    from dgt.errors import RankMismatch
+
+    def build(g):
+        return RingAllReduce(g, codec) if kind == "ring" else ParameterServer(g, codec)
+
+    async def main():
+        cfg = TransportConfig(peer_timeout=20, stream_hops=streams)
+        store = store_from_env(rank, world, 30)  # one c10d store for both groups
+        g = await Group.create(rank, world, store=store, config=cfg, timeout=30)
+        t0 = time.monotonic()
+        try:
+            await build(g).allreduce(torch.ones(5000 + (rank == 1)))
+            first = ("no error", 0.0)
+        except RankMismatch as exc:
+            first = (str(exc), time.monotonic() - t0)
+        finally:
+            await g.aclose()
+        # after the error: a new group and collective in the same process work (another rendezvous prefix)
+        g = await Group.create(rank, world, config=cfg, timeout=30, store=store, prefix="dgt-again")
+        try:
+            res = await build(g).allreduce(torch.full((5000,), float(rank)))
+            return first, res.tensor
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+@pytest.mark.parametrize("kind,codec,streams", [("ring", "dense", "off"), ("ring", "dgt:p=0.3", "auto"),
+                                                ("ps", "dense", "off"), ("ps", "dgt:p=0.3", "auto")])
+def test_size_mismatch_raises_the_same_clear_error_on_every_rank_then_the_group_can_be_rebuilt(kind, codec, streams):
+    world = 3
+    res = run_ranks(_mismatch_worker, world, kind, codec, streams, timeout=60)
+    reasons = set()
+    for r in range(world):
+        (msg, took), tensor = res[r]
+        assert "different sizes or dtypes" in msg, (r, msg)
+        assert took < 20, (r, took)  # well within peer_timeout: nobody waits for a round that never comes
+        reasons.add(msg.split("aborted: ")[-1])  # the detecting rank's own message, as the others got it
+        assert torch.equal(tensor, torch.full((5000,), float(sum(range(world)) / world)))
+    assert len(reasons) == 1, reasons

@@ -1,0 +1,163 @@
+"""Only members join a session (issue 22): every connection proves the session key by HMAC challenge-response bound
+to ranks and session; a process that knows only the token (readable in the c10d store) cannot open a session link or
+a stream lane claiming a member's rank. Real endpoints on loopback."""
+
+import socket
+
+import pytest
+import torch
+import trio
+
+from dgt import wire
+from dgt.endpoint import Endpoint, TransportConfig
+from dgt.transport import auth, control
+
+TOKEN = 0x22_0022
+
+
+async def _pair(secret_a=b"s3cret", secret_b=b"s3cret", timeout=3.0):
+    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_a), host="127.0.0.1")
+    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_b), host="127.0.0.1")
+    async with trio.open_nursery() as n:
+        n.start_soon(a.connect, {1: b.address})
+        n.start_soon(b.connect, {0: a.address})
+    return a, b
+
+
+def _attacker_hello(port: int, claimed_rank: int, **fields) -> list[str]:
+    """A local process that read the token from the store: dial, say hello as ``claimed_rank``, answer a challenge
+    with a guessed proof; the ops it got back."""
+    ops = []
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
+        s.settimeout(5)
+        hello = control.control(TOKEN, claimed_rank, control.HELLO, address={"host": "127.0.0.1", "tcp_port": 1,
+                                "udp_ports": [2]}, lanes=1, nonce=auth.nonce(), **fields)
+        s.sendall(hello)
+        f = s.makefile("rb")
+        for _ in range(2):
+            head = f.read(wire.HEADER_SIZE)
+            if len(head) < wire.HEADER_SIZE:
+                break
+            h = wire.decode_header(head)
+            body = f.read(int(h["length"]))
+            _, msg = control.parse(head + body)
+            ops.append(msg["op"])
+            if msg["op"] != control.CHALLENGE:
+                break
+            # without the key: a proof made with the key derived from the token alone
+            guess = auth.proof(auth.session_key(TOKEN, None), "dialer", claimed_rank, 1, "", msg["nonce"], "x")
+            s.sendall(control.control(TOKEN, claimed_rank, control.AUTH, proof=guess))
+    return ops
+
+
+def test_stream_lane_hijack_with_the_token_alone_is_refused_and_the_session_stays_correct():
+    async def main():
+        a, b = await _pair()
+        try:
+            port = b.address.tcp_port
+            for fields in ({"stream": True, "direction": 0}, {"stream": True, "direction": 1}, {}):
+                ops = await trio.to_thread.run_sync(lambda f=fields: _attacker_hello(port, 0, **f))
+                assert control.WELCOME not in ops, (fields, ops)
+                assert ops[-1] == control.REFUSE, (fields, ops)
+            assert b.receiver.counters.reasons.get("auth", 0) == 3
+            # the members' session is untouched: a lossless round still delivers exactly what rank 0 sent
+            x = torch.arange(5000, dtype=torch.float32)
+            async with trio.open_nursery() as n:
+                n.start_soon(a.send_round, 1, 5, 0, x)
+                res = await b.recv_round(0, 5, 0, timeout=10)
+            assert torch.equal(res.data, x)
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
+
+
+def test_members_with_different_secrets_cannot_connect():
+    from dgt.errors import DgtError
+
+    async def main():
+        with pytest.raises(DgtError, match="session key|refused|did not|hung up|connect"):
+            await _pair(b"one", b"two", timeout=2.0)
+
+    trio.run(main)
+
+
+def test_secret_sources(monkeypatch, tmp_path):
+    monkeypatch.delenv("DGT_SECRET", raising=False)
+    monkeypatch.delenv("DGT_SECRET_FILE", raising=False)
+    assert auth.user_secret() is None
+    monkeypatch.setenv("DGT_SECRET", "abc")
+    assert auth.user_secret() == b"abc"
+    assert auth.user_secret(b"explicit") == b"explicit"
+    monkeypatch.delenv("DGT_SECRET")
+    p = tmp_path / "key"
+    p.write_bytes(b"from-file\n")
+    monkeypatch.setenv("DGT_SECRET_FILE", str(p))
+    assert auth.user_secret() == b"from-file"
+    with pytest.raises(ValueError, match="empty"):
+        auth.user_secret("")
+    k1, k2 = auth.session_key(1, b"s"), auth.session_key(2, b"s")
+    assert k1 != k2 and k1 != auth.session_key(1, b"t")  # bound to the session and to the secret
+    assert "secret" not in TransportConfig(secret=b"zz").to_dict() and "zz" not in repr(TransportConfig(secret="zz"))
+
+
+async def _round_ok(a, b, bucket):
+    x = torch.arange(3000, dtype=torch.float32) + bucket
+    async with trio.open_nursery() as n:
+        n.start_soon(a.send_round, 1, bucket, 0, x)
+        res = await b.recv_round(0, bucket, 0, timeout=10)
+    return torch.equal(res.data, x)
+
+
+def _silent(port: int, n: int) -> list[socket.socket]:
+    socks = []
+    for _ in range(n):
+        try:
+            s = socket.socket()
+        except OSError:  # out of descriptors: what the caller wants
+            break
+        s.setblocking(False)
+        s.connect_ex(("127.0.0.1", port))
+        socks.append(s)
+    return socks
+
+
+def test_silent_connections_are_capped_and_accept_errors_survived():
+    import resource
+
+    async def main():
+        a, b = await _pair()
+        b.cfg.max_pending_handshakes = 8
+        socks = []
+        try:
+            socks = _silent(b.address.tcp_port, 40)
+            await trio.sleep(0.5)
+            assert b.receiver.counters.reasons.get("handshake-cap", 0) >= 20, b.receiver.counters.reasons
+            assert b._handshakes <= 8
+            # descriptors run out: accept fails with EMFILE; the endpoint counts it and keeps serving
+            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+            for s in socks:
+                s.close()
+            await trio.sleep(0.2)
+            import os
+
+            used = len(os.listdir("/proc/self/fd"))
+            resource.setrlimit(resource.RLIMIT_NOFILE, (used + 20, hard))
+            try:
+                socks = _silent(b.address.tcp_port, 30)  # the dialing ends take descriptors too
+                await trio.sleep(0.5)
+            finally:
+                for s in socks:
+                    s.close()
+                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            assert b.receiver.counters.reasons.get("accept:EMFILE", 0) >= 1, b.receiver.counters.reasons
+            await trio.sleep(0.2)
+            assert await _round_ok(a, b, 9)  # the session survived both
+        finally:
+            for s in socks:
+                s.close()
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
