@@ -141,4 +141,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     from dgt.experiment.ddp_cli import add_ddp_parser
 
     add_ddp_parser(esub)
+    from dgt.experiment.codecs_cli import add_parser as add_codecs
+
+    add_codecs(esub)
     e.set_defaults(func=lambda args: (e.print_help(), 2)[1])

@@ -1,0 +1,94 @@
+"""``dgt experiment codecs``: the command line (options, progress on the console, the final table)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from typing import Any
+
+
+def add_parser(esub: argparse._SubParsersAction) -> None:
+    from dgt.experiment.codecs_run import CODECS, CodecsConfig
+
+    base = CodecsConfig()
+    c = esub.add_parser(
+        "codecs", help="every codec (dense, DGT, Slim-DP, QSGD, Oland-Raj, DCD, ECD, LGC-PS, LGC-ring) trained over "
+                       "the real transport, with each paper's headline measure beside the paper's figure",
+        description="Train the same model on digits once per codec, each run in K worker processes talking through "
+        "the DGT transport over paced loopback, and report accuracy, bytes per step, time to the target accuracy "
+        "and each paper's own headline measure beside the paper's figure (results.json, report.md, codecs.png).",
+    )
+    c.add_argument("--codecs", default=",".join(base.codecs),
+                   help=f"comma-separated, from {', '.join(CODECS)} (dense is always run) (default: all)")
+    c.add_argument("--model", default=base.model, choices=["alexnet", "vgg11"], help="(default: %(default)s)")
+    c.add_argument("--workers", type=int, default=base.workers, help="K processes (default: %(default)s)")
+    c.add_argument("--iters", type=int, default=base.iters, help="training steps per codec (default: %(default)s)")
+    c.add_argument("--batch", type=int, default=base.batch, help="per worker (default: %(default)s)")
+    c.add_argument("--lr", type=float, default=base.lr, help="SGD learning rate (default: %(default)s)")
+    c.add_argument("--seed", type=int, default=base.seed, help="(default: %(default)s)")
+    c.add_argument("--target", type=float, default=base.target, help="target test accuracy (default: %(default)s)")
+    c.add_argument("--eval-every", type=int, default=base.eval_every, help="steps (default: %(default)s)")
+    c.add_argument("--deadline", default=base.deadline,
+                   help="how long a receiver waits for droppable blocks (default: %(default)s)")
+    c.add_argument("--lgc-topk", type=float, default=base.lgc_topk, help="LGC top-k ratio (default: %(default)s)")
+    c.add_argument("--network", choices=["loopback"], default="loopback",
+                   help="paced loopback (netem namespaces are not wired into this experiment yet)")
+    c.add_argument("--rate", default=base.network.rate,
+                   help="link rate of every host, tc units; each connection is paced to rate / (K - 1) "
+                        "(default: %(default)s)")
+    c.add_argument("--timeout", type=float, default=base.timeout, help="seconds per codec run (default: %(default)s)")
+    c.add_argument("--out", default=base.out_dir, help="directory for results.json, report.md, codecs.png "
+                                                      "(default: %(default)s)")
+    c.add_argument("--no-plots", action="store_true", help="skip the PNG")
+    c.add_argument("--shared-processes", action="store_true",
+                   help="train every codec in one set of K processes (one spawn; a failing codec fails the rest) "
+                        "instead of fresh processes per codec")
+    c.set_defaults(func=run)
+
+
+def config_from_args(args: argparse.Namespace) -> Any:
+    from dgt.experiment.codecs_run import CodecsConfig
+    from dgt.experiment.config import NetworkConfig
+
+    names = [n.strip() for n in args.codecs.split(",") if n.strip()]
+    if "dense" not in names:
+        names.insert(0, "dense")
+    return CodecsConfig(codecs=names, model=args.model, workers=args.workers, iters=args.iters, batch=args.batch,
+                        lr=args.lr, seed=args.seed, target=args.target, eval_every=args.eval_every,
+                        deadline=args.deadline, lgc_topk=args.lgc_topk,
+                        network=NetworkConfig(mode=args.network, rate=args.rate), out_dir=args.out,
+                        plots=not args.no_plots, timeout=args.timeout,
+                        isolate=not args.shared_processes)
+
+
+def progress_line(rec: dict[str, Any]) -> str:
+    return (f"  {rec['codec']:<9} step {rec['it']:>4}/{rec['iters']}  acc {rec['acc']:.3f}  loss {rec['loss']:.3f}  "
+            f"trained {rec['train_time']:.1f} s  sent {rec['sent']:,} B this step (rank 0)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from dgt.experiment.codecs_report import console_table
+    from dgt.experiment.codecs_run import run_codecs
+
+    cfg = config_from_args(args)
+    console = Console(width=None if sys.stdout.isatty() else 170)
+    via_dgt = os.path.basename(sys.argv[0]) in ("dgt", "__main__.py")
+    command = shlex.join(["dgt", *sys.argv[1:]]) if via_dgt else None
+
+    def done(name: str, entry: dict[str, Any]) -> None:
+        if "error" in entry:
+            console.print(f"[red]{name} failed:[/red] {entry['error'][-1500:]}")
+        else:
+            console.print(f"[bold]{name}[/bold]: accuracy {100 * entry['final_accuracy']:.2f} %, "
+                          f"{entry['bytes_per_step']:,.0f} B/step, rank 0 wall {entry['rank0_wall_time']:.0f} s")
+
+    console.print(f"[bold]codecs:[/bold] {', '.join(cfg.codecs)}; {cfg.workers} processes each, {cfg.iters} steps")
+    results = run_codecs(cfg, progress_line, command, done)
+    console.print(console_table(results))
+    console.print(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md"
+                  + (f", plot: {cfg.out_dir}/{results['plot']}" if results.get("plot") else ""))
+    return 1 if any("error" in r for r in results["runs"].values()) else 0

@@ -1,0 +1,216 @@
+"""``dgt experiment codecs``: every codec trained through the real transport, one run per codec, each in K OS processes
+(:func:`dgt.collectives.launch.run_ranks`), on the digits task of the other experiments, over paced loopback.
+
+The runs share model, data, shards, seed, learning rate, step count and network; rank 0 prints progress lines, the
+parent collects every rank's records and writes ``results.json``, ``report.md`` and one plot (:mod:`codecs_report`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import platform
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+
+from dgt.experiment.config import NetworkConfig
+
+# name -> (family, codec spec, what it is); LGC's phase lengths are filled in from the run length (lgc_phases)
+CODECS: dict[str, tuple[str, str, str]] = {
+    "dense": ("ps", "dense", "every gradient over TCP through the parameter server (the baseline)"),
+    "dgt": ("ps", "dgt:p=loss,p0=1,alpha=0.3,block=1024", "DGT: unimportant blocks on the droppable lane"),
+    "slimdp": ("slim", "slimdp:alpha=0.3,eps=0.15,q=20", "Slim-DP: model server, core + explorer push and pull"),
+    "qsgd": ("ps", "qsgd:bits=8,bucket=512,norm=l2", "QSGD 8 bit, bucket 512, l2 norm (Slim-DP's Quant-DP)"),
+    "olandraj": ("average", "olandraj:c=6,M=4,F=0.03",
+                 "Oland-Raj: one local epoch, then the coded parameters are averaged"),
+    "dcd": ("gossip", "dcd:bits=8", "DCD-PSGD, 8-bit differences, ring W = 1/3"),
+    "ecd": ("gossip", "ecd:quantizer=fixed,step=0.001", "ECD-PSGD, fixed-step 1e-3 quantizer, ring W = 1/3"),
+    "lgc-ps": ("lgc", "lgc:variant=ps", "LGC, parameter-server variant (autoencoder, innovation)"),
+    "lgc-ring": ("lgc", "lgc:variant=ring", "LGC, ring all-reduce variant (autoencoder)"),
+}
+
+
+@dataclass
+class CodecsConfig:
+    """One ``dgt experiment codecs`` run (every codec in ``codecs`` under the same settings)."""
+
+    codecs: list[str] = field(default_factory=lambda: list(CODECS))
+    model: str = "alexnet"
+    workers: int = 4
+    iters: int = 200
+    batch: int = 32
+    lr: float = 0.05  # the other experiments use 0.1; LGC-ring diverged there (docs/codecs.md)
+    seed: int = 0
+    target: float = 0.9
+    eval_every: int = 10
+    deadline: str = "fixed:0.002"
+    lgc_warmup: float = 0.2  # share of the steps in LGC's dense warm-up
+    lgc_ae: float = 0.2  # share of the steps in LGC's top-k + autoencoder training phase
+    lgc_topk: float = 0.01
+    network: NetworkConfig = field(default_factory=lambda: NetworkConfig(mode="loopback"))
+    out_dir: str = "dgt-codecs"
+    plots: bool = True
+    timeout: float = 600.0  # per codec run
+    isolate: bool = True  # every codec in its own processes (False: all codecs in one set of processes, one spawn)
+
+    def __post_init__(self) -> None:
+        unknown = [c for c in self.codecs if c not in CODECS]
+        if unknown:
+            raise ValueError(f"unknown codecs {unknown}; known: {', '.join(CODECS)}")
+        if not self.codecs:
+            raise ValueError("no codecs to run")
+        if self.workers < 2 or self.iters < 1 or self.eval_every < 1 or self.batch < 1:
+            raise ValueError("need workers >= 2 and positive iters, eval_every, batch")
+        if not 0.0 < self.target <= 1.0:
+            raise ValueError("target accuracy must be in (0, 1]")
+        if self.network.mode != "loopback":
+            raise ValueError("dgt experiment codecs runs over paced loopback only (netem is not wired in yet)")
+        if "dense" not in self.codecs:
+            raise ValueError("the dense run is the reference of every comparison: keep it in --codecs")
+
+    def lgc_phases(self) -> tuple[int, int]:
+        warm = max(1, round(self.lgc_warmup * self.iters))
+        return warm, max(1, round(self.lgc_ae * self.iters))
+
+    def spec(self, name: str) -> str:
+        family, spec, _ = CODECS[name]
+        if family == "lgc":
+            warm, ae = self.lgc_phases()
+            spec += f",warmup={warm},ae_iters={ae},topk={self.lgc_topk},seed={self.seed}"
+        elif name in ("slimdp", "qsgd", "olandraj", "dcd", "ecd"):
+            spec += f",seed={self.seed}"
+        return spec
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _pace_rate(cfg: CodecsConfig) -> float:
+    from dgt.experiment.network import Network
+
+    return Network(cfg.network, cfg.workers, "loopback").pace_rate
+
+
+def _describe_network(cfg: CodecsConfig) -> str:
+    from dgt.experiment.network import Network
+
+    return Network(cfg.network, cfg.workers, "loopback").describe()
+
+
+class _Echo:
+    """Reads rank 0's progress lines from a pipe the ranks share as stdout; ``on_progress(record)`` returns the line to
+    show (written to the real stdout, so nothing it prints comes back into the pipe). Other lines pass through."""
+
+    def __init__(self, on_progress: Any) -> None:
+        self.on_progress = on_progress
+        self.r, self.w = os.pipe()
+        self.saved = os.dup(1)
+        self.thread = threading.Thread(target=self._pump, daemon=True)
+
+    def __enter__(self) -> _Echo:
+        sys.stdout.flush()
+        os.dup2(self.w, 1)  # spawned ranks inherit fd 1
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stdout.flush()
+        os.dup2(self.saved, 1)
+        os.close(self.w)
+        self.thread.join(5)
+        os.close(self.saved)
+        os.close(self.r)
+
+    def _pump(self) -> None:
+        from dgt.experiment.codecs_worker import PROGRESS
+
+        buf = b""
+        while True:
+            try:
+                chunk = os.read(self.r, 65536)
+            except OSError:
+                return
+            if not chunk:
+                return
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                text = line.decode(errors="replace")
+                if text.startswith(PROGRESS):
+                    with contextlib.suppress(json.JSONDecodeError):
+                        shown = self.on_progress(json.loads(text[len(PROGRESS):]))
+                        if shown:
+                            os.write(self.saved, shown.encode() + b"\n")
+                elif text.strip():
+                    os.write(self.saved, line + b"\n")
+
+
+def run_batch(cfg: CodecsConfig, names: list[str], on_progress: Any = None) -> dict[str, dict[str, Any]]:
+    """Train the codecs ``names`` one after the other in one set of ``cfg.workers`` processes (each codec in its own
+    group); {name: condensed entry} (see codecs_report.condense). A failing rank fails the whole batch."""
+    from dgt.collectives.launch import run_ranks
+    from dgt.experiment.codecs_report import condense
+    from dgt.experiment.codecs_worker import run_ranks_entry
+
+    pace = _pace_rate(cfg)
+    runs = [{"name": n, "family": CODECS[n][0], "spec": cfg.spec(n), "model": cfg.model, "iters": cfg.iters,
+             "batch": cfg.batch, "lr": cfg.lr, "seed": cfg.seed, "eval_every": cfg.eval_every,
+             "deadline": cfg.deadline, "pace_rate": pace} for n in names]
+    t0 = time.monotonic()
+    ctx = _Echo(on_progress) if on_progress is not None else contextlib.nullcontext()
+    with ctx:
+        ranks = run_ranks(run_ranks_entry, cfg.workers, runs, timeout=cfg.timeout * len(names))
+    wall = time.monotonic() - t0
+    out = {}
+    for i, (name, run) in enumerate(zip(names, runs)):
+        entry = condense(cfg, name, run, [ranks[r][i] for r in range(cfg.workers)])
+        entry.update(about=CODECS[name][2], batch_wall_time=wall, batch=names)
+        out[name] = entry
+    return out
+
+
+def run_codecs(cfg: CodecsConfig, on_progress: Any = None, command: str | None = None,
+               on_done: Any = None) -> dict[str, Any]:
+    """Every codec of ``cfg`` one after the other; writes results.json (after each run), report.md and the plot."""
+    from dgt.experiment.codecs_report import headline, write_plot, write_report
+
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    results: dict[str, Any] = {
+        "command": command, "config": cfg.to_dict(), "network": _describe_network(cfg), "pace_rate": _pace_rate(cfg),
+        "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+                    "load_average": os.getloadavg()},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {},
+    }
+    order = ["dense"] + [c for c in cfg.codecs if c != "dense"]  # dense first: the others are measured against it
+    batches = [[n] for n in order] if cfg.isolate else [order]
+    for names in batches:
+        try:
+            results["runs"].update(run_batch(cfg, names, on_progress))
+        except Exception as exc:  # one failing codec must not lose the others' results
+            for name in names:
+                results["runs"][name] = {"error": f"{type(exc).__name__}: {str(exc)[-3000:]}",
+                                         "spec": cfg.spec(name), "about": CODECS[name][2]}
+        headline(results)
+        _write(cfg, results)
+        if on_done is not None:
+            for name in names:
+                on_done(name, results["runs"][name])
+    results["finished"] = time.strftime("%Y-%m-%d %H:%M:%S")
+    if cfg.plots:
+        results["plot"] = write_plot(results, cfg.out_dir)
+    _write(cfg, results)
+    write_report(results, os.path.join(cfg.out_dir, "report.md"))
+    return results
+
+
+def _write(cfg: CodecsConfig, results: dict[str, Any]) -> None:
+    path = os.path.join(cfg.out_dir, "results.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(results, f, indent=1)
+    os.replace(path + ".tmp", path)
