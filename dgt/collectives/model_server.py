@@ -160,8 +160,6 @@ class ModelServer(Collective):
         With ``average=True`` (Oland & Raj's model averaging) a worker pushes its parameters ``local`` (``delta`` is
         ignored), the server sets ``w`` to the mean of the decoded pushes and every worker continues from it."""
         g = self.group
-        if g.world > 1:
-            await self.connect()  # workers-server, first call only
         stats = ModelServerStats()
         trains = not self.is_server or self.server_trains
         if trains and (local is None or (delta is None and not self.average)):
@@ -177,6 +175,10 @@ class ModelServer(Collective):
                 return CollectiveResult(local if trains else self.w.clone(), stats)
             if not self.average:
                 delta, self._pending = self._pending, None
+        if g.world > 1:
+            # workers-server, on the first call that communicates: a step that only accumulates (every=p) must not
+            # dial, or a server's last local step re-dialled workers that had finished and closed (PeerTimeout)
+            await self.connect()
         rnd = g.next_round("model-server", self.bucket_id)
         parts = self.push_tx.encode(delta.detach().reshape(-1), self.push_tx_state) if trains else []
         if not self.is_server:

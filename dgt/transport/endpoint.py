@@ -479,7 +479,18 @@ class Endpoint:
                     chan.close()
                     return
                 host = canonical_host(addr.host)
-                await chan.send_buffers([control.control(self.token, self.rank, control.WELCOME)])
+                # accept the peer's datagrams before it hears the welcome: with lazy connections its first round
+                # follows the handshake at once, and datagrams that beat _register were dropped as a stranger's
+                # (lost for good: 12 blocks of a round with a 10 s deadline)
+                early = [(host, p) for p in addr.udp_ports if (host, p) not in self._sources]
+                for src in early:
+                    self._sources[src] = rank
+                try:
+                    await chan.send_buffers([control.control(self.token, self.rank, control.WELCOME)])
+                except BaseException:
+                    for src in early:
+                        self._sources.pop(src, None)
+                    raise
         except Exception:  # wrong token, garbage, silence or a vanished dialer: not a peer of this session
             chan.close()
             self.receiver.counters.reject("handshake")
@@ -868,6 +879,29 @@ class Endpoint:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
         return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout)
 
+    @staticmethod
+    async def _jobs_done(track: _SendTrack) -> None:
+        for job in track.jobs:
+            try:
+                await job.done.wait()
+            except OSError:
+                pass  # the lane could not send: those datagrams are lost, the deadline covers them
+
+    async def _jobs_until_report(self, track: _SendTrack) -> None:
+        """Wait for the round's datagrams, or for its drop report, whichever comes first: once the receiver has
+        closed the round the datagrams still queued (a pacer slowed by loss) are abandoned, not waited for. Waiting
+        for them outlived a receiver that had reported and closed its endpoint (PeerClosed on a finished round)."""
+        async with trio.open_nursery() as nursery:
+            async def on_report() -> None:
+                try:
+                    await track.report.wait()
+                finally:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_report)
+            await self._jobs_done(track)
+            nursery.cancel_scope.cancel()
+
     async def _send(self, peer, bucket, round, flat, layout, cls, order, wait, timeout) -> SendStats:
         link = self._link(peer)
         t0 = trio.current_time()
@@ -915,11 +949,10 @@ class Endpoint:
                     track.jobs.append(job)
                     self.scheduler.submit(job)
                 await rest.wait()
-                for job in track.jobs:
-                    try:
-                        await job.done.wait()
-                    except OSError:
-                        pass  # the lane could not send: those datagrams are lost, the deadline covers them
+                if wait:
+                    await self._jobs_until_report(track)
+                else:
+                    await self._jobs_done(track)
                 if wait:
                     info = await track.report.wait()
                     stats.report = True
