@@ -217,7 +217,8 @@ def test_adaptive_deadline_learns_its_bound_across_rounds():
 def test_adaptive_deadline_never_waits_longer_than_sending_the_rest_densely():
     pol = AdaptiveGrace(k=4, floor=0.001, cap=0.5, learn=0)
     silent = DeadlineState(1.0, None, None, remaining_frames=3, dense_wait=0.0004)
-    assert pol.deadline(silent) == pytest.approx(1.001)  # 2 x 0.4 ms, but never under the floor
+    assert pol.deadline(silent) == pytest.approx(1.01)  # 2 x 0.4 ms, but never under dense_floor
+    assert AdaptiveGrace(floor=0.001, learn=0, dense_floor=0).deadline(silent) == pytest.approx(1.001)  # nor floor
     flowing = DeadlineState(1.0, 1.0, 0.01, remaining_frames=100, dense_wait=0.02)
     assert pol.deadline(flowing) == pytest.approx(1.04)  # 2 x what the rest would take densely
     assert AdaptiveGrace(cap=0.5, learn=0, dense=0).deadline(flowing) == pytest.approx(1.5)  # the bound off
@@ -226,9 +227,9 @@ def test_adaptive_deadline_never_waits_longer_than_sending_the_rest_densely():
 
 def test_receiver_measures_the_dense_wait_from_the_important_blocks_rate():
     *_, plan = make_round(p=0.3)
-    rx = RoundReceiver(TOKEN, deadline=AdaptiveGrace(k=4, floor=0.0001, cap=10.0, learn=0))  # silent: cap/10 = 1 s
+    rx = RoundReceiver(TOKEN, deadline=AdaptiveGrace(k=4, floor=0.0001, cap=10.0, learn=0, dense_floor=0))
     rel = reliable_items(plan)
-    _, t = feed(rx, rel, dt=0.01)  # the important blocks trickle in: a slow reliable lane
+    _, t = feed(rx, rel, dt=0.01)  # the important blocks trickle in: a slow reliable lane (silent: cap/10 = 1 s)
     (r,) = rx.rounds.values()
     imp_bytes = r.end[0] * r.layout.block * r.isz
     rate = imp_bytes / (r.imp_done_at - r.opened_at)

@@ -48,13 +48,16 @@ class AdaptiveGrace(DeadlinePolicy):
     when the unimportant traffic slows down; it never leaves [floor, cap].
 
     And a round never waits (beyond ``floor``) more than ``dense`` times what its missing unimportant bytes would
-    take at the rate its important blocks came in (``dense_wait``): a few late droppable blocks must not hold a round
-    longer than sending them densely would have (0 switches this bound off)."""
+    take at the rate its important blocks came in (``dense_wait``), nor less than ``dense_floor``: a few late
+    droppable blocks must not hold a round longer than sending them densely would have (``dense`` = 0 switches this
+    bound off). ``dense_floor`` covers hosts whose datagram path is slower than their reliable lane (loopback: a
+    burst of important blocks in one read says nothing about how soon the datagrams get through)."""
 
     k: float = 4.0
     floor: float = 0.002
     cap: float = 0.5
     dense: float = 2.0
+    dense_floor: float = 0.01
     learn: float = 1.0
     alpha: float = 0.125
     spread: float = 4.0
@@ -85,7 +88,7 @@ class AdaptiveGrace(DeadlinePolicy):
         t0 = st.important_done_at
         hard = t0 + self.bound()
         if self.dense and st.dense_wait is not None:
-            hard = min(hard, t0 + max(self.floor, self.dense * st.dense_wait))
+            hard = min(hard, t0 + max(self.floor, self.dense_floor, self.dense * st.dense_wait))
         if st.last_arrival is None or st.mean_gap is None:
             return min(hard, t0 + max(self.floor, self.cap / 10))
         quiet = st.last_arrival + self.k * st.mean_gap
