@@ -67,7 +67,7 @@ def test_default_state_drops_without_a_loss_feed_and_follows_one_when_fed():
 
     st = DGTState()  # the README line: nothing ever calls observe_loss
     assert st.codec.name == "dgt"
-    assert st.codec.schedule.p() == pytest.approx(0.3)
+    assert st.codec.schedule.p() == pytest.approx(0.1)
     g = torch.randn(64 * 1024)
     parts = st.codec.encode(g, st.codec.state_for(0, g, None))
     cls = parts[0].lane_class
