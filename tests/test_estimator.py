@@ -142,6 +142,21 @@ def test_constant_and_loss_schedules():
         make_schedule("bogus")
 
 
+def test_loss_schedule_idle_p_until_a_loss_is_observed():
+    s = make_schedule("loss:p0=1,p_min=0.05,idle_p=0.3")
+    assert s.p() == pytest.approx(0.3)  # no loss fed (the DDP hook's one-line change): still drops
+    s.observe_loss(float("nan"))  # a non-finite loss is no observation
+    assert s.p() == pytest.approx(0.3)
+    s.observe_loss(2.0)
+    assert s.p() == 1.0  # fed: the paper's p0 * loss_t / loss_0 from its start p0
+    s.observe_loss(0.5)
+    assert s.p() == pytest.approx(0.25)
+    assert LossProportionalP(p0=0.8).p() == pytest.approx(0.8)  # idle_p unset: p0, as before
+    assert LossProportionalP(p_min=0.2, idle_p=0.1).p() == pytest.approx(0.2)  # clamped like any p
+    with pytest.raises(ValueError):
+        LossProportionalP(idle_p=1.5)
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_scores_restored_on_the_cpu_carry_over_to_cuda():

@@ -184,9 +184,84 @@ def test_adaptive_deadline_waits_for_a_flowing_stream_and_caps():
     assert make_deadline("fixed:0.02").grace == 0.02
 
 
+def test_adaptive_deadline_learns_its_bound_across_rounds():
+    pol = AdaptiveGrace(k=4, floor=0.001, cap=0.5, warm=4)
+    quiet = DeadlineState(important_done_at=1.0, last_arrival=None, mean_gap=None, remaining_frames=None)
+    assert pol.deadline(quiet) == pytest.approx(1.05)  # nothing learnt: cap / 10 within the cap
+    for _ in range(3):
+        pol.observe(0.004, complete=True)
+    assert pol.bound() == 0.5  # not warm yet
+    pol.observe(0.004, complete=True)
+    assert pol.bound() == pytest.approx(0.004 + 4 * pol.dev) and pol.bound() < 0.02
+    # rounds whose unimportant blocks all came within ~4 ms no longer wait 50 ms for a silent stream
+    assert pol.deadline(quiet) == pytest.approx(1.0 + pol.bound())
+    flowing = DeadlineState(1.0, 1.0, 0.01, remaining_frames=10_000)
+    assert pol.deadline(flowing) == pytest.approx(1.0 + pol.bound())
+    # rounds that keep reaching their deadline teach it to wait longer again, up to the cap
+    before = pol.bound()
+    for _ in range(40):
+        pol.observe(pol.bound(), complete=False)
+    assert pol.bound() > 4 * before
+    for _ in range(200):
+        pol.observe(pol.bound(), complete=False)
+    assert pol.bound() == 0.5
+    for bad in (float("nan"), -1.0):  # never poisoned
+        pol.observe(bad, complete=True)
+    assert pol.bound() == 0.5
+    off = make_deadline("adaptive:learn=0")
+    for _ in range(10):
+        off.observe(0.001, complete=True)
+    assert off.bound() == off.cap  # the behaviour before: a fixed hard bound
+
+
+def test_adaptive_deadline_never_waits_longer_than_sending_the_rest_densely():
+    pol = AdaptiveGrace(k=4, floor=0.001, cap=0.5, learn=0)
+    silent = DeadlineState(1.0, None, None, remaining_frames=3, dense_wait=0.0004)
+    assert pol.deadline(silent) == pytest.approx(1.01)  # 2 x 0.4 ms, but never under dense_floor
+    assert AdaptiveGrace(floor=0.001, learn=0, dense_floor=0).deadline(silent) == pytest.approx(1.001)  # nor floor
+    flowing = DeadlineState(1.0, 1.0, 0.01, remaining_frames=100, dense_wait=0.02)
+    assert pol.deadline(flowing) == pytest.approx(1.04)  # 2 x what the rest would take densely
+    assert AdaptiveGrace(cap=0.5, learn=0, dense=0).deadline(flowing) == pytest.approx(1.5)  # the bound off
+    assert pol.deadline(DeadlineState(1.0, 1.0, 0.01, remaining_frames=100)) == pytest.approx(1.5)  # rate unknown
+
+
+def test_receiver_measures_the_dense_wait_from_the_important_blocks_rate():
+    *_, plan = make_round(p=0.3)
+    rx = RoundReceiver(TOKEN, deadline=AdaptiveGrace(k=4, floor=0.0001, cap=10.0, learn=0, dense_floor=0))
+    rel = reliable_items(plan)
+    _, t = feed(rx, rel, dt=0.01)  # the important blocks trickle in: a slow reliable lane (silent: cap/10 = 1 s)
+    (r,) = rx.rounds.values()
+    imp_bytes = r.end[0] * r.layout.block * r.isz
+    rate = imp_bytes / (r.imp_done_at - r.opened_at)
+    want = r.end[3] * r.geom.frag * r.isz / rate  # no datagram in yet: all of them missing
+    assert 0.0001 < 2 * want < 1.0
+    assert rx.next_deadline() == pytest.approx(r.imp_done_at + 2 * want)
+    (done,) = rx.on_time(rx.next_deadline())
+    assert done.stats.closed_by == "deadline" and done.stats.dropped == r.end[1]
+
+
+def test_receiver_teaches_the_deadline_only_with_lossy_rounds():
+    pol = AdaptiveGrace(k=4, floor=0.001, cap=1.0)
+    rx = RoundReceiver(TOKEN, deadline=pol)
+    *_, plan = make_round(p=1.0)  # all important: nothing to learn
+    feed(rx, reliable_items(plan) + datagrams_of(plan))
+    assert pol.seen == 0
+    *_, plan = make_round(p=0.3, rnd=1)
+    dg = datagrams_of(plan)
+    events, t = feed(rx, reliable_items(plan) + dg, dt=0.001)
+    assert [e.stats.closed_by for e in events] == ["complete"] and pol.seen == 1
+    assert pol.mean == pytest.approx(events[0].stats.deadline_wait)
+    *_, plan = make_round(p=0.3, rnd=2)
+    events, t = feed(rx, reliable_items(plan) + datagrams_of(plan)[:-1], t, dt=0.001)
+    assert events == []
+    (done,) = rx.on_time(rx.next_deadline())
+    assert done.stats.closed_by == "deadline" and pol.seen == 2
+
+
 def test_adaptive_deadline_in_receiver_extends_while_frames_arrive():
     layout, g, c, sender, flat, plan = make_round(p=0.1)
-    rx = RoundReceiver(TOKEN, deadline=AdaptiveGrace(k=4, floor=0.001, cap=1.0))
+    # (dense=0: here the important blocks come as fast as the datagrams, so the dense bound would close it sooner)
+    rx = RoundReceiver(TOKEN, deadline=AdaptiveGrace(k=4, floor=0.001, cap=1.0, dense=0))
     dg = datagrams_of(plan)
     _, t = feed(rx, reliable_items(plan) + dg[: len(dg) // 2], dt=0.001)
     d1 = rx.next_deadline()

@@ -62,6 +62,21 @@ def _params(ddp) -> list[torch.Tensor]:
 
 
 # -- no network ---------------------------------------------------------------------------------------------------
+def test_default_state_drops_without_a_loss_feed_and_follows_one_when_fed():
+    from dgt.shim import DGTState
+
+    st = DGTState()  # the README line: nothing ever calls observe_loss
+    assert st.codec.name == "dgt"
+    assert st.codec.schedule.p() == pytest.approx(0.1)
+    g = torch.randn(64 * 1024)
+    parts = st.codec.encode(g, st.codec.state_for(0, g, None))
+    cls = parts[0].lane_class
+    assert 0 < int((cls == 0).sum()) < len(cls)  # some blocks important, the rest droppable
+    st.observe_loss(2.0)
+    st.observe_loss(1.0)
+    assert st.codec.schedule.p() == pytest.approx(0.5)  # observe_loss still drives p = p0 * loss_t / loss_0
+
+
 def test_state_pickles_with_codec_state_and_without_the_worker():
     from dgt.shim import DGTState
 

@@ -19,8 +19,9 @@ from dgt.schedule import PSchedule, make_schedule
 @register("dgt")
 class DGTCodec(Codec):
     """Floating buckets only (bool/int/complex are refused before any traffic). Options: ``p`` (a number for a
-    constant p, or ``loss`` for p = p0 * loss_t / loss_0), ``p0``, ``p_min``,
-    ``alpha`` (contribution momentum, 0.3), ``block`` (n, 1024), ``classes`` (lane classes incl. reliable, 2)."""
+    constant p, or ``loss`` for p = p0 * loss_t / loss_0), ``p0``, ``p_min``, ``idle_p`` (with ``loss``: p until a
+    loss is observed; default p0), ``alpha`` (contribution momentum, 0.3), ``block`` (n, 1024), ``classes`` (lane
+    classes incl. reliable, 2)."""
 
     name = "dgt"
     capabilities = Capabilities(summable=True, lossy_tolerant=True)
@@ -30,13 +31,14 @@ class DGTCodec(Codec):
         p: float | str | PSchedule = "loss",
         p0: float = 1.0,
         p_min: float = 0.05,
+        idle_p: float | None = None,
         alpha: float = 0.3,
         block: int = 1024,
         classes: int = 2,
     ) -> None:
         super().__init__()
         if p == "loss":
-            p = f"loss:p0={p0},p_min={p_min}"
+            p = f"loss:p0={p0},p_min={p_min}" + ("" if idle_p is None else f",idle_p={idle_p}")
         self.schedule = make_schedule(p)
         self.alpha = alpha
         self.block = block

@@ -88,8 +88,10 @@ def codec_block_mask(transport_mask: torch.Tensor, transport: BucketLayout, code
 
 
 async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
-                     stats: CollectiveStats, reliable: bool = False) -> None:
-    """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane."""
+                     stats: CollectiveStats, reliable: bool = False, wait_report: bool = True) -> None:
+    """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane.
+    ``wait_report=False``: return once every frame is handed to the kernel, without waiting a round trip for the
+    receiver's drop report (the transport keeps a copy and folds the report into error feedback when it comes)."""
     jobs = []
     for i, part in enumerate(parts):
         part = transport_part(part, ep.cfg.block)  # a codec's own block size (QSGD buckets...) is cut anew
@@ -98,7 +100,7 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
             cls = cls.detach().to("cpu")
         order = None if part.order is None else part.order.detach().to("cpu")
         jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), layout_of(part), cls,
-                     order))
+                     order, wait_report))
         _count_sent(stats, part, cls)
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
         await _send_one(stats, *jobs[0])
@@ -119,10 +121,11 @@ def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
     stats.add_sent(1, part.nbytes - rel)
 
 
-async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cls, order) -> None:
+async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cls, order, wait_report) -> None:
     # a lossless round has nothing to learn from its drop report: do not spend a round trip waiting for it
     lossless = cls == 0 if isinstance(cls, int) else not bool((cls != 0).any())
-    st = await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order, wait=not lossless)
+    st = await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order,
+                             wait=wait_report and not lossless)
     unsent = getattr(st, "unsent_bytes", 0)
     if unsent:  # the send budget kept these back (error feedback carries them): not sent on the unreliable lane
         stats.add_sent(1, -unsent)

@@ -10,6 +10,7 @@ value the others receive.
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import trio
@@ -158,8 +159,10 @@ class RingAllReduce(Collective):
 
         async with trio.open_nursery() as nursery:
             if parts:
-                nursery.start_soon(send_parts, ep, (g.rank + 1) % g.world, bucket_id, phase, step, rnd, parts, stats,
-                                   reliable)
+                # the next hop needs what this one receives, not the drop report of what it sent: do not wait a
+                # round trip per hop for it (error feedback folds it in when it comes)
+                nursery.start_soon(partial(send_parts, ep, (g.rank + 1) % g.world, bucket_id, phase, step, rnd, parts,
+                                           stats, reliable, wait_report=False))
             if like:
                 nursery.start_soon(recv)
         if not like:

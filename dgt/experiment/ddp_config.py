@@ -18,7 +18,7 @@ ARMS: dict[str, str] = {
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
     "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
-                     "feeds DGT's p = p0 * loss_t / loss_0; without it p stays 1 and nothing is dropped)",
+                     "feeds DGT's p = p0 * loss_t / loss_0; without it p stays at the default's idle_p = 0.1)",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

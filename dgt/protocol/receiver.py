@@ -157,6 +157,7 @@ class _Round:
         self.stats = RoundStats(sender=key[0], bucket=key[1], round=key[2], blocks=nb)
         self.end: tuple[int, int, int, int] | None = None
         self.imp_done_at: float | None = None
+        self.opened_at: float | None = None  # the round's opening frame (the important blocks' rate starts here)
         self.last_arrival: float | None = None
         self.first_arrival: float | None = None  # of the unimportant datagrams (the report's timing trailer)
         self.mean_gap: float | None = None
@@ -187,6 +188,17 @@ class _Round:
 
     def complete(self) -> bool:
         return self.end is not None and self.n_done >= self.end[0] + self.end[1]
+
+
+def _dense_wait(r: _Round, remaining: int | None) -> float | None:
+    """Seconds the unimportant frames still missing would take at the rate the important blocks came in (opening
+    frame to the last important block); None when that rate is unknown."""
+    if remaining is None or r.opened_at is None or r.end is None or not r.end[0]:
+        return None
+    span = r.imp_done_at - r.opened_at
+    if span <= 0:
+        return None
+    return remaining * r.geom.frag * r.isz * span / (r.end[0] * r.layout.block * r.isz)
 
 
 class RoundReceiver:
@@ -280,6 +292,7 @@ class RoundReceiver:
             self.counters.reject("memory-budget")
             return []
         self.rounds[key] = r = _Round(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
+        r.opened_at = now
         r.want_report = not f.flags & Flags.NO_REPORT
         events: list = []
         self._expire_early(now)
@@ -632,7 +645,7 @@ class RoundReceiver:
             return None
         remaining = None if r.end is None else max(r.end[3] - r.unimp_frames, 0)
         return self.deadline.deadline(
-            DeadlineState(r.imp_done_at, r.last_arrival, r.mean_gap, remaining, r.batch_gap)
+            DeadlineState(r.imp_done_at, r.last_arrival, r.mean_gap, remaining, r.batch_gap, _dense_wait(r, remaining))
         )
 
     def next_deadline(self) -> float | None:
@@ -686,6 +699,8 @@ class RoundReceiver:
         st.partial = int(partial.sum())
         st.deadline_wait = 0.0 if r.imp_done_at is None else max(now - r.imp_done_at, 0.0)
         st.closed_by = why
+        if why in ("complete", "deadline") and r.imp_done_at is not None and r.end is not None and r.end[1]:
+            self.deadline.observe(st.deadline_wait, why == "complete")  # rounds with unimportant blocks teach it
         for lane, n in zip(*np.unique(r.lane_of[mask], return_counts=True)):
             st.lane(int(lane)).blocks = int(n)
         del self.rounds[r.key]

@@ -25,6 +25,9 @@ from dgt.shim.net import group_connector
 logger = logging.getLogger(__name__)
 
 COLLECTIVES = ("ring", "ps")
+# DGT's p = p0 * loss_t / loss_0 once the trainer feeds the loss (observe_loss); until then (and for the README's
+# one-line change, which never feeds it) a fixed p = 0.1 instead of p0 = 1, which would drop nothing: docs/shim.md
+DEFAULT_CODEC = "dgt:idle_p=0.1"
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
 
@@ -35,7 +38,8 @@ class DGTState:
     Args:
         process_group: the group whose ranks take part (None: the default group, resolved on first use).
         codec: a codec spec (``"dgt"``, ``"dgt:p=0.3"``, ``"dense"``, any registered codec) or a ``Codec``.
-            ``"dense"`` makes the hook lossless.
+            ``"dense"`` makes the hook lossless. Default: DGT with p = p0 * loss_t / loss_0 once a loss is observed
+            and p = 0.1 before (``DEFAULT_CODEC``).
         collective: ``"ring"`` (ring all-reduce) or ``"ps"`` (parameter server; ``server`` = a rank or
             ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
@@ -61,7 +65,7 @@ class DGTState:
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
-        codec: str | Codec = "dgt",
+        codec: str | Codec = DEFAULT_CODEC,
         collective: str = "ring",
         *,
         warmup_iters: int = 2,
