@@ -327,8 +327,19 @@ class Endpoint:
                     n.start_soon(self._await_link, rank, timeout)
 
     async def _dial(self, rank: int, addr: PeerAddress, timeout: float) -> None:
-        chan = await self._hello(rank, addr.host, addr.tcp_port, timeout)
-        self._register(rank, addr, canonical_host(addr.host), chan, FrameReader(chan, self.cfg.limits, self.token))
+        host = canonical_host(addr.host)
+        # the acceptor may send its first round's datagrams right behind the welcome, and our UDP task can run before
+        # the task reading the welcome: accept them (into the early buffer) from the address the store gave us
+        early = [(host, p) for p in addr.udp_ports if (host, p) not in self._sources]
+        for src in early:
+            self._sources[src] = rank
+        try:
+            chan = await self._hello(rank, addr.host, addr.tcp_port, timeout)
+        except BaseException:
+            for src in early:
+                self._sources.pop(src, None)
+            raise
+        self._register(rank, addr, host, chan, FrameReader(chan, self.cfg.limits, self.token))
 
     async def _dial_stream(self, rank: int, direction: int) -> TcpChannel:
         """Open one direction of a stream lane to ``rank`` (see dgt.transport.streams): another connection, welcomed
