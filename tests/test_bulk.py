@@ -8,10 +8,10 @@ import torch
 import trio
 
 from dgt import wire
-from dgt.endpoint import Endpoint, TransportConfig
 from dgt.errors import ProtocolError
 from dgt.protocol.bulk import BulkReceiver, bulk_frames
 from dgt.protocol.receiver import RoundReceiver
+from dgt.transport import Endpoint, TransportConfig
 
 TOKEN = 0xB01C
 

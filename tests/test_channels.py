@@ -22,8 +22,8 @@ from dgt.protocol.deadline import FixedGrace
 from dgt.protocol.receiver import RoundReceiver
 from dgt.protocol.sender import RoundSender
 from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
-from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
+from dgt.scheduler.timer import DeadlineTimer
 
 TOKEN = 77
 UDP = LaneSpec("bulk", "udp", 1)

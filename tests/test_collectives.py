@@ -23,7 +23,7 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
     import trio
 
     from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     async def main():
         g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)
@@ -145,7 +145,7 @@ def _dying_worker(rank, world, cfg_kwargs):
     import trio
 
     from dgt.collectives import Group, RingAllReduce
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     async def main():
         g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)

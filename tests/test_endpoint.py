@@ -12,7 +12,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from dgt import wire
-from dgt.endpoint import (
+from dgt.errors import ProtocolError
+from dgt.estimator import ContributionEstimator
+from dgt.layout import BucketLayout
+from dgt.transport import (
     BlockingEndpoint,
     Endpoint,
     LaneSpec,
@@ -23,9 +26,6 @@ from dgt.endpoint import (
     TransportConfig,
     three_lanes,
 )
-from dgt.errors import ProtocolError
-from dgt.estimator import ContributionEstimator
-from dgt.layout import BucketLayout
 
 TOKEN = 0x5EED_0001
 SIZES = [30000, 1024, 7, 20000, 777]

@@ -7,7 +7,7 @@ import torch
 
 from dgt.estimator import ContributionEstimator, expected_important
 from dgt.layout import BucketLayout
-from dgt.schedule import ConstantP, LossProportionalP, make_schedule
+from dgt.p_schedule import ConstantP, LossProportionalP, make_schedule
 
 AWKWARD = [[1], [1023], [1024], [1025], [3000, 5, 0, 4096, 70001], [17, 2049, 1]]
 

@@ -8,7 +8,7 @@ import trio
 import trio.testing
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
-from dgt.endpoint import TransportConfig
+from dgt.transport import TransportConfig
 
 W = 6
 

@@ -22,7 +22,7 @@ def _exact_worker(rank, world, kind, name):
     import trio
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     dtype, vals = EXACT[name]
     x = torch.tensor(vals * 700, dtype=dtype)  # a few blocks, so every hop carries data
@@ -80,7 +80,7 @@ def test_refused_dtypes_and_ops_fail_before_any_traffic():
 
 
 async def _pair(cfg=None):
-    from dgt.endpoint import Endpoint, TransportConfig
+    from dgt.transport import Endpoint, TransportConfig
 
     cfg = cfg or TransportConfig(peer_timeout=5)
     a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
@@ -157,8 +157,8 @@ def _mismatch_worker(rank, world, kind, codec, streams):
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
     from dgt.collectives.rendezvous import store_from_env
-    from dgt.endpoint import TransportConfig
     from dgt.errors import RankMismatch
+    from dgt.transport import TransportConfig
 
     def build(g):
         return RingAllReduce(g, codec) if kind == "ring" else ParameterServer(g, codec)

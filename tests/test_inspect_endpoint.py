@@ -1,4 +1,4 @@
-"""A capture of traffic made by the real transport (dgt.endpoint.Endpoint on loopback) agrees with the
+"""A capture of traffic made by the real transport (dgt.transport.Endpoint on loopback) agrees with the
 Endpoint's own round statistics, and its DSCP marks are the lanes' configured ones."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import trio
 from dgt.inspect.capture import LiveCapture
 from dgt.inspect.summary import Options, summarize
 
-endpoint = pytest.importorskip("dgt.endpoint", reason="the transport (dgt.endpoint) is not built yet")
+endpoint = pytest.importorskip("dgt.transport", reason="the transport (dgt.transport) is not built yet")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="packet capture needs root (CAP_NET_RAW)")
 TOKEN = 0x1D5EC7_0000_0042
 

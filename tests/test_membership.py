@@ -9,8 +9,7 @@ import torch
 import trio
 
 from dgt import wire
-from dgt.endpoint import Endpoint, TransportConfig
-from dgt.transport import auth, control
+from dgt.transport import Endpoint, TransportConfig, auth, control
 
 TOKEN = 0x22_0022
 

@@ -35,7 +35,7 @@ def _train(rank, world, specs, rounds, lr, seed, cfg_kwargs=None, device="cpu", 
 
     from dgt.codecs.simulate import MLP, Shards, digits
     from dgt.collectives import Group
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     model = MLP()
     data = digits()
@@ -116,7 +116,7 @@ def test_codec_block_mask_maps_transport_loss_to_codec_blocks():
 
 def test_slimdp_refuses_transport_error_feedback():
     from dgt.collectives.group import Group
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     class FakeEndpoint:
         def __init__(self, ef: bool) -> None:

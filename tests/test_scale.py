@@ -17,7 +17,7 @@ import trio
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
 from dgt.collectives.launch import run_ranks
-from dgt.endpoint import TransportConfig
+from dgt.transport import TransportConfig
 
 pytestmark = pytest.mark.scale
 

@@ -127,7 +127,7 @@ def test_port_range_binds_every_socket_inside_it_and_says_when_full(monkeypatch)
 
     from dgt.channels.ports import parse_port_range
     from dgt.collectives.launch import free_port
-    from dgt.endpoint import Endpoint, TransportConfig
+    from dgt.transport import Endpoint, TransportConfig
 
     lo = free_port()
     lo = min(lo, 65535 - 16)

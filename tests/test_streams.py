@@ -11,8 +11,8 @@ import trio.testing
 
 from dgt.channels.duplex import NATIVE
 from dgt.channels.sockopts import parse_dscp
-from dgt.endpoint import Endpoint, PeerClosed, PeerTimeout, TransportConfig
 from dgt.errors import ProtocolError
+from dgt.transport import Endpoint, PeerClosed, PeerTimeout, TransportConfig
 from dgt.transport.streams import Hop
 
 TOKEN = 0x5EED_0002

@@ -13,9 +13,9 @@ import pytest
 import torch
 import trio
 
-from dgt.endpoint import Endpoint, PeerAddress, PeerClosed, PeerTimeout, TransportConfig
 from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
+from dgt.transport import Endpoint, PeerAddress, PeerClosed, PeerTimeout, TransportConfig
 
 TOKEN = 0xABCD_0042
 SIZES = [40000, 1024, 9, 25000]
@@ -24,7 +24,7 @@ SIZES = [40000, 1024, 9, 25000]
 CHILD = textwrap.dedent(
     """
     import json, sys, torch, trio
-    from dgt.endpoint import Endpoint, PeerAddress, TransportConfig
+    from dgt.transport import Endpoint, PeerAddress, TransportConfig
     from dgt.estimator import ContributionEstimator
     from dgt.layout import BucketLayout
 

@@ -42,7 +42,7 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
     import trio
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     store = dist.distributed_c10d._get_default_store()
@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> dict:
     median = {k: statistics.median(v) for k, v in trials.items()}
     out = {"bench": "allreduce", "ranks": args.ranks, "mb": args.mb, "codec": args.codec, "repeat": args.repeat,
            "seconds": best, "median_seconds": median}  # fmt: skip
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     cfg = TransportConfig(stream_hops=hops, hop_threads=threads[0])
     out["ring_hops"] = ("session link" if hops == "off" else "python loop" if not cfg.native_hops() else

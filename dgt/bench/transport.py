@@ -155,9 +155,9 @@ def _payload(st: dict, numel: int) -> torch.Tensor:
 def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.0, use_out: bool = True) -> dict:
     """One variant on one side, natively in trio: open, trade addresses through the parent, connect, run rounds.
     The receiver posts recv_round (into ``out`` when use_out) and then says "go"; the sender starts its clock then."""
-    from dgt.endpoint import Endpoint, PeerAddress, TransportConfig
     from dgt.estimator import ContributionEstimator
     from dgt.layout import BucketLayout
+    from dgt.transport import Endpoint, PeerAddress, TransportConfig
 
     conn = st["conn"]
     rank, peer = (0, 1) if role == "send" else (1, 0)

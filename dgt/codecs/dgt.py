@@ -13,7 +13,7 @@ from dgt.codecs.base import BucketState, Capabilities, Codec, Part, Received
 from dgt.codecs.registry import register
 from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
-from dgt.schedule import PSchedule, make_schedule
+from dgt.p_schedule import PSchedule, make_schedule
 
 
 @register("dgt")

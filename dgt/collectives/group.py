@@ -54,7 +54,7 @@ class Group:
         ``connect="all"``: connect to every peer now (for code that drives the endpoint to arbitrary peers)."""
         import trio
 
-        from dgt.endpoint import Endpoint, TransportConfig
+        from dgt.transport import Endpoint, TransportConfig
 
         if connect not in CONNECT:
             raise ValueError(f"connect must be one of {CONNECT}, not {connect!r}")
@@ -110,7 +110,7 @@ class Group:
         for, not dialled twice."""
         import trio
 
-        from dgt.endpoint import PeerAddress
+        from dgt.transport import PeerAddress
 
         live = set(self.endpoint.peers)
         missing = sorted(r for r in want - live if r not in self._connecting)

@@ -71,7 +71,7 @@ class _Trainer:
 
 
 def _transport_config(run: dict[str, Any], family: str) -> Any:
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     # Slim-DP drops lost explorer records itself; the transport must not fold them into the next round
     return TransportConfig(deadline=run["deadline"], pace_rate=run.get("pace_rate"),

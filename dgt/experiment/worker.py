@@ -82,7 +82,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
 
     from dgt.collectives import Group, ParameterServer
     from dgt.collectives.rendezvous import store_from_env
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     data = load_dataset(spec.dataset, spec.data_dir, spec.seed, spec.limit_train, spec.limit_test)
     model = build_model(spec.model, data.shape, data.num_classes, spec.width, seed=spec.seed)

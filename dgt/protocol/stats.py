@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
-class LaneStats:
+class RoundLaneStats:
+    """What one lane carried for one round (receiver side); the transport's per-lane totals are
+    :class:`dgt.transport.stats.LaneStats`."""
+
     frames: int = 0
     blocks: int = 0
     bytes: int = 0  # payload + header bytes received on this lane for the round
@@ -30,14 +34,14 @@ class RoundStats:
     late: int = 0  # frames that arrived after the round was finalised
     deadline_wait: float = 0.0  # seconds from "all important in" to finalisation
     closed_by: str = ""  # "complete", "deadline", "sender-gone" (important all in) or "aborted"
-    lanes: dict[int, LaneStats] = field(default_factory=dict)
+    lanes: dict[int, RoundLaneStats] = field(default_factory=dict)
 
-    def lane(self, lane: int) -> LaneStats:
+    def lane(self, lane: int) -> RoundLaneStats:
         if lane not in self.lanes:
-            self.lanes[lane] = LaneStats()
+            self.lanes[lane] = RoundLaneStats()
         return self.lanes[lane]
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["lanes"] = {str(k): asdict(v) for k, v in self.lanes.items()}
         return d

@@ -52,7 +52,7 @@ def group_connector(rank: int, world: int, *, store: Any, config: Any = None, ho
 def transport_config(config: Any) -> Any:
     """A ``TransportConfig`` from None, a dict of its fields, or an instance (imported lazily: the shim must import
     where only the codecs are needed, e.g. when a checkpoint is unpickled)."""
-    from dgt.endpoint import TransportConfig
+    from dgt.transport import TransportConfig
 
     if config is None:
         return TransportConfig()

@@ -1,1 +1,32 @@
-"""DGT transport: endpoint sessions over the reliable and unreliable lanes (public API in dgt.endpoint)."""
+"""DGT transport: endpoint sessions over the reliable and unreliable lanes. This package is the session API the
+collectives, the DDP shim and the experiments import (implementation in dgt.transport.endpoint and its neighbours).
+
+    ep = await Endpoint.open(rank, token, TransportConfig(), host="127.0.0.1")
+    await ep.connect({peer: address})
+    stats = await ep.send_round(peer, bucket, round, flat, cls=classes, order=order)
+    res = await ep.recv_round(peer, bucket, round)   # RoundResult(data, mask, stats, layout)
+"""
+
+from dgt.channels.lanes import LaneSpec, default_lanes, three_lanes
+from dgt.errors import PeerClosed, PeerTimeout
+from dgt.transport.blocking import BlockingEndpoint
+from dgt.transport.config import PeerAddress, TransportConfig
+from dgt.transport.endpoint import BYTES_BUCKET, Endpoint
+from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
+
+__all__ = [
+    "BYTES_BUCKET",
+    "BlockingEndpoint",
+    "Endpoint",
+    "LaneSpec",
+    "LaneStats",
+    "PeerAddress",
+    "PeerClosed",
+    "PeerTimeout",
+    "RoundResult",
+    "SendStats",
+    "TransportConfig",
+    "TransportStats",
+    "default_lanes",
+    "three_lanes",
+]

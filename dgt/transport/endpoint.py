@@ -41,12 +41,11 @@ from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.congestion import Feedback, LedbatRate
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
-from dgt.protocol.stats import LaneStats as RoundLaneStats
-from dgt.protocol.stats import RoundStats
+from dgt.protocol.stats import RoundLaneStats, RoundStats
 from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler, sent_summary
-from dgt.scheduler.deadline import DeadlineTimer
 from dgt.scheduler.reliable import ReliableWriter
 from dgt.scheduler.slot import Slot
+from dgt.scheduler.timer import DeadlineTimer
 from dgt.transport import auth, control
 from dgt.transport.checks import check_classes
 from dgt.transport.config import PeerAddress, TransportConfig

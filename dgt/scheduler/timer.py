@@ -1,5 +1,6 @@
 """Drives the receiver's deadlines: sleeps until the sans-IO receiver's next deadline (or until new frames may have
-moved it) and then lets it finalise whatever is due. The policy itself lives in dgt.protocol.deadline."""
+moved it) and then lets it finalise whatever is due. The policy itself lives in dgt.protocol.deadline (this
+module is the trio timer, not a policy)."""
 
 from __future__ import annotations
 
