@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgt.codecs.simulate import MLP, train_gossip, train_model_averaging, train_ps
+from dgt.harness.simulate import MLP, train_gossip, train_model_averaging, train_ps
 
 pytestmark = pytest.mark.slow
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgt.codecs.simulate import train_model_averaging
+from dgt.harness.simulate import train_model_averaging
 from dgt.collectives.launch import run_ranks
 
 SPEC = "olandraj:c=6,M=4,F=0.03,seed=0"
@@ -17,7 +17,7 @@ SPEC = "olandraj:c=6,M=4,F=0.03,seed=0"
 def _rank(rank, world, spec, epochs, lr, batch, seed):
     import trio
 
-    from dgt.codecs.simulate import MLP, Shards, digits
+    from dgt.harness.simulate import MLP, Shards, digits
     from dgt.collectives import Group
     from dgt.collectives.model_server import ModelServer
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from dgt.codecs.base import BucketState
-from dgt.codecs.simulate import MLP, Shards, digits, train_ps
+from dgt.harness.simulate import MLP, Shards, digits, train_ps
 from dgt.codecs.slimdp import HEADER_BYTES, SlimDPCodec
 from dgt.collectives.launch import run_ranks
 from dgt.collectives.model_server import ModelServer, codec_block_mask
@@ -33,7 +33,7 @@ def _train(rank, world, specs, rounds, lr, seed, cfg_kwargs=None, device="cpu", 
     in ``specs`` (each from the same initial model, its own ModelServer on its own bucket id, one group)."""
     import trio
 
-    from dgt.codecs.simulate import MLP, Shards, digits
+    from dgt.harness.simulate import MLP, Shards, digits
     from dgt.collectives import Group
     from dgt.transport import TransportConfig
 

@@ -18,22 +18,9 @@ from torch.nn import functional as F
 
 from dgt.codecs.lgc import LGCCodec, LGCRunner, run_ranks
 from dgt.codecs.lgc.plan import ROLES
+from dgt.harness.digits import digits_split_standardised
 
 PHASES = ("dense", "topk", "compressed")
-
-
-def load_digits_split(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
-
-    data = load_digits()
-    x = torch.tensor(data.images, dtype=torch.float32).unsqueeze(1)
-    y = torch.tensor(data.target, dtype=torch.int64)
-    idx_tr, idx_te = train_test_split(range(len(y)), test_size=0.25, stratify=data.target, random_state=seed)
-    tr, te = torch.tensor(idx_tr), torch.tensor(idx_te)
-    mean, std = x[tr].mean(), x[tr].std()  # standardised with the training split's statistics
-    x = (x - mean) / std
-    return x[tr], y[tr], x[te], y[te]
 
 
 class DigitsCNN(nn.Module):
@@ -85,7 +72,7 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
     if method not in ("dense", "ps", "ring"):
         raise ValueError(f"method must be dense, ps or ring, not {method!r}")
     dev = torch.device(device)
-    xtr, ytr, xte, yte = (t.to(dev) for t in load_digits_split(seed))
+    xtr, ytr, xte, yte = (t.to(dev) for t in digits_split_standardised(seed))
     world = ranks + 1 if method == "ps" else ranks
     checkpoints = {warmup: "after_warmup", warmup + ae_iters: "after_ae_training", iters: "final"}
 

@@ -7,7 +7,7 @@ Two layers:
    ``min``/``scale`` fp32 + b-bit codes over 2^b points, stochastic rounding) or ``quantizer=fixed`` (grid ``k *
    step`` independent of |z|; width chosen per message, see :mod:`dgt.codecs.quantize`). ``bits=32`` sends fp32 as
    is (full-precision D-PSGD baseline). Randomness per (seed, rank, t): independent across ranks and iterations.
-2. Per-rank algorithm state that a gossip collective drives (and :mod:`dgt.codecs.simulate` drives in-process):
+2. Per-rank algorithm state that a gossip collective drives (and :mod:`dgt.harness.simulate` drives in-process):
    :class:`DCDNode`, :class:`ECDNode`, :class:`NaiveNode`. Each holds the local model ``x`` (flat) and the
    neighbours' replicas, and per iteration::
 

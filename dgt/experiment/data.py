@@ -92,12 +92,9 @@ def load_fashion_mnist(directory: str, limit_train: int | None = None, limit_tes
 
 def load_digits(test_fraction: float = 0.3, seed: int = 0) -> Dataset:
     """scikit-learn's 8x8 handwritten digits (1797 images), a stratified train/test split fixed by ``seed``."""
-    from sklearn.datasets import load_digits as sk_digits
-    from sklearn.model_selection import train_test_split
+    from dgt.harness.digits import digits_images
 
-    d = sk_digits()
-    x = d.images.astype(np.float32) / 16.0
-    xtr, xte, ytr, yte = train_test_split(x, d.target, test_size=test_fraction, random_state=seed, stratify=d.target)
+    xtr, xte, ytr, yte = digits_images(test_fraction, seed)
     return _normalised("digits", xtr, ytr, xte, yte)
 
 

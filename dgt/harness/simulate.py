@@ -7,7 +7,8 @@ droppable blocks optionally lost -> decode / aggregate / merge):
 - :func:`train_gossip`: decentralized ring with a mixing matrix (D-PSGD, DCD, ECD, naive compression).
 - :func:`train_model_averaging`: local epochs then model averaging of encoded parameters (Oland-Raj).
 
-The problem: scikit-learn's digits (1797 8x8 images, 10 classes), a fixed stratified 70/30 split, the training part
+The problem: scikit-learn's digits (1797 8x8 images, 10 classes; :func:`dgt.harness.digits.digits`), a fixed
+stratified 70/30 split, the training part
 sharded iid over the ranks, and a small MLP whose parameters live in one flat vector (forward by views of it).
 """
 
@@ -22,36 +23,11 @@ import torch.nn.functional as F
 from dgt.codecs.base import BucketState, Codec, Part, Received
 from dgt.codecs.bucketinfo import received_from_parts, set_segments, wire_bytes
 from dgt.codecs.registry import make_codec
+from dgt.harness.digits import Data, digits
 
 # ---------------------------------------------------------------------------------------------------------------
 # data and model
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Data:
-    x_train: torch.Tensor
-    y_train: torch.Tensor
-    x_test: torch.Tensor
-    y_test: torch.Tensor
-
-
-_DIGITS: Data | None = None
-
-
-def digits() -> Data:
-    """Digits scaled to [0, 1], stratified 70/30 split with a fixed seed (cached)."""
-    global _DIGITS
-    if _DIGITS is None:
-        from sklearn.datasets import load_digits
-        from sklearn.model_selection import train_test_split
-
-        x, y = load_digits(return_X_y=True)
-        xtr, xte, ytr, yte = train_test_split(x / 16.0, y, test_size=0.3, random_state=0, stratify=y)
-        f = lambda a: torch.tensor(a, dtype=torch.float32)
-        i = lambda a: torch.tensor(a, dtype=torch.int64)
-        _DIGITS = Data(f(xtr), i(ytr), f(xte), i(yte))
-    return _DIGITS
 
 
 @dataclass

@@ -1,0 +1,9 @@
+"""Test and experiment harness, outside the transport path: data sets, small models and in-process training loops.
+
+Nothing under ``dgt.transport``, ``dgt.protocol``, ``dgt.channels``, ``dgt.collectives`` or ``dgt.codecs`` imports
+this package; it needs scikit-learn (the ``dgt[bench]`` / ``dgt[experiment]`` extras).
+
+- :mod:`dgt.harness.digits`: the scikit-learn digits loaders (each variant keeps the split and scaling its users
+  were measured with).
+- :mod:`dgt.harness.simulate`: K ranks in one process driving the payload codecs (no transport).
+"""
