@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dgt.harness.simulate import train_model_averaging
 from dgt.collectives.launch import run_ranks
+from dgt.harness.simulate import train_model_averaging
 
 SPEC = "olandraj:c=6,M=4,F=0.03,seed=0"
 
@@ -17,9 +17,9 @@ SPEC = "olandraj:c=6,M=4,F=0.03,seed=0"
 def _rank(rank, world, spec, epochs, lr, batch, seed):
     import trio
 
-    from dgt.harness.simulate import MLP, Shards, digits
     from dgt.collectives import Group
     from dgt.collectives.model_server import ModelServer
+    from dgt.harness.simulate import MLP, Shards, digits
 
     torch.set_num_threads(1)
     model, data = MLP(), digits()

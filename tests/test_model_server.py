@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from dgt.codecs.base import BucketState
-from dgt.harness.simulate import MLP, Shards, digits, train_ps
 from dgt.codecs.slimdp import HEADER_BYTES, SlimDPCodec
 from dgt.collectives.launch import run_ranks
 from dgt.collectives.model_server import ModelServer, codec_block_mask
+from dgt.harness.simulate import MLP, Shards, digits, train_ps
 from dgt.layout import BucketLayout
 from dgt.wire import HEADER_SIZE
 
@@ -33,8 +33,8 @@ def _train(rank, world, specs, rounds, lr, seed, cfg_kwargs=None, device="cpu", 
     in ``specs`` (each from the same initial model, its own ModelServer on its own bucket id, one group)."""
     import trio
 
-    from dgt.harness.simulate import MLP, Shards, digits
     from dgt.collectives import Group
+    from dgt.harness.simulate import MLP, Shards, digits
     from dgt.transport import TransportConfig
 
     model = MLP()
