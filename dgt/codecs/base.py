@@ -29,12 +29,34 @@ class Capabilities:
         that keeps it (the model server) can serve it; elsewhere its decoded payloads would be silently wrong.
     replica_deltas: payloads are differences against replicas each neighbour keeps (DCD/ECD-PSGD): only gossip nodes
         (``dgt.codecs.decentralized``) drive it; a plain reduction would add the differences as if they were values.
+
+    What the collectives need to carry and land the parts (so that none of them tests a codec's name or probes its
+    attributes):
+
+    block: elements per transport block the codec cuts a bucket into; collectives cut chunks on its multiples.
+    wire_dtype: the dtype of the bucket's elements on the wire; None: the bucket's own.
+    in_place: the codec's message is one part holding the bucket's elements in order (decode is a cast at most), so
+        a chunk can land straight in the result (ring, stream lanes) and, lossless, replace a replica (model pull).
+    merges: a pull codec that merges the pulled parts into the local replica (:meth:`Codec.merge`, Slim-DP) instead
+        of replacing it.
+    header_part: the first part describes the rest (:meth:`Codec.wire_parts`): a receiver reads it before it knows
+        how many parts follow and how they are cut.
+    variable_length: reliable parts whose length only the message itself says (Oland-Raj's Huffman streams).
+    transport_feedback: the transport may fold lost blocks into the next round (its error feedback); False when
+        the codec's droppable blocks are records the algorithm drops (Slim-DP's explorer).
     """
 
     summable: bool
     lossy_tolerant: bool
     stateful_server: bool = False
     replica_deltas: bool = False
+    block: int = 1024
+    wire_dtype: torch.dtype | None = None
+    in_place: bool = False
+    merges: bool = False
+    header_part: bool = False
+    variable_length: bool = False
+    transport_feedback: bool = True
 
 
 @dataclass
@@ -153,6 +175,14 @@ class Codec:
         for t in decoded[1:]:
             out += t
         return out
+
+    def merge(self, parts: list[Received], state: BucketState, local: torch.Tensor) -> torch.Tensor:
+        """A pull codec with ``capabilities.merges``: the local replica updated by the pulled parts."""
+        raise NotImplementedError(f"codec {self.name!r} does not merge pulled parts (capabilities.merges is False)")
+
+    def wire_parts(self, header: torch.Tensor, like: torch.Tensor) -> list[Part]:
+        """A codec with ``capabilities.header_part``: the geometry of every part, read from the first part."""
+        raise NotImplementedError(f"codec {self.name!r} has no header part (capabilities.header_part is False)")
 
     def feedback(self, parts: list[Part], received_masks: list[torch.Tensor], state: BucketState) -> None:
         """Told which blocks of each sent part were lost (drop report); lossy codecs fold them into error feedback."""

@@ -3,6 +3,8 @@ fp32/fp16/bf16 on the wire when asked."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dgt.codecs.base import RELIABLE, BucketState, Capabilities, Codec, Part, Received
@@ -21,7 +23,7 @@ class DenseCodec(Codec):
     so it serves ring all-reduce."""
 
     name = "dense"
-    capabilities = Capabilities(summable=True, lossy_tolerant=False)
+    capabilities = Capabilities(summable=True, lossy_tolerant=False, in_place=True)
 
     def __init__(self, dtype: str = "native", block: int = 1024) -> None:
         super().__init__()
@@ -30,6 +32,7 @@ class DenseCodec(Codec):
         self.wire_dtype: torch.dtype | None = _DTYPES[dtype]
         """The dtype on the wire; None: the bucket's own."""
         self.block = block
+        self.capabilities = replace(self.capabilities, block=block, wire_dtype=self.wire_dtype)
         # native: every dtype the wire can carry except bool (a sum of bools is no bool); a cast: floating buckets
         self.accepted_dtypes = frozenset(WIRE_OF) if self.wire_dtype is None else _FLOATS
 

@@ -7,6 +7,8 @@ error feedback, so lost information comes back in a later round.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from dgt.codecs.base import BucketState, Capabilities, Codec, Part, Received
@@ -24,7 +26,7 @@ class DGTCodec(Codec):
     classes incl. reliable, 2)."""
 
     name = "dgt"
-    capabilities = Capabilities(summable=True, lossy_tolerant=True)
+    capabilities = Capabilities(summable=True, lossy_tolerant=True, in_place=True)
 
     def __init__(
         self,
@@ -42,6 +44,7 @@ class DGTCodec(Codec):
         self.schedule = make_schedule(p)
         self.alpha = alpha
         self.block = block
+        self.capabilities = replace(self.capabilities, block=block)
         self.classes = classes
         self.nonfinite = 0
         """NaN/Inf elements seen in encoded buckets (see :meth:`_nonfinite`)."""

@@ -75,9 +75,9 @@ class OlandRajCodec(Codec):
     ``huffman`` (true), ``chunk`` (0 = automatic Huffman sync interval), ``min_sample`` (256), ``seed``, ``rank``."""
 
     name = "olandraj"
-    capabilities = Capabilities(summable=False, lossy_tolerant=False)
-    variable_length = True  # a layer's message length depends on its bits and Huffman code: receivers take it from
-    # the transport (every part is reliable and self-describing)
+    # variable_length: a layer's message length depends on its bits and Huffman code: receivers take it from the
+    # transport (every part is reliable and self-describing)
+    capabilities = Capabilities(summable=False, lossy_tolerant=False, variable_length=True)
 
     def __init__(
         self,

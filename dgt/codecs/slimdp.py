@@ -37,6 +37,7 @@ No error feedback (the paper has none): unsent entries are dropped.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 
@@ -168,10 +169,10 @@ class SlimDPCodec(Codec):
     (global|tensor), ``explorer_lane`` (1 = droppable; 0 = reliable), ``seed``, ``rank``, ``block`` (1024)."""
 
     name = "slimdp"
-    capabilities = Capabilities(summable=False, lossy_tolerant=True, stateful_server=True)
-    transport_feedback = False
-    """The transport must not fold lost blocks into the next round (its error feedback): explorer blocks are
-    (key, value) byte records, and the paper drops what was not delivered."""
+    capabilities = Capabilities(summable=False, lossy_tolerant=True, stateful_server=True, merges=True,
+                                header_part=True, transport_feedback=False)
+    """transport_feedback=False: the transport must not fold lost blocks into the next round (its error feedback):
+    explorer blocks are (key, value) byte records, and the paper drops what was not delivered."""
 
     def __init__(
         self,
@@ -207,6 +208,7 @@ class SlimDPCodec(Codec):
         self.seed = int(seed)
         self.rank = int(rank)
         self.block = int(block)
+        self.capabilities = replace(self.capabilities, block=self.block)
         self.last_stats: dict[str, float] = {}
 
     # -- sizes -------------------------------------------------------------------------------------------------

@@ -114,19 +114,21 @@ class ModelServer(Collective):
         self.segments = list(segments) if segments else [self.numel]
         self.workers = [r for r in range(group.world) if r != server or server_trains]
         if pull is None:
-            if isinstance(codec, Codec) and hasattr(codec, "merge"):
+            if isinstance(codec, Codec) and codec.capabilities.merges:
                 raise ValueError("pass the pull codec (built with mode=pull) when the push codec is an instance")
-            pull = codec if hasattr(self.codec, "merge") else "dense"
+            pull = codec if self.codec.capabilities.merges else "dense"
         self.push_tx = build_codec(codec, rank=group.rank)
         self.pull_codec = build_codec(pull, mode="pull", rank=group.world)
-        if not hasattr(self.pull_codec, "merge") and self.pull_codec.name != "dense":
+        pull_caps = self.pull_codec.capabilities
+        replaces = pull_caps.in_place and not pull_caps.lossy_tolerant  # the pulled model is the whole replica
+        if not (pull_caps.merges or replaces):
             raise ValueError(f"a compressed pull needs a codec with merge semantics (slimdp), not "
                              f"{self.pull_codec.name!r}")
         cfg = getattr(group.endpoint, "cfg", None)
         self.block = cfg.block if cfg is not None else 1024
         for c in (self.codec, self.pull_codec):
             if cfg is not None and cfg.error_feedback and c.capabilities.lossy_tolerant \
-                    and not getattr(c, "transport_feedback", True):
+                    and not c.capabilities.transport_feedback:
                 raise ValueError(f"codec {c.name!r} must not get the transport's error feedback (lost blocks folded "
                                  f"into the next round): open the group with TransportConfig(error_feedback=False)")
         self.is_server = group.rank == server
@@ -223,7 +225,7 @@ class ModelServer(Collective):
 
     def _merge(self, got: list[Received], local: torch.Tensor) -> torch.Tensor:
         flat = local.detach().reshape(-1)
-        if hasattr(self.pull_codec, "merge"):
+        if self.pull_codec.capabilities.merges:
             out = self.pull_codec.merge(got, self.pull_rx_state, flat)
         else:  # dense: the pulled model replaces the replica
             out = self.pull_codec.decode(got, self.pull_rx_state, flat).to(flat.dtype)
@@ -242,11 +244,10 @@ class ModelServer(Collective):
         """The parts ``peer`` sent, in the codec's block geometry, on this collective's device."""
         ep = self.group.endpoint
         like = torch.empty(0, dtype=self.dtype)
-        describe = getattr(codec, "wire_parts", None)
         results: list = []
-        if describe is not None:  # header first: it says how many parts follow and how they are cut
+        if codec.capabilities.header_part:  # header first: it says how many parts follow and how they are cut
             results.append(await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, 0), rnd))
-            geometry = describe(results[0].data, like)
+            geometry = codec.wire_parts(results[0].data, like)
         else:
             geometry = self._template(codec)
         results += [None] * (len(geometry) - len(results))
@@ -262,7 +263,7 @@ class ModelServer(Collective):
         for res, part in zip(results, geometry):
             stats.add_round(res.stats)
             n = res.data.numel()
-            if getattr(codec, "variable_length", False):  # self-describing reliable parts (Oland-Raj's Huffman)
+            if codec.capabilities.variable_length:  # self-describing reliable parts (Oland-Raj's Huffman)
                 part = Part(res.data, part.lane_class, part.block_elems, part.name, [n])
             elif n != part.data.numel():
                 raise ValueError(f"part {part.name!r} from rank {peer}: {n} elements, expected {part.data.numel()}")

@@ -87,7 +87,7 @@ class ParameterServer(Collective):
             return CollectiveResult(self.finish(flat).view_as(bucket), stats)
         rnd = g.next_round("ps", bucket_id)
         segs = segments or [flat.numel()]
-        block = getattr(self.codec, "block", 1024)
+        block = self.codec.capabilities.block
         ch = self.chunking(segs, block, len(self.servers))
         owners = self.servers
         out = flat.clone()
@@ -154,9 +154,11 @@ class ParameterServer(Collective):
         return [s for s in self.servers if s != g.rank]
 
     def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
-        """Dense float32 in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps that fit a key."""
-        wire = getattr(self.codec, "wire_dtype", None) or bucket.dtype
-        return (self.codec.name == "dense" and wire == bucket.dtype and self.group.world <= MAX_STEPS
+        """A lossless in-place codec (dense) in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps
+        that fit a key."""
+        caps = self.codec.capabilities
+        same_dtype = (caps.wire_dtype or bucket.dtype) == bucket.dtype
+        return (caps.in_place and not caps.lossy_tolerant and same_dtype and self.group.world <= MAX_STEPS
                 and (self.server != "sharded" or len(self.servers) == self.group.world)
                 and self.on_streams(bucket) and (out is None or self.on_streams(out)))
 
@@ -177,7 +179,7 @@ class ParameterServer(Collective):
         push, pull = transport_key(bucket_id, "push"), transport_key(bucket_id, "pull")
         hops: list[Hop] = []
         if self.server == "sharded":
-            ch = self.chunking(segments, getattr(self.codec, "block", 1024), W)
+            ch = self.chunking(segments, self.codec.capabilities.block, W)
             mine = ch.chunk(res, r)
             for s in range(1, W):
                 to, frm = (r + s) % W, (r - s) % W

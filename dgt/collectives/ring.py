@@ -57,7 +57,7 @@ class RingAllReduce(Collective):
             # a lossy codec's drop report may read what was sent after this call returns: send from our own copy
             src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
-        ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
+        ch = self.chunking(segments or [flat.numel()], self.codec.capabilities.block, W)
         if direct and self.on_streams(src, flat):
             # no await before this point: the exchange's ticket follows the order collectives were called in
             await self._stream_steps(ch, src, flat, bucket_id, rnd, stats)
@@ -197,8 +197,8 @@ class RingAllReduce(Collective):
     def _direct(self, flat: torch.Tensor) -> bool:
         """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
         instead of being decoded from a fresh buffer."""
-        wire = getattr(self.codec, "wire_dtype", None) or flat.dtype
-        return self.codec.name in ("dense", "dgt") and wire == flat.dtype and flat.device.type == "cpu"
+        caps = self.codec.capabilities
+        return caps.in_place and (caps.wire_dtype or flat.dtype) == flat.dtype and flat.device.type == "cpu"
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0) -> None:
         """Post (or, with None entries, withdraw) the landing buffers of steps ``first``, ``first + 1``... of
