@@ -240,7 +240,7 @@ def test_hundred_thousand_packets_in_reasonable_time(tmp_path):
 
 def test_gso_aggregates_are_cut_into_datagrams(tmp_path):
     """On loopback a UDP GSO send is captured unsegmented: one packet, its datagrams back to back."""
-    from dgt.inspect.summary import _datagrams
+    from dgt.inspect.flows import split_datagrams as _datagrams
     from dgt.inspect.synth import PcapOut, udp
 
     grams = [
