@@ -28,6 +28,30 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
         f"{s['duration_s']:.3f} s; {t['rounds']} rounds ({t['rounds_closed']} closed by a drop report), "
         f"{len(s['sessions'])} session(s)"
     )
+    con.print(_lanes_table(s["lanes"]))
+    con.print(
+        f"blocks {t['blocks']}: important {t['important']}, unimportant received {t['unimportant_received']}, "
+        f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), "
+        f"unsent {t.get('unsent', 0)} (kept back by the send budget), late frames {t['late_frames']}, "
+        f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
+    )
+    if t.get("bulk_messages"):
+        con.print(
+            f"bulk messages (lossless, no round state) {t['bulk_messages']}: {t['bulk_complete']} complete, "
+            f"{_mb(t['bulk_bytes'])} MB"
+        )
+    if s["rounds"]:
+        con.print(_rounds_table(s["rounds"], max_rounds))
+    if s["flows"]:
+        con.print(_flows_table(s["flows"]))
+    m = s["malformed"]
+    if m["total"]:
+        con.print(f"[yellow]malformed: {m['total']}[/] " + ", ".join(f"{k}={v}" for k, v in m["reasons"].items()))
+    for w in s["warnings"]:
+        con.print(f"[bold yellow]warning:[/] {w}")
+
+
+def _lanes_table(lanes_of: dict[str, dict]) -> Table:
     lanes = Table(title="lanes", title_justify="left")
     for c in (
         "lane",
@@ -46,7 +70,7 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
         "expected",
     ):
         lanes.add_column(c, justify="right" if c not in ("proto", "DSCP seen", "expected") else "left")
-    for lane, v in s["lanes"].items():
+    for lane, v in lanes_of.items():
         ok = "" if v["dscp_ok"] else "[red]"
         lanes.add_row(
             lane,
@@ -64,78 +88,66 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
             ok + _dscp(v["dscp"]),
             "/".join(dscp_name(x) for x in v["expected_dscp"]),
         )
-    con.print(lanes)
-    con.print(
-        f"blocks {t['blocks']}: important {t['important']}, unimportant received {t['unimportant_received']}, "
-        f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), "
-        f"unsent {t.get('unsent', 0)} (kept back by the send budget), late frames {t['late_frames']}, "
-        f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
+    return lanes
+
+
+def _rounds_table(rounds: list[dict], max_rounds: int) -> Table:
+    rt = Table(
+        title=f"rounds (first {min(max_rounds, len(rounds))} of {len(rounds)})", title_justify="left"
     )
-    if t.get("bulk_messages"):
-        con.print(
-            f"bulk messages (lossless, no round state) {t['bulk_messages']}: {t['bulk_complete']} complete, "
-            f"{_mb(t['bulk_bytes'])} MB"
+    for c in (
+        "sender",
+        "bucket",
+        "round",
+        "t_begin",
+        "dur ms",
+        "blocks",
+        "imp",
+        "unimp",
+        "dropped",
+        "unsent",
+        "partial",
+        "late",
+        "dup",
+        "reord",
+        "report",
+    ):
+        rt.add_column(c, justify="right")
+    for r in rounds[:max_rounds]:
+        rep = r["report"]
+        rep_s = "-" if rep is None else ("bad" if not rep["valid"] else ("ok" if rep["agrees"] else "[red]differs"))
+        rt.add_row(
+            str(r["sender"]),
+            str(r["bucket"]),
+            str(r["round"]),
+            f"{r['t_begin']:.4f}",
+            f"{r['duration'] * 1e3:.2f}",
+            str(r["blocks"]),
+            str(r["important"]),
+            str(r["unimportant_received"]),
+            str(r["dropped"]),
+            str(r.get("unsent", 0)),
+            str(r["partial"]),
+            str(r["late_frames"]),
+            str(r["duplicated"]),
+            str(r["reordered"]),
+            rep_s,
         )
-    if s["rounds"]:
-        rt = Table(
-            title=f"rounds (first {min(max_rounds, len(s['rounds']))} of {len(s['rounds'])})", title_justify="left"
+    return rt
+
+
+def _flows_table(flows: list[dict]) -> Table:
+    ft = Table(title="DGT flows", title_justify="left")
+    for c in ("proto", "src", "dst", "packets", "wire MB", "DSCP", "found by"):
+        ft.add_column(c)
+    for f in flows:
+        ft.add_row(
+            f["proto"],
+            f"{f['src']}:{f['sport']}",
+            f"{f['dst']}:{f['dport']}",
+            str(f["packets"]),
+            _mb(f["wire_bytes"]),
+            _dscp(f["dscp"]),
+            f["detected_by"],
         )
-        for c in (
-            "sender",
-            "bucket",
-            "round",
-            "t_begin",
-            "dur ms",
-            "blocks",
-            "imp",
-            "unimp",
-            "dropped",
-            "unsent",
-            "partial",
-            "late",
-            "dup",
-            "reord",
-            "report",
-        ):
-            rt.add_column(c, justify="right")
-        for r in s["rounds"][:max_rounds]:
-            rep = r["report"]
-            rep_s = "-" if rep is None else ("bad" if not rep["valid"] else ("ok" if rep["agrees"] else "[red]differs"))
-            rt.add_row(
-                str(r["sender"]),
-                str(r["bucket"]),
-                str(r["round"]),
-                f"{r['t_begin']:.4f}",
-                f"{r['duration'] * 1e3:.2f}",
-                str(r["blocks"]),
-                str(r["important"]),
-                str(r["unimportant_received"]),
-                str(r["dropped"]),
-                str(r.get("unsent", 0)),
-                str(r["partial"]),
-                str(r["late_frames"]),
-                str(r["duplicated"]),
-                str(r["reordered"]),
-                rep_s,
-            )
-        con.print(rt)
-    if s["flows"]:
-        ft = Table(title="DGT flows", title_justify="left")
-        for c in ("proto", "src", "dst", "packets", "wire MB", "DSCP", "found by"):
-            ft.add_column(c)
-        for f in s["flows"]:
-            ft.add_row(
-                f["proto"],
-                f"{f['src']}:{f['sport']}",
-                f"{f['dst']}:{f['dport']}",
-                str(f["packets"]),
-                _mb(f["wire_bytes"]),
-                _dscp(f["dscp"]),
-                f["detected_by"],
-            )
-        con.print(ft)
-    m = s["malformed"]
-    if m["total"]:
-        con.print(f"[yellow]malformed: {m['total']}[/] " + ", ".join(f"{k}={v}" for k, v in m["reasons"].items()))
-    for w in s["warnings"]:
-        con.print(f"[bold yellow]warning:[/] {w}")
+    return ft
