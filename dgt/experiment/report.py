@@ -13,6 +13,12 @@ def _row(cells: list[str]) -> str:
 
 
 def render(results: dict[str, Any]) -> str:
+    lines = _setup(results) + _results_table(results) + _traffic_table(results) + _comparison(results) \
+        + _queues_and_plots(results)
+    return "\n".join(lines)
+
+
+def _setup(results: dict[str, Any]) -> list[str]:
     cfg = results["config"]
     net = results["network"]
     server = "sharded over all ranks" if cfg["server"] == "sharded" else f"rank {cfg['server']}"
@@ -43,6 +49,11 @@ def render(results: dict[str, Any]) -> str:
     for m, d in results["models"].items():
         lines.append(f"- **{MODEL_NAMES.get(m, m)}**: {d['parameters']:,} parameters in {d['tensors']} tensors, "
                      f"{fmt_bytes(d['gradient_bytes'])} of gradient per worker per iteration.")
+    return lines
+
+
+def _results_table(results: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## Results", "",
               _row(["Model", "Protocol", "BCT (s)", "Total Iters", "Total Time (s)", "TCP bytes", "UDP bytes",
                     "Dropped blocks", "Mean p", "BCT p95 (s)", "Compute (s)", "Reached"]),
@@ -61,6 +72,12 @@ def render(results: dict[str, Any]) -> str:
             f"{s['dropped_blocks']} ({pct(s['drop_rate'])})", f"{s['p_mean']:.2f}", f"{s['bct_p95']:.3f}",
             f"{s['compute_mean']:.3f}", "yes" if s["reached"] else "no",
         ]))
+    return lines
+
+
+def _traffic_table(results: dict[str, Any]) -> list[str]:
+    """Notes on load and accounting, then the traffic sent and delivered per lane."""
+    lines: list[str] = []
     loads = [(r, r["load"]) for r in results["runs"] if r.get("load") and r["load"].get("other_cores") is not None]
     if loads:
         lines += ["", "Other load on the machine during each run (average cores busy with processes outside the "
@@ -87,6 +104,11 @@ def render(results: dict[str, Any]) -> str:
                            fmt_bytes(got.get("0", 0)), fmt_bytes(sent.get("1", 0)), fmt_bytes(got.get("1", 0)),
                            pct(s.get("udp_block_delivery")), fmt_bytes(s.get("bytes_unsent", 0)),
                            fmt_bytes(s.get("delivered_per_iteration", 0))]))
+    return lines
+
+
+def _comparison(results: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     lines += ["", "## DGT against the baseline, beside the paper", "",
               _row(["Model", "BCT reduction", "paper", "Time-to-target reduction", "paper", "Iterations", "paper"]),
               _row(["---"] + ["---:"] * 6)]
@@ -101,6 +123,11 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "The paper (6 GTX 1080 Ti, 1 Gbps, Fashion-MNIST, target 0.8): AlexNet BCT 36.72 -> 23.71 s, "
               "1300 -> 1700 iterations, 47494 -> 40314 s; VGG-11 BCT 105.34 -> 73.75 s, 420 -> 490 iterations, "
               "44246 -> 36141 s.", ""]
+    return lines
+
+
+def _queues_and_plots(results: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
     queues = [(r, r.get("queues")) for r in results["runs"] if r.get("queues")]
     if queues:
         lines += ["## The server's link (HTB class counters, whole run)", "",
@@ -117,7 +144,7 @@ def render(results: dict[str, Any]) -> str:
         lines.append("")
     if results.get("plots"):
         lines += ["## Plots", ""] + [f"![{name}]({path})" for name, path in results["plots"].items()] + [""]
-    return "\n".join(lines)
+    return lines
 
 
 def write_report(results: dict[str, Any], path: str) -> str:
