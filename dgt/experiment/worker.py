@@ -114,14 +114,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
     try:
         for it in range(1, spec.max_iters + 1):
             t0 = time.perf_counter()
-            idx = sampler.next()
-            loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
-            opt.zero_grad(set_to_none=False)
-            loss.backward()
-            torch.cat([p.grad.reshape(-1) for p in params], out=grad)
-            loss_v = float(loss.detach())
-            if not math.isfinite(loss_v):
-                raise FloatingPointError(f"rank {rank}: training loss is {loss_v} at iteration {it}")
+            loss_v = _local_gradient(model, params, opt, data, sampler.next(), grad, rank, it)
             s = spec.loss_smoothing
             smoothed = loss_v if smoothed is None else s * smoothed + (1 - s) * loss_v
             if hasattr(codec, "observe_loss"):
@@ -135,20 +128,13 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
                 raise TimeoutError(f"rank {rank}: all-reduce of iteration {it} not done in {spec.round_timeout} s; "
                                    f"transport state: {transport_state(group.endpoint)}") from None
             t2 = time.perf_counter()
-            off = 0
-            for prm in params:
-                prm.grad.copy_(res.tensor[off : off + prm.numel()].view_as(prm))
-                off += prm.numel()
+            _apply(params, res.tensor)
             opt.step()
             t3 = time.perf_counter()
             bct = t3 - t0
             train_time += bct
             st = res.stats
-            rec = {"it": it, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
-                   "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
-                   "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
-                   "phases": {k: round(v, 6) for k, v in st.phases.items()}}
-            records.append(rec)
+            records.append(_record(it, (t0, t1, t2, t3), loss_v, p, train_time, st))
             decision = None
             if it % spec.eval_every == 0 or it == spec.max_iters:  # every rank pauses at the same iterations
                 te = time.perf_counter()
@@ -156,11 +142,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
                 eval_time += time.perf_counter() - te
                 evals.append({"it": it, "train_time": train_time, "acc": decision["acc"]})
             if emit:
-                out = {"it": it, "bct": bct, "loss": loss_v, "p": p, "train_time": train_time,
-                       "dropped": st.dropped, "blocks": st.blocks}
-                if decision is not None:
-                    out["acc"] = decision["acc"]
-                print(PROGRESS + json.dumps(out), flush=True)
+                _progress(it, bct, loss_v, p, train_time, st, decision)
             if decision is not None and decision["stop"]:
                 stop_reason = decision["reason"]
                 break
@@ -168,16 +150,60 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
     finally:
         with trio.move_on_after(5):
             await group.aclose()
-    tstats = group.endpoint.stats()
     return {
         "rank": rank, "world": world, "protocol": spec.protocol, "codec": spec.codec, "model": spec.model,
         "records": records, "evals": evals, "train_time": train_time, "eval_time": eval_time,
         "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "paced_tcp_sockets": paced,
-        "transport": {"late_frames": tstats.late_frames, "closed_by": dict(tstats.closed_by),
-                      "deadline_wait_total": tstats.deadline_wait_total,
-                      "pace_rates": {str(k): v for k, v in tstats.pace_rates.items()},
-                      "lanes": [_lane_row(ls) for ls in tstats.lanes]},
+        "transport": _transport_summary(group.endpoint.stats()),
     }
+
+
+def _local_gradient(model: torch.nn.Module, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, data: Any,
+                    idx: torch.Tensor, grad: torch.Tensor, rank: int, it: int) -> float:
+    """Forward and backward on the batch ``idx``; the flat gradient goes to ``grad``; returns the loss."""
+    loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
+    opt.zero_grad(set_to_none=False)
+    loss.backward()
+    torch.cat([p.grad.reshape(-1) for p in params], out=grad)
+    loss_v = float(loss.detach())
+    if not math.isfinite(loss_v):
+        raise FloatingPointError(f"rank {rank}: training loss is {loss_v} at iteration {it}")
+    return loss_v
+
+
+def _progress(it: int, bct: float, loss_v: float, p: float, train_time: float, st: Any,
+              decision: dict[str, Any] | None) -> None:
+    """One progress line for the parent (dgt experiment's live display)."""
+    out = {"it": it, "bct": bct, "loss": loss_v, "p": p, "train_time": train_time, "dropped": st.dropped,
+           "blocks": st.blocks}
+    if decision is not None:
+        out["acc"] = decision["acc"]
+    print(PROGRESS + json.dumps(out), flush=True)
+
+
+def _apply(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
+    """The reduced flat gradient back into the parameters' .grad."""
+    off = 0
+    for prm in params:
+        prm.grad.copy_(flat[off : off + prm.numel()].view_as(prm))
+        off += prm.numel()
+
+
+def _record(it: int, t: tuple[float, float, float, float], loss_v: float, p: float, train_time: float,
+            st: Any) -> dict[str, Any]:
+    """One iteration's record for results.json (t: start, all-reduce start, all-reduce end, step end)."""
+    t0, t1, t2, t3 = t
+    return {"it": it, "bct": t3 - t0, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
+            "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
+            "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
+            "phases": {k: round(v, 6) for k, v in st.phases.items()}}
+
+
+def _transport_summary(tstats: Any) -> dict[str, Any]:
+    return {"late_frames": tstats.late_frames, "closed_by": dict(tstats.closed_by),
+            "deadline_wait_total": tstats.deadline_wait_total,
+            "pace_rates": {str(k): v for k, v in tstats.pace_rates.items()},
+            "lanes": [_lane_row(ls) for ls in tstats.lanes]}
 
 
 def _lane_row(ls: Any) -> dict[str, Any]:

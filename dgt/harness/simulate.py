@@ -171,6 +171,52 @@ def _make(spec: str | Codec, **extra: object) -> Codec:
 # ---------------------------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _PSCodecs:
+    """The codecs and per-rank states of :func:`train_ps` (None: dense, no codec)."""
+
+    push_tx: list[Codec]
+    push_rx: Codec | None
+    push_tx_state: list[BucketState]
+    push_rx_state: list[BucketState]  # one receive state per sender
+    pull_tx: Codec | None
+    pull_tx_state: BucketState
+    pull_rx_state: list[BucketState]
+
+    @classmethod
+    def make(cls, push: str | None, pull: str | None, k: int, seed: int, w: torch.Tensor, model: MLP) -> _PSCodecs:
+        if pull and pull.partition(":")[0].strip() != "slimdp":
+            raise ValueError("a compressed pull needs a codec with merge semantics (slimdp)")
+        fresh = lambda: BucketState(w.numel(), w.dtype)  # noqa: E731
+        c = cls(
+            push_tx=[_make(push, rank=r, seed=seed) for r in range(k)] if push else [],
+            push_rx=_make(push, seed=seed) if push else None,
+            push_tx_state=[fresh() for _ in range(k)],
+            push_rx_state=[fresh() for _ in range(k)],
+            pull_tx=_make(pull, mode="pull", rank=k, seed=seed) if pull else None,
+            pull_tx_state=fresh(),
+            pull_rx_state=[fresh() for _ in range(k)],
+        )
+        for st in (*c.push_tx_state, *c.push_rx_state, c.pull_tx_state, *c.pull_rx_state):
+            set_segments(st, model.segments)
+        return c
+
+
+def _local_step(model: MLP, local: list[torch.Tensor], r: int, batch: tuple[torch.Tensor, torch.Tensor], lr: float,
+                pending: list[torch.Tensor | None], every: int, t: int) -> torch.Tensor | None:
+    """Worker ``r``'s SGD step on its replica; the gradient to push, or None on a step without communication (with
+    ``every`` > 1 the gradients of the steps in between are summed)."""
+    xb, yb = batch
+    g = model.loss_grad(local[r], xb, yb)
+    local[r] -= lr * g
+    if every > 1:
+        pending[r] = g.clone() if pending[r] is None else pending[r].add_(g)
+        if (t + 1) % every:
+            return None
+        g, pending[r] = pending[r], None
+    return g
+
+
 def train_ps(
     push: str | None = None,
     pull: str | None = None,
@@ -202,35 +248,21 @@ def train_ps(
     w = model.init(seed)
     local = [w.clone() for _ in range(k)]
     wire_up, wire_down = Wire(drop, seed + 1), Wire(drop, seed + 2)
-    push_tx = [_make(push, rank=r, seed=seed) for r in range(k)] if push else []
-    push_rx = _make(push, seed=seed) if push else None
-    push_tx_state = [BucketState(w.numel(), w.dtype) for _ in range(k)]
-    push_rx_state = [BucketState(w.numel(), w.dtype) for _ in range(k)]  # one receive state per sender
-    if pull and pull.partition(":")[0].strip() != "slimdp":
-        raise ValueError("a compressed pull needs a codec with merge semantics (slimdp)")
-    pull_tx = _make(pull, mode="pull", rank=k, seed=seed) if pull else None
-    pull_tx_state = BucketState(w.numel(), w.dtype)
-    pull_rx_state = [BucketState(w.numel(), w.dtype) for _ in range(k)]
-    for st in (*push_tx_state, *push_rx_state, pull_tx_state, *pull_rx_state):
-        set_segments(st, model.segments)
+    c = _PSCodecs.make(push, pull, k, seed, w, model)
+    push_rx, pull_tx = c.push_rx, c.pull_tx
     history = []
     for t in range(rounds):
         decoded = []
         for r in range(k):
-            xb, yb = shards.batch(r, batch)
-            g = model.loss_grad(local[r], xb, yb)
-            local[r] -= lr * g
-            if every > 1:
-                pending[r] = g.clone() if pending[r] is None else pending[r].add_(g)
-                if (t + 1) % every:
-                    continue
-                g, pending[r] = pending[r], None
+            g = _local_step(model, local, r, shards.batch(r, batch), lr, pending, every, t)
+            if g is None:
+                continue
             if push_rx is None:
                 wire_up.bytes += g.numel() * g.element_size()
                 decoded.append(g)
             else:
-                parts = push_tx[r].encode(g, push_tx_state[r])
-                decoded.append(push_rx.decode(wire_up.send(parts), push_rx_state[r], g))
+                parts = c.push_tx[r].encode(g, c.push_tx_state[r])
+                decoded.append(push_rx.decode(wire_up.send(parts), c.push_rx_state[r], g))
         if not decoded:  # a local step without communication (every > 1)
             if eval_every and (t + 1) % eval_every == 0:
                 history.append({"round": t + 1, **model.evaluate(w, data)})
@@ -241,9 +273,9 @@ def train_ps(
             wire_down.bytes += k * w.numel() * w.element_size()
             local = [w.clone() for _ in range(k)]
         else:
-            parts = pull_tx.encode(w, pull_tx_state)
+            parts = pull_tx.encode(w, c.pull_tx_state)
             for r in range(k):
-                local[r] = pull_tx.merge(wire_down.send(parts), pull_rx_state[r], local[r])
+                local[r] = pull_tx.merge(wire_down.send(parts), c.pull_rx_state[r], local[r])
         if eval_every and (t + 1) % eval_every == 0:
             history.append({"round": t + 1, **model.evaluate(w, data)})
     res = model.evaluate(w, data)
