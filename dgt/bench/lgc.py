@@ -57,6 +57,13 @@ def _accuracy(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> float:
         return float((model(x).argmax(1) == y).float().mean()) * 100.0
 
 
+def _set_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+    off = 0
+    for p in params:
+        p.grad.copy_(flat[off : off + p.numel()].view_as(p))
+        off += p.numel()
+
+
 def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, ae_iters: int = 300,
           batch: int = 32, lr: float = 0.05, momentum: float = 0.9, seed: int = 0, device: str = "cpu",
           lgc_options: dict[str, Any] | None = None, sparse_momentum: float = 0.0) -> dict[str, Any]:
@@ -121,10 +128,7 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
             else:
                 mean = runner.step(flat)
             if is_worker:
-                off = 0
-                for p in params:
-                    p.grad.copy_(mean[off : off + p.numel()].view_as(p))
-                    off += p.numel()
+                _set_grads(params, mean)
                 opt.step()
                 if it + 1 in checkpoints:
                     acc[checkpoints[it + 1]] = _accuracy(model, xte, yte)
@@ -138,7 +142,12 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
 
     t0 = time.perf_counter()
     results = run_ranks(world, body, timeout=600.0)
-    wall = time.perf_counter() - t0
+    return _report(method, results, ranks, iters, time.perf_counter() - t0, opts)
+
+
+def _report(method: str, results: list[dict[str, Any]], ranks: int, iters: int, wall: float,
+            opts: dict[str, Any]) -> dict[str, Any]:
+    """What :func:`train` returns: accuracies, whether the replicas agree, traffic and reconstruction."""
     workers = [r for r in results if r["is_worker"]]
     ref = workers[0]["weights"]
     in_sync = all(torch.equal(ref, r["weights"]) for r in workers[1:])
