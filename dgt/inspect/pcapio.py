@@ -84,12 +84,10 @@ def _be32(h: np.ndarray, rows: np.ndarray, off: np.ndarray) -> np.ndarray:
     return (_be16(h, rows, off) << 16) | _be16(h, rows, off + 2)
 
 
-def _parse(head: np.ndarray, caplen: np.ndarray, linktype: np.ndarray) -> dict[str, np.ndarray]:
-    """Vectorised link/IP/L4 parse of a chunk of packet heads."""
-    n = len(head)
-    h = np.zeros((n, HEAD + 64), np.uint8)  # room so fixed offsets never index past the end
-    h[:, :HEAD] = head
-    rows = np.arange(n)
+def _link_layer(h: np.ndarray, rows: np.ndarray, linktype: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per packet: the offset of the IP header (-1: unknown link), the ethertype (0: decide by the IP version
+    nibble) and whether the version nibble decides."""
+    n = len(rows)
     l3 = np.full(n, -1, np.int64)
     et = np.zeros(n, np.int64)  # ethertype, or 0 = decide by IP version nibble
     eth = linktype == ETHERNET
@@ -109,9 +107,19 @@ def _parse(head: np.ndarray, caplen: np.ndarray, linktype: np.ndarray) -> dict[s
     l3[raw] = 0
     null = np.isin(linktype, (NULL, LOOP))
     l3[null] = 4
+    bynibble = raw | null
+    return l3, et, bynibble
+
+
+def _parse(head: np.ndarray, caplen: np.ndarray, linktype: np.ndarray) -> dict[str, np.ndarray]:
+    """Vectorised link/IP/L4 parse of a chunk of packet heads."""
+    n = len(head)
+    h = np.zeros((n, HEAD + 64), np.uint8)  # room so fixed offsets never index past the end
+    h[:, :HEAD] = head
+    rows = np.arange(n)
+    l3, et, bynibble = _link_layer(h, rows, linktype)
     l3c = np.maximum(l3, 0)
     ver = h[rows, l3c] >> 4
-    bynibble = raw | null
     v4 = (l3 >= 0) & np.where(bynibble, ver == 4, et == 0x0800) & (ver == 4)
     v6 = (l3 >= 0) & np.where(bynibble, ver == 6, et == 0x86DD) & (ver == 6)
 
