@@ -61,18 +61,10 @@ def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.s
         while out or got < rtot:
             progress = False
             if out:
-                try:
-                    n = send.sendmsg(out)
+                n = _send_some(send, out)
+                if n >= 0:
                     sent += n
                     progress = True
-                    while n:
-                        k = min(n, len(out[0]))
-                        n -= k
-                        out[0] = out[0][k:]
-                        if not len(out[0]):
-                            out.pop(0)
-                except BlockingIOError:
-                    pass
             if got < rtot:
                 try:
                     before = got
@@ -93,13 +85,7 @@ def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.s
                     if add_src is not None and before >= len(expect):
                         pend += k
                         if pend == len(scr_b) or got == rtot:
-                            whole = pend & ~3
-                            a = added // 4
-                            np.add(src[a : a + whole // 4], scr[:whole].view(np.float32),
-                                   out=dst[a : a + whole // 4])
-                            added += whole
-                            scr[: pend - whole] = scr[whole:pend]
-                            pend -= whole
+                            added, pend = _fold(src, scr, dst, added, pend)
                 except BlockingIOError:
                     pass
             if progress:
@@ -109,28 +95,12 @@ def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.s
             if wait <= 0:
                 code = -errno.ETIMEDOUT
                 break
-            events: dict[int, int] = {}  # one registration per fd: both neighbours may be one socket
-            if out:
-                events[send.fileno()] = select.POLLOUT
-            if got < rtot:
-                left = rtot - got
-                if add_src is not None and got >= len(expect):
-                    left = min(left, len(scr_b) - pend)
-                want = min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1
-                if want != lowat:
-                    recv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
-                    lowat = want
-                events[recv.fileno()] = events.get(recv.fileno(), 0) | select.POLLIN
-            if cancel_fd >= 0:
-                events[cancel_fd] = select.POLLIN
-            poller = select.poll()
-            for fd, ev in events.items():
-                poller.register(fd, ev)
-            for fd, ev in poller.poll(wait * 1000):
-                if fd == cancel_fd and ev & select.POLLIN:
-                    code = -errno.ECANCELED
-                    break
-            if code:
+            left = rtot - got
+            if got < rtot and add_src is not None and got >= len(expect):
+                left = min(left, len(scr_b) - pend)
+            cancelled, lowat = _poll(send if out else None, recv if got < rtot else None, left, lowat, cancel_fd, wait)
+            if cancelled:
+                code = -errno.ECANCELED
                 break
     except (BrokenPipeError, ConnectionResetError, ConnectionAbortedError) as exc:
         code = -exc.errno
@@ -143,6 +113,55 @@ def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.s
             except OSError:
                 pass
     return code, sent, got, bytes(hdr[: min(got, len(expect))])
+
+
+def _send_some(send: socket.socket, out: list[memoryview]) -> int:
+    """One ``sendmsg`` of what is left; drops the views (or their heads) it sent. -1 when the socket is full."""
+    try:
+        n = sent = send.sendmsg(out)
+    except BlockingIOError:
+        return -1
+    while n:
+        k = min(n, len(out[0]))
+        n -= k
+        out[0] = out[0][k:]
+        if not len(out[0]):
+            out.pop(0)
+    return sent
+
+
+def _fold(src: np.ndarray, scr: np.ndarray, dst: np.ndarray, added: int, pend: int) -> tuple[int, int]:
+    """Add the whole float32s received into the scratch so far to ``src`` into ``dst``; the tail of a split float
+    moves to the front of the scratch. Returns the new (added, pending) byte counts."""
+    whole = pend & ~3
+    a = added // 4
+    np.add(src[a : a + whole // 4], scr[:whole].view(np.float32), out=dst[a : a + whole // 4])
+    scr[: pend - whole] = scr[whole:pend]
+    return added + whole, pend - whole
+
+
+def _poll(send: socket.socket | None, recv: socket.socket | None, left: int, lowat: int, cancel_fd: int,
+          wait: float) -> tuple[bool, int]:
+    """Wait up to ``wait`` seconds for the send socket to take more, ``recv`` to hold enough of the ``left`` bytes
+    (SO_RCVLOWAT, so a big rest wakes once, not per segment) or the cancel fd. Returns (cancelled, lowat now)."""
+    events: dict[int, int] = {}  # one registration per fd: both neighbours may be one socket
+    if send is not None:
+        events[send.fileno()] = select.POLLOUT
+    if recv is not None:
+        want = min(left, LOWAT_MAX) if left >= LOWAT_MIN else 1
+        if want != lowat:
+            recv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, want)
+            lowat = want
+        events[recv.fileno()] = events.get(recv.fileno(), 0) | select.POLLIN
+    if cancel_fd >= 0:
+        events[cancel_fd] = select.POLLIN
+    poller = select.poll()
+    for fd, ev in events.items():
+        poller.register(fd, ev)
+    for fd, ev in poller.poll(wait * 1000):
+        if fd == cancel_fd and ev & select.POLLIN:
+            return True, lowat
+    return False, lowat
 
 
 def describe(header: bytes) -> str:
