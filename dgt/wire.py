@@ -14,7 +14,7 @@ from enum import IntEnum, IntFlag
 import numpy as np
 import torch
 
-from dgt.errors import WireError
+from dgt.errors import WireError as WireError  # re-exported: dgt.wire.WireError is public
 
 MAGIC = 0x4447  # "DG"
 VERSION = 1
@@ -300,7 +300,9 @@ def _frame(h: np.void, payload: memoryview) -> Frame:
     )
 
 
-def decode_header(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, token: int | None = None):
+def decode_header(
+    buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_LIMITS, token: int | None = None
+) -> np.void:
     """Parse and validate one header; raises :class:`WireError` naming the first problem."""
     if len(buf) < HEADER_SIZE:
         raise WireError(f"truncated header: {len(buf)} of {HEADER_SIZE} bytes")
@@ -308,7 +310,8 @@ def decode_header(buf: bytes | bytearray | memoryview, limits: Limits = DEFAULT_
     code = int(validate(h, limits, token)[0])
     if code:
         raise WireError(f"invalid header: {REASONS[code]}")
-    return h[0]
+    rec: np.void = h[0]
+    return rec
 
 
 def decode_frames(
@@ -339,7 +342,8 @@ class Batch:
 
     @property
     def valid(self) -> np.ndarray:
-        return self.reason == 0
+        valid: np.ndarray = self.reason == 0  # (numpy's stubs type an array comparison as Any)
+        return valid
 
 
 def decode_datagrams(

@@ -136,8 +136,8 @@ class Codec:
     def state_for(self, bucket_id: int, bucket: torch.Tensor, segments: list[int] | None = None) -> BucketState:
         """The state of ``bucket_id``, created fresh (or reset) when the bucket's size, dtype or tensors changed."""
         st = self._states.get(bucket_id)
-        changed = st is None or st.numel != bucket.numel() or st.dtype != bucket.dtype
-        if changed or (segments and st.segments != list(segments)):
+        if (st is None or st.numel != bucket.numel() or st.dtype != bucket.dtype
+                or (segments and st.segments != list(segments))):
             st = BucketState(numel=bucket.numel(), dtype=bucket.dtype, segments=list(segments) if segments else None)
             self._states[bucket_id] = st
         return st

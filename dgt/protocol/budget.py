@@ -50,7 +50,8 @@ class RoundWindow:
 
 def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:
     """Datagram bytes (payload + one header per fragment) each of ``blocks`` costs on an unreliable lane."""
-    return geom.block_len[blocks] * itemsize + geom.frags_needed[blocks] * wire.HEADER_SIZE
+    cost: np.ndarray = geom.block_len[blocks] * itemsize + geom.frags_needed[blocks] * wire.HEADER_SIZE
+    return cost
 
 
 def split_budget(geom: Geometry, unimp: np.ndarray, itemsize: int, budget: int | None) -> tuple[np.ndarray, np.ndarray]:

@@ -32,7 +32,7 @@ def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tens
     n = flat.numel()
     per = max(1, frame_bytes // isz)
     dt = wire.wire_dtype(flat.dtype)
-    mv = memoryview(raw_bytes(flat))
+    mv = raw_bytes(flat).data
     frames = []
     for a in range(0, max(n, 1), per):
         c = min(per, n - a)
@@ -103,7 +103,7 @@ class BulkReceiver:
                                         f"({self.allocated} of {self.max_bytes} bytes in use)")
                 data = torch.empty(total, dtype=dtype)
                 self.allocated += need
-            msg = self.open[key] = BulkMessage(data, memoryview(raw_bytes(data)), opened=now, owned=need)
+            msg = self.open[key] = BulkMessage(data, raw_bytes(data).data, opened=now, owned=need)
         elif offset != msg.got or total != msg.total or dtype != msg.data.dtype:
             raise ProtocolError(f"rank {rank}: bulk frame for elements [{offset}, {offset + count}) of {total} does "
                                 f"not continue message {key[1:]} ({msg.got} of {msg.total} {msg.data.dtype} in)")

@@ -78,7 +78,7 @@ class BaseDelay:
 
     interval: float = 60.0
     history: int = 10
-    _mins: deque = field(default_factory=deque)  # (interval index, minimum)
+    _mins: deque[tuple[int, float]] = field(default_factory=deque)  # (interval index, minimum)
 
     def update(self, sample: float, now: float) -> None:
         idx = int(now // self.interval)
@@ -128,8 +128,11 @@ class LedbatRate:
         samples = fb.delay_samples()
         for s in samples:
             self.base.update(s, now)
+        qdelay = None
         if samples:
-            self.qdelay = max(0.0, samples[-1] - self.base.value)
+            base = self.base.value
+            assert base is not None  # update() just took a sample
+            qdelay = self.qdelay = max(0.0, samples[-1] - base)
         if fb.sent_datagrams <= 0:
             return self.rate  # nothing was sent: nothing learnt about the path
         if fb.loss > self.loss_threshold:
@@ -142,9 +145,9 @@ class LedbatRate:
             self.loss_backoffs += 1
             self.decreases += 1
             return self.rate
-        if not samples:
+        if qdelay is None:  # no delay samples
             return self.rate
-        behind = max(self.qdelay, fb.hold)
+        behind = max(qdelay, fb.hold)
         off = (self.target - behind) / self.target  # 1 at an empty queue, negative above the target
         step = max(self.beta, 1.0 + self.gain * off)
         if self.slow_start and off > 0.5:

@@ -12,9 +12,12 @@ cache (:meth:`pack`). It still behaves like the ``[k, seg]`` uint8 array it repl
 from __future__ import annotations
 
 import operator
+from collections.abc import Iterator
+from typing import SupportsIndex, overload
 
 import numpy as np
 import torch
+from numpy.typing import DTypeLike
 
 from dgt import wire
 
@@ -72,20 +75,26 @@ class DatagramRows:
     def __len__(self) -> int:
         return len(self.offsets)
 
-    def __getitem__(self, i):
+    @overload
+    def __getitem__(self, i: slice) -> DatagramRows: ...
+    @overload
+    def __getitem__(self, i: SupportsIndex) -> np.ndarray: ...
+
+    def __getitem__(self, i: SupportsIndex | slice) -> DatagramRows | np.ndarray:
         if isinstance(i, slice):
             return self._part(i)
         j = operator.index(i)
         j = j + len(self) if j < 0 else j
         if not 0 <= j < len(self):
             raise IndexError(f"datagram {i} of {len(self)}")
-        return self.pack(np.empty((1, self.seg), np.uint8), j)[0]
+        row: np.ndarray = self.pack(np.empty((1, self.seg), np.uint8), j)[0]
+        return row
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[np.ndarray]:
         for i in range(len(self)):
             yield self[i]
 
-    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+    def __array__(self, dtype: DTypeLike | None = None, copy: bool | None = None) -> np.ndarray:
         out = self.pack(np.empty(self.shape, np.uint8))
         return out if dtype is None else out.astype(dtype)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -109,6 +110,6 @@ def make_deadline(spec: str | float | DeadlinePolicy) -> DeadlinePolicy:
     if name == "fixed":
         return FixedGrace(float(args or 0.005))
     if name == "adaptive":
-        kw = {k: float(v) for k, v in (a.split("=") for a in filter(None, args.split(",")))}
+        kw: dict[str, Any] = {k: float(v) for k, v in (a.split("=") for a in filter(None, args.split(",")))}
         return AdaptiveGrace(**kw)
     raise ValueError(f"unknown deadline policy {spec!r} (use 'fixed:SECONDS' or 'adaptive:k=..,floor=..,cap=..')")

@@ -251,7 +251,8 @@ class RoundSender:
                 self.unreported += 1
         return plan
 
-    def _data_headers(self, n: int, flags: int, lane: int, dt: int, common: dict, blk, off, cnt, isz) -> np.ndarray:
+    def _data_headers(self, n: int, flags: int, lane: int, dt: int, common: dict[str, int], blk: np.ndarray,
+                      off: np.ndarray, cnt: np.ndarray, isz: int) -> np.ndarray:
         h = wire.headers(n)
         h["ftype"] = FrameType.DATA
         h["flags"] = flags
@@ -265,7 +266,8 @@ class RoundSender:
         h["length"] = cnt * isz
         return h
 
-    def _runs(self, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> list[tuple[bytes, memoryview]]:
+    def _runs(self, raw: np.ndarray, isz: int, dt: int, geom: Geometry, blocks: np.ndarray,
+              common: dict[str, int]) -> list[tuple[bytes, memoryview]]:
         """Important blocks for the reliable lane. Runs of >= ``LONG_RUN`` consecutive blocks become zero-copy frames
         of at most ``reliable_frame_bytes``; scattered full blocks are packed one block per frame into a single buffer
         by one vectorised gather, so the Python work is per long run, never per block."""
@@ -275,7 +277,8 @@ class RoundSender:
             return self._whole(raw, isz, dt, geom, len(blocks), common)  # a lossless round: one long run
         return self._run_frames(raw, isz, dt, geom, blocks, common)
 
-    def _run_frames(self, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> list[tuple[bytes, memoryview]]:
+    def _run_frames(self, raw: np.ndarray, isz: int, dt: int, geom: Geometry, blocks: np.ndarray,
+                    common: dict[str, int]) -> list[tuple[bytes, memoryview]]:
         brk = np.ones(len(blocks), dtype=bool)
         brk[1:] = np.diff(blocks) != 1
         run_id = np.cumsum(brk) - 1
@@ -293,7 +296,7 @@ class RoundSender:
             buf = np.empty((len(single), hs + self.block * isz), dtype=np.uint8)
             buf[:, :hs] = h.view(np.uint8).reshape(-1, hs)
             gather_rows(raw, off * isz, self.block * isz, buf[:, hs:])
-            out.append((b"", memoryview(buf).cast("B")))
+            out.append((b"", buf.data.cast("B")))
         # zero-copy frames: long runs (cut at reliable_frame_bytes) and the partial blocks of short runs
         zc = blocks[long_blk | ~full]
         if len(zc):
@@ -308,14 +311,15 @@ class RoundSender:
             off = geom.block_start[first]
             cnt = geom.block_end[last] - off
             hb = self._data_headers(len(starts), Flags.IMPORTANT, 0, dt, common, first, off, cnt, isz).tobytes()
-            mv = memoryview(raw)
+            mv = raw.data
             out += [
                 (hb[i * hs : (i + 1) * hs], mv[o * isz : (o + c) * isz])
                 for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
             ]
         return out
 
-    def _whole(self, raw, isz, dt, geom: Geometry, nb: int, common) -> list[tuple[bytes, memoryview]]:
+    def _whole(self, raw: np.ndarray, isz: int, dt: int, geom: Geometry, nb: int,
+               common: dict[str, int]) -> list[tuple[bytes, memoryview]]:
         """Every block important (the frames :meth:`_runs` would cut from one long run, without its run finding)."""
         per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
         first = np.arange(0, nb, per_frame)
@@ -323,13 +327,14 @@ class RoundSender:
         off = geom.block_start[first]
         cnt = geom.block_end[last] - off
         hb = self._data_headers(len(first), Flags.IMPORTANT, 0, dt, common, first, off, cnt, isz).tobytes()
-        mv, hs = memoryview(raw), wire.HEADER_SIZE
+        mv, hs = raw.data, wire.HEADER_SIZE
         return [
             (hb[i * hs : (i + 1) * hs], mv[o * isz : (o + c) * isz])
             for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
         ]
 
-    def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
+    def _datagrams(self, plan: RoundPlan, lane: int, raw: np.ndarray, isz: int, dt: int, geom: Geometry,
+                   blocks: np.ndarray, common: dict[str, int]) -> None:
         """One fragment per datagram: the equal-size ones as headers (built in one numpy step) plus the byte offsets
         of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends)."""
         blk, off, cnt = geom.fragments_of(blocks)
