@@ -14,6 +14,7 @@ import hmac
 import logging
 import os
 import secrets
+from typing import Any
 
 NONCE_BYTES = 16
 _log = logging.getLogger("dgt.auth")
@@ -75,6 +76,6 @@ def verify(key: bytes, shown: object, role: str, prover: int, verifier: int, dia
     return hmac.compare_digest(shown.encode(), want.encode())
 
 
-def purpose(msg: dict) -> str:
+def purpose(msg: dict[str, Any]) -> str:
     """What a hello asks for: the session link, or one direction of a stream lane."""
     return f"stream:{msg.get('direction', 0)}" if msg.get("stream") else "session"

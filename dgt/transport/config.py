@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import dataclass, field
+from typing import Any
 
 from dgt import wire
 from dgt.channels.duplex import NATIVE
@@ -23,14 +24,14 @@ class PeerAddress:
     udp_ports: tuple[int, ...]
     rank: int = -1
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {"host": self.host, "tcp_port": self.tcp_port, "udp_ports": list(self.udp_ports), "rank": self.rank}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
-    def from_dict(cls, d: dict) -> PeerAddress:
+    def from_dict(cls, d: dict[str, Any]) -> PeerAddress:
         return cls(str(d["host"]), int(d["tcp_port"]), tuple(int(p) for p in d["udp_ports"]), int(d.get("rank", -1)))
 
     @classmethod
@@ -142,7 +143,7 @@ class TransportConfig:
     def deadline_policy(self) -> DeadlinePolicy:
         return make_deadline(self.deadline)
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         skip = ("lanes", "limits", "deadline", "secret")
         d = {k: getattr(self, k) for k in self.__dataclass_fields__ if k not in skip}
         d["lanes"] = [ln.to_dict() for ln in self.lanes]

@@ -4,6 +4,7 @@ bye). The header's session token authenticates the session; a wrong token fails 
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from dgt import wire
 from dgt.errors import ProtocolError
@@ -20,12 +21,12 @@ ABORT = "abort"  # the sender's collective failed for a reason every rank must s
 STALE = "stale"  # receiver -> sender: that round is ignored (key closed already, or refused by the limits)
 
 
-def control(token: int, rank: int, op: str, **fields) -> bytes:
+def control(token: int, rank: int, op: str, **fields: Any) -> bytes:
     payload = json.dumps({"op": op, **fields}, separators=(",", ":")).encode()
     return wire.encode_frame(FrameType.CONTROL, payload, token=token, rank=rank)
 
 
-def parse(frame: memoryview | bytes, limits: wire.Limits = wire.DEFAULT_LIMITS) -> tuple[int, dict]:
+def parse(frame: memoryview | bytes, limits: wire.Limits = wire.DEFAULT_LIMITS) -> tuple[int, dict[str, Any]]:
     """(sender rank, message) of one CONTROL frame; ProtocolError if it is anything else."""
     h = wire.decode_header(frame[: wire.HEADER_SIZE], limits)
     if int(h["ftype"]) != FrameType.CONTROL:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
@@ -35,7 +36,7 @@ class RoundResult:
         got = int(self.layout.block_len[self.mask].sum()) * self.data.element_size()
         return got / self.elapsed
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         return {
             "sender": self.sender, "bucket": self.bucket, "round": self.round, "elapsed": self.elapsed,
             "goodput": self.goodput, "received_blocks": int(self.mask.sum()), "stats": self.stats.to_dict(),
@@ -65,7 +66,7 @@ class SendStats:
     elapsed: float = 0.0
     pace_rate: float | None = None
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         for k in ("datagrams", "datagram_bytes", "abandoned"):
             d[k] = {str(lane): v for lane, v in d[k].items()}
@@ -130,7 +131,7 @@ class TransportStats:
     rounds_copied: int = 0  # rounds given an ``out`` they could not land in (opened before it was posted): one copy
     pace_rates: dict[int, float] = field(default_factory=dict)  # peer -> bytes/s
 
-    def to_dict(self) -> dict:
+    def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["pace_rates"] = {str(k): v for k, v in self.pace_rates.items()}
         return d
