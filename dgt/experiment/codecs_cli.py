@@ -40,8 +40,9 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
                    help="; ".join(f"{k}: {v}" for k, v in PROFILES.items()).replace("%", "%%")
                    + " (netem only; default: %(default)s)")
     c.add_argument("--network", choices=["auto", "netem", "loopback"], default=base.network.mode,
-                   help="netem (root), loopback (every connection paced, no shared queue), auto: netem when it "
-                        "works (default: %(default)s)")
+                   help="netem (root), loopback (no shared queue; UDP lanes paced by the transport, TCP asked to "
+                        "pace with SO_MAX_PACING_RATE, which the report checks), auto: netem when it works "
+                        "(default: %(default)s)")
     c.add_argument("--rate", default=base.network.rate,
                    help="link rate of every host, tc units; on loopback each connection is paced to rate / (K - 1) "
                         "(default: %(default)s)")

@@ -354,7 +354,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("spec", help="the batch's spec.json, written by dgt.experiment.launch.launch")
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
-    spec = CodecsSpec.from_json(open(args.spec).read())
+    with open(args.spec) as f:
+        spec = CodecsSpec.from_json(f.read())
     rank = int(os.environ["RANK"])
     _save(spec.out_dir, rank, run_spec(spec, rank, int(os.environ["WORLD_SIZE"]),
                                        os.environ.get("DGT_BIND", "127.0.0.1")))
