@@ -25,6 +25,23 @@ def test_margin_is_taken_against_the_better_ablated_decoder():
     assert rep["zero"]["rel_error"] == 0.97 and rep["ae"]["per_worker_rel_error"] is None
 
 
+def test_a_diverged_ablation_is_never_the_better_one():
+    nan = float("nan")
+    # the template run diverged (NaN loss and cosine, no reconstruction figure); listed first so that a plain
+    # min()/max() would pick the NaN
+    rep = ablation_report(_fake(97.5, 0.02, 0.22, 0.97),
+                          {"template": _fake(10.0, nan, None, nan), "zero": _fake(94.7, 0.22, 0.99, 0.16)})
+    m = rep["margin"]
+    assert m["final_train_loss"] == pytest.approx(0.20)
+    assert m["cosine"] == pytest.approx(0.81)
+    assert m["rel_error"] == pytest.approx(0.77)
+    assert m["accuracy"] == pytest.approx(2.8)
+    assert m["train_loss_ratio"] == pytest.approx(11.0)
+    # every ablation diverged: no margin rather than a NaN one
+    rep = ablation_report(_fake(97.5, 0.02, 0.22, 0.97), {"template": _fake(10.0, nan, None, nan)})
+    assert rep["margin"]["final_train_loss"] is None and rep["margin"]["train_loss_ratio"] is None
+
+
 def test_tiny_ablation_run_decodes_zero_and_template():
     import argparse
 

@@ -9,6 +9,7 @@ gradient compression alone. Compression ratios are measured from the bytes the C
 from __future__ import annotations
 
 import argparse
+import math
 import time
 from typing import Any
 
@@ -197,14 +198,17 @@ def ablation_report(ae_run: dict[str, Any], ablated: dict[str, dict[str, Any]]) 
     ae = out["ae"]
     margin: dict[str, float | None] = {}
     for key, sign in (("rel_error", -1), ("final_train_loss", -1), ("cosine", 1), ("accuracy", 1)):
-        others = [out[d][key] for d in ablated if out[d][key] is not None]
-        if ae[key] is None or not others:
+        # a diverged run (NaN, or no reconstruction figure) is the worst, never the best, of the ablated decoders
+        others = [v for v in (out[d][key] for d in ablated) if v is not None and math.isfinite(v)]
+        if ae[key] is None or not math.isfinite(ae[key]) or not others:
             margin[key] = None
             continue
         best = min(others) if sign < 0 else max(others)
         margin[key] = sign * (ae[key] - best)
-    margin["train_loss_ratio"] = (min(out[d]["final_train_loss"] for d in ablated) / ae["final_train_loss"]
-                                  if ae["final_train_loss"] else None)
+    losses = [v for v in (out[d]["final_train_loss"] for d in ablated) if v is not None and math.isfinite(v)]
+    ae_loss = ae["final_train_loss"]
+    margin["train_loss_ratio"] = (min(losses) / ae_loss if losses and ae_loss and math.isfinite(ae_loss)
+                                  else None)
     out["margin"] = margin
     return out
 

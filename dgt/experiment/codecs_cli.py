@@ -5,19 +5,22 @@ from __future__ import annotations
 import argparse
 import os
 import shlex
+import signal
 import sys
 from typing import Any
 
 
 def add_parser(esub: argparse._SubParsersAction) -> None:
     from dgt.experiment.codecs_run import CODECS, CodecsConfig
+    from dgt.experiment.ddp_config import PROFILES
 
     base = CodecsConfig()
     c = esub.add_parser(
         "codecs", help="every codec (dense, DGT, Slim-DP, QSGD, Oland-Raj, DCD, ECD, LGC-PS, LGC-ring) trained over "
                        "the real transport, with each paper's headline measure beside the paper's figure",
         description="Train the same model on digits once per codec, each run in K worker processes talking through "
-        "the DGT transport over paced loopback, and report accuracy, bytes per step, time to the target accuracy "
+        "the DGT transport on the network profile of `dgt experiment ddp` (netem namespaces as root, else paced "
+        "loopback), and report accuracy, bytes per step, time to the target accuracy "
         "and each paper's own headline measure beside the paper's figure (results.json, report.md, codecs.png).",
     )
     c.add_argument("--codecs", default=",".join(base.codecs),
@@ -33,11 +36,18 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
     c.add_argument("--deadline", default=base.deadline,
                    help="how long a receiver waits for droppable blocks (default: %(default)s)")
     c.add_argument("--lgc-topk", type=float, default=base.lgc_topk, help="LGC top-k ratio (default: %(default)s)")
-    c.add_argument("--network", choices=["loopback"], default="loopback",
-                   help="paced loopback (netem namespaces are not wired into this experiment yet)")
-    c.add_argument("--rate", default=base.network.rate,
-                   help="link rate of every host, tc units; each connection is paced to rate / (K - 1) "
+    c.add_argument("--profile", choices=list(PROFILES), default=base.profile,
+                   help="; ".join(f"{k}: {v}" for k, v in PROFILES.items()).replace("%", "%%")
+                   + " (netem only; default: %(default)s)")
+    c.add_argument("--network", choices=["auto", "netem", "loopback"], default=base.network.mode,
+                   help="netem (root), loopback (no shared queue; UDP lanes paced by the transport, TCP asked to "
+                        "pace with SO_MAX_PACING_RATE, which the report checks), auto: netem when it works "
                         "(default: %(default)s)")
+    c.add_argument("--rate", default=base.network.rate,
+                   help="link rate of every host, tc units; on loopback each connection is paced to rate / (K - 1) "
+                        "(default: %(default)s)")
+    c.add_argument("--queue-limit", type=int, default=base.network.queue_limit,
+                   help="netem: packets per queue (default: %(default)s)")
     c.add_argument("--timeout", type=float, default=base.timeout, help="seconds per codec run (default: %(default)s)")
     c.add_argument("--out", default=base.out_dir, help="directory for results.json, report.md, codecs.png "
                                                       "(default: %(default)s)")
@@ -52,13 +62,16 @@ def config_from_args(args: argparse.Namespace) -> Any:
     from dgt.experiment.codecs_run import CodecsConfig
     from dgt.experiment.config import NetworkConfig
 
+    base = CodecsConfig()
     names = [n.strip() for n in args.codecs.split(",") if n.strip()]
     if "dense" not in names:
         names.insert(0, "dense")
     return CodecsConfig(codecs=names, model=args.model, workers=args.workers, iters=args.iters, batch=args.batch,
                         lr=args.lr, seed=args.seed, target=args.target, eval_every=args.eval_every,
                         deadline=args.deadline, lgc_topk=args.lgc_topk,
-                        network=NetworkConfig(mode=args.network, rate=args.rate), out_dir=args.out,
+                        profile=args.profile, out_dir=args.out,
+                        network=NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit,
+                                              prefix=base.network.prefix),
                         plots=not args.no_plots, timeout=args.timeout,
                         isolate=not args.shared_processes)
 
@@ -87,7 +100,20 @@ def run(args: argparse.Namespace) -> int:
                           f"{entry['bytes_per_step']:,.0f} B/step, rank 0 wall {entry['rank0_wall_time']:.0f} s")
 
     console.print(f"[bold]codecs:[/bold] {', '.join(cfg.codecs)}; {cfg.workers} processes each, {cfg.iters} steps")
-    results = run_codecs(cfg, progress_line, command, done)
+    me = os.getpid()  # SIGTERM unwinds like Ctrl-C so rank processes and namespaces are removed (see ddp_cli)
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143) if os.getpid() == me else os._exit(143))
+    try:
+        results = run_codecs(cfg, progress_line, command, done)
+    except RuntimeError as exc:  # the network cannot be built (--network netem without root)
+        console.print(f"[red]error:[/red] {exc}")
+        return 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    net = results["network"]
+    console.print(f"[bold]network ({net['mode']}, profile {results['profile']}):[/bold] {net['description']}")
+    if results.get("skipped"):
+        console.print(f"[yellow]skipped:[/yellow] {results['skipped']}")
+        return 0
     console.print(console_table(results))
     console.print(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md"
                   + (f", plot: {cfg.out_dir}/{results['plot']}" if results.get("plot") else ""))

@@ -74,7 +74,11 @@ def condense(cfg: Any, name: str, run: dict[str, Any], ranks: list[dict[str, Any
         "bytes_per_step_per_rank": [s / max(iters, 1) for s in sent],
         "dense_fp32_bytes": 4 * numel,
         "curve": r0["evals"],
+        "paced_connections": [r.get("paced_connections", 0) for r in ranks],  # loopback: TCP sockets capped per rank
     }
+    wires = [r.get("wire") for r in ranks]
+    if all(wires):  # netem: what each host's interface sent, headers and retransmissions included
+        entry["wire_tx_per_step"] = sum(w["tx"] for w in wires) / max(iters, 1)
     if family == "gossip":
         degree = 1 if len(ranks) == 2 else 2
         per_msg = _mean([s / (max(iters, 1) * degree) for s in sent])
@@ -177,11 +181,16 @@ def write_report(results: dict[str, Any], path: str) -> None:
         f"Command: `{results.get('command') or '(library call)'}`", "",
         f"Task: digits, {cfg['model']}, {cfg['workers']} worker processes, {cfg['iters']} steps, batch {cfg['batch']} "
         f"per worker, SGD lr {cfg['lr']}, seed {cfg['seed']}; target accuracy {cfg['target']:g}.", "",
-        f"Network: {results['network']}.", "",
+        f"Network ({results['network']['mode']}, profile {results['profile']}: {results['profile_description']}): "
+        f"{results['network']['description']}"
+        + (f" (netem not used: {results['network']['why_not_netem']})" if results['network']['why_not_netem'] else "")
+        + ".", "",
         f"Machine: {results['machine']}.", "",
         "| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS),
     ]
     lines += ["| " + " | ".join(row) + " |" for row in rows(results)]
+    if results.get("skipped"):
+        lines += ["", f"**Skipped**: {results['skipped']}"]
     lines += ["", "Specs and the paper's setting:", ""]
     for name, r in results["runs"].items():
         h = r.get("headline")
@@ -193,6 +202,16 @@ def write_report(results: dict[str, Any], path: str) -> None:
               "at or above the target. Bytes/step: what every rank handed to the transport per training step, summed "
               "over ranks (pushes and pulls). Step ms: mean wall time of rank 0's steps (compute + communication). "
               "Communication time saved: 1 - (rank 0's mean time in the collective) / dense's.", ""]
+    wired = {n: r for n, r in results["runs"].items() if r.get("wire_tx_per_step") is not None}
+    if wired:
+        lines += ["On the wire (netem: every host's eth0, headers and retransmissions included), and the server "
+                  "link's queues (bytes / drops per class, into the server) over the codec's processes: its own run, "
+                  "or every codec's with --shared-processes:", ""]
+        for name, r in wired.items():
+            q = (r.get("queues") or {}).get("into_server", {})
+            cls = ", ".join(f"{c} {v['bytes']:,} B / {v['drops']} drops" for c, v in q.items() if v["bytes"])
+            lines.append(f"- `{name}`: {r['wire_tx_per_step']:,.0f} B/step; {cls or 'no counters'}")
+        lines.append("")
     dense = results["runs"].get("dense", {})
     if dense.get("comm_time_mean") and results.get("pace_rate"):
         # rank 0 is the PS server: per step it receives K-1 fp32 pushes and sends K-1 fp32 pulls, over K-1 links

@@ -1,5 +1,7 @@
 """``dgt experiment codecs``: every codec trained through the real transport, one run per codec, each in K OS processes
-(:func:`dgt.collectives.launch.run_ranks`), on the digits task of the other experiments, over paced loopback.
+(:func:`dgt.experiment.launch.launch`), on the digits task of the other experiments, on the network profile of
+``dgt experiment ddp`` (:func:`dgt.experiment.ddp_config.profile_network`): netem namespaces as root, else paced
+loopback (:mod:`dgt.experiment.network`).
 
 The runs share model, data, shards, seed, learning rate, step count and network; rank 0 prints progress lines, the
 parent collects every rank's records and writes ``results.json``, ``report.md`` and one plot (:mod:`codecs_report`).
@@ -7,19 +9,17 @@ parent collects every rank's records and writes ``results.json``, ``report.md`` 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import platform
-import sys
-import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
 
 from dgt.experiment.config import NetworkConfig
+from dgt.experiment.ddp_config import PROFILES, profile_network
 
 # name -> (family, codec spec, what it is); LGC's phase lengths are filled in from the run length (lgc_phases)
 CODECS: dict[str, tuple[str, str, str]] = {
@@ -53,7 +53,8 @@ class CodecsConfig:
     lgc_warmup: float = 0.2  # share of the steps in LGC's dense warm-up
     lgc_ae: float = 0.2  # share of the steps in LGC's top-k + autoencoder training phase
     lgc_topk: float = 0.01
-    network: NetworkConfig = field(default_factory=lambda: NetworkConfig(mode="loopback"))
+    profile: str = "priority"  # the network profiles of dgt experiment ddp (netem only; loopback has none)
+    network: NetworkConfig = field(default_factory=lambda: NetworkConfig(prefix="dgtc"))
     out_dir: str = "dgt-codecs"
     plots: bool = True
     timeout: float = 600.0  # per codec run
@@ -69,8 +70,10 @@ class CodecsConfig:
             raise ValueError("need workers >= 2 and positive iters, eval_every, batch")
         if not 0.0 < self.target <= 1.0:
             raise ValueError("target accuracy must be in (0, 1]")
-        if self.network.mode != "loopback":
-            raise ValueError("dgt experiment codecs runs over paced loopback only (netem is not wired in yet)")
+        if self.profile not in PROFILES:
+            raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
+        if self.network.mode not in ("auto", "netem", "loopback"):
+            raise ValueError("network mode must be auto, netem or loopback")
         if "dense" not in self.codecs:
             raise ValueError("the dense run is the reference of every comparison: keep it in --codecs")
 
@@ -91,86 +94,52 @@ class CodecsConfig:
         return asdict(self)
 
 
-def _pace_rate(cfg: CodecsConfig) -> float:
+def _describe_network(cfg: CodecsConfig, mode: str) -> str:
     from dgt.experiment.network import Network
 
-    return Network(cfg.network, cfg.workers, "loopback").pace_rate
+    desc = Network(cfg.network, cfg.workers, mode).describe()
+    if mode == "loopback" and cfg.profile != "priority":
+        desc += f"; the {cfg.profile!r} profile is NOT emulated (netem only)"
+    return desc
 
 
-def _describe_network(cfg: CodecsConfig) -> str:
-    from dgt.experiment.network import Network
-
-    return Network(cfg.network, cfg.workers, "loopback").describe()
-
-
-class _Echo:
-    """Reads rank 0's progress lines from a pipe the ranks share as stdout; ``on_progress(record)`` returns the line to
-    show (written to the real stdout, so nothing it prints comes back into the pipe). Other lines pass through."""
-
-    def __init__(self, on_progress: Any) -> None:
-        self.on_progress = on_progress
-        self.r, self.w = os.pipe()
-        self.saved = os.dup(1)
-        self.thread = threading.Thread(target=self._pump, daemon=True)
-
-    def __enter__(self) -> _Echo:
-        sys.stdout.flush()
-        os.dup2(self.w, 1)  # spawned ranks inherit fd 1
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        sys.stdout.flush()
-        os.dup2(self.saved, 1)
-        os.close(self.w)
-        self.thread.join(5)
-        os.close(self.saved)
-        os.close(self.r)
-
-    def _pump(self) -> None:
-        from dgt.experiment.codecs_worker import PROGRESS
-
-        buf = b""
-        while True:
-            try:
-                chunk = os.read(self.r, 65536)
-            except OSError:
-                return
-            if not chunk:
-                return
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
-                text = line.decode(errors="replace")
-                if text.startswith(PROGRESS):
-                    with contextlib.suppress(json.JSONDecodeError):
-                        shown = self.on_progress(json.loads(text[len(PROGRESS):]))
-                        if shown:
-                            os.write(self.saved, shown.encode() + b"\n")
-                elif text.strip():
-                    os.write(self.saved, line + b"\n")
-
-
-def run_batch(cfg: CodecsConfig, names: list[str], on_progress: Any = None) -> dict[str, dict[str, Any]]:
+def run_batch(cfg: CodecsConfig, names: list[str], mode: str, on_progress: Any = None,
+              tag: str = "") -> dict[str, dict[str, Any]]:
     """Train the codecs ``names`` one after the other in one set of ``cfg.workers`` processes (each codec in its own
-    group); {name: condensed entry} (see codecs_report.condense). A failing rank fails the whole batch."""
-    from dgt.collectives.launch import run_ranks
+    group) in a fresh network of ``mode``; {name: condensed entry} (see codecs_report.condense). A failing rank fails
+    the whole batch."""
     from dgt.experiment.codecs_report import condense
-    from dgt.experiment.codecs_worker import run_ranks_entry
+    from dgt.experiment.codecs_worker import CodecsSpec
+    from dgt.experiment.launch import launch
+    from dgt.experiment.network import Network
 
-    pace = _pace_rate(cfg)
     runs = [{"name": n, "family": CODECS[n][0], "spec": cfg.spec(n), "model": cfg.model, "iters": cfg.iters,
              "batch": cfg.batch, "lr": cfg.lr, "seed": cfg.seed, "eval_every": cfg.eval_every,
-             "deadline": cfg.deadline, "pace_rate": pace} for n in names]
+             "deadline": cfg.deadline} for n in names]
+    spec = CodecsSpec(workers=cfg.workers, runs=runs, wire_if="eth0" if mode == "netem" else None)
+    run_dir = os.path.join(cfg.out_dir, "runs", "+".join(names))
+
+    def show(rec: dict[str, Any]) -> None:
+        line = on_progress(rec) if on_progress is not None else None
+        if line:
+            print(line, flush=True)
+
     t0 = time.monotonic()
-    ctx = _Echo(on_progress) if on_progress is not None else contextlib.nullcontext()
-    with ctx:
-        ranks = run_ranks(run_ranks_entry, cfg.workers, runs, timeout=cfg.timeout * len(names))
+    timeout = cfg.timeout * len(names)
+    with Network(cfg.network, cfg.workers, mode, tag=tag) as net:
+        net.start_cross_traffic(timeout)
+        ranks = launch(net, spec, run_dir, show, timeout, module="dgt.experiment.codecs_worker")
+        queues = net.counters()
     wall = time.monotonic() - t0
+    for r, res in enumerate(ranks):  # the final parameters travel beside the JSON
+        for run, final in zip(res["runs"], torch.load(os.path.join(run_dir, f"rank{r}.pt"))):
+            run["final"] = final
     out = {}
     for i, (name, run) in enumerate(zip(names, runs)):
-        entry = condense(cfg, name, run, [ranks[r][i] for r in range(cfg.workers)])
-        entry.update(about=CODECS[name][2], batch_wall_time=wall, batch=names)
+        entry = condense(cfg, name, run, [ranks[r]["runs"][i] for r in range(cfg.workers)])
+        entry.update(about=CODECS[name][2], batch_wall_time=wall, batch=names, run_dir=run_dir)
+        if queues is not None:
+            entry["queues"] = queues  # the server's link, per priority class, over the whole batch
         out[name] = entry
     return out
 
@@ -179,19 +148,30 @@ def run_codecs(cfg: CodecsConfig, on_progress: Any = None, command: str | None =
                on_done: Any = None) -> dict[str, Any]:
     """Every codec of ``cfg`` one after the other; writes results.json (after each run), report.md and the plot."""
     from dgt.experiment.codecs_report import headline, write_plot, write_report
+    from dgt.experiment.ddp_runner import profile_unsupported
+    from dgt.experiment.network import Network, resolve_mode
 
+    cfg = replace(cfg, network=profile_network(cfg.profile, cfg.network))
+    mode, why = resolve_mode(cfg.network)  # --network netem without root raises RuntimeError
     os.makedirs(cfg.out_dir, exist_ok=True)
     results: dict[str, Any] = {
-        "command": command, "config": cfg.to_dict(), "network": _describe_network(cfg), "pace_rate": _pace_rate(cfg),
+        "command": command, "config": cfg.to_dict(), "profile": cfg.profile,
+        "profile_description": PROFILES[cfg.profile],
+        "network": {"mode": mode, "why_not_netem": why, "description": _describe_network(cfg, mode)},
+        "pace_rate": Network(cfg.network, cfg.workers, mode).pace_rate,
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "load_average": os.getloadavg()},
         "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": {},
     }
     order = ["dense"] + [c for c in cfg.codecs if c != "dense"]  # dense first: the others are measured against it
     batches = [[n] for n in order] if cfg.isolate else [order]
-    for names in batches:
+    skipped = profile_unsupported(cfg, mode)  # reads cfg.network only
+    if skipped:
+        results["skipped"] = f"profile {cfg.profile!r} needs what this kernel lacks: {skipped}"
+        batches = []
+    for i, names in enumerate(batches):
         try:
-            results["runs"].update(run_batch(cfg, names, on_progress))
+            results["runs"].update(run_batch(cfg, names, mode, on_progress, tag=str(i)))
         except Exception as exc:  # one failing codec must not lose the others' results
             for name in names:
                 results["runs"][name] = {"error": f"{type(exc).__name__}: {str(exc)[-3000:]}",

@@ -11,14 +11,20 @@ Families:
 
 Each rank returns its per-step records (step time without evaluation, bytes it handed to the transport), rank 0 its
 evaluations, and every rank its final parameters (the gossip families are judged on the average model).
+
+Run as ``python -m dgt.experiment.codecs_worker SPEC.json`` by :func:`dgt.experiment.launch.launch`, with RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT and DGT_BIND (the host's address in its netem namespace) in the environment;
+every rank writes ``rank{R}.json`` (one result per codec of the spec) and ``rank{R}.pt`` (the final parameters).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -27,9 +33,25 @@ from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
 from dgt.experiment.data import ShardSampler, load_dataset
 from dgt.experiment.models import build_model
-from dgt.experiment.worker import evaluate
+from dgt.experiment.worker import PROGRESS, evaluate
 
-PROGRESS = "@@codecs "
+
+@dataclass
+class CodecsSpec:
+    """What every rank of one batch gets (JSON): the codecs' runs, in order, and the network's settings."""
+
+    workers: int
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    out_dir: str = "."
+    pace_rate: float | None = None  # set by launch(): bytes/s per connection on loopback, None on netem
+    wire_if: str | None = None  # netem: the host's own interface, whose counters are this rank's traffic
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> CodecsSpec:
+        return cls(**json.loads(text))
 
 
 def _sent(stats: Any) -> int:
@@ -78,15 +100,20 @@ def _transport_config(run: dict[str, Any], family: str) -> Any:
                            error_feedback=family not in ("slim", "average"))
 
 
-def run_ranks_entry(rank: int, world: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Entry point for :func:`dgt.collectives.launch.run_ranks`: train each run's codec in turn, every one in its own
-    group (its own endpoint and connections) met through one c10d store, so a batch of codecs costs one spawn."""
+def run_spec(spec: CodecsSpec, rank: int, world: int, bind: str) -> list[dict[str, Any]]:
+    """Train each run's codec in turn, every one in its own group (its own endpoint and connections) met through one
+    c10d store, so a batch of codecs costs one start of the processes."""
     from dgt.collectives.rendezvous import store_from_env
+    from dgt.experiment.ddp_worker import wire_bytes
 
     store = store_from_env(rank, world, 120.0)
     out = []
-    for run in runs:
-        out.append(run_rank(rank, world, run, store))
+    for run in spec.runs:
+        wire0 = wire_bytes(spec.wire_if)
+        res = run_rank(rank, world, {**run, "pace_rate": spec.pace_rate, "bind": bind}, store)
+        wire1 = wire_bytes(spec.wire_if)
+        res["wire"] = None if wire0 is None or wire1 is None else {k: wire1[k] - wire0[k] for k in wire1}
+        out.append(res)
     _leave(store, rank, world, "dgtcodecs/left")  # rank 0 hosts the store: it leaves last
     return out
 
@@ -157,17 +184,20 @@ async def _run_async(tr: _Trainer, run: dict[str, Any], rank: int, world: int, s
 
     from dgt.collectives import Group
 
+    # every link at once when pacing: pace_tcp caps the connections open at that point (a lazy group has none yet)
     group = await Group.create(rank, world, store=store, config=_transport_config(run, run["family"]),
-                               timeout=120.0, prefix=prefix)
+                               host=run.get("bind", "127.0.0.1"), timeout=120.0, prefix=prefix,
+                               connect="all" if run.get("pace_rate") else "lazy")
     try:
+        paced = 0
         if run.get("pace_rate"):
             from dgt.experiment.worker import pace_tcp
 
-            pace_tcp(group.endpoint, run["pace_rate"])
+            paced = pace_tcp(group.endpoint, run["pace_rate"])
         step = {"ps": _ps, "slim": _model_server, "average": _model_server, "gossip": _gossip}[run["family"]]
         res = await step(tr, run, group)
         await trio.to_thread.run_sync(_barrier, store, prefix + "/done", world)
-        return res
+        return {**res, "paced_connections": paced}
     finally:
         with trio.move_on_after(5):
             await group.aclose()
@@ -280,7 +310,12 @@ def _run_lgc(tr: _Trainer, run: dict[str, Any], rank: int, world: int, store: An
     from dgt.collectives.lgc_comm import TransportComm
 
     comm = TransportComm.start(rank, world, store=store, prefix=prefix, config=_transport_config(run, "lgc"),
-                               timeout=120.0)
+                               host=run.get("bind", "127.0.0.1"), timeout=120.0)
+    paced = 0
+    if run.get("pace_rate"):  # TransportComm connects every link at start
+        from dgt.experiment.worker import pace_tcp
+
+        paced = pace_tcp(comm._ep, run["pace_rate"])  # its endpoint (no public accessor)
     try:
         runner = LGCRunner(make_codec(run["spec"]), comm, sum(tr.segments), layers=tr.segments)
         log = _Log(tr, run, rank)
@@ -296,6 +331,36 @@ def _run_lgc(tr: _Trainer, run: dict[str, Any], rank: int, world: int, store: An
             tr.load(w)
             log.step(it, time.perf_counter() - t0, t2 - t1, comm.stats.total_sent - sent0, loss, None)
         _barrier(store, prefix + "/done", world)
-        return log.result(w, {"lgc": runner.summary()})
+        return log.result(w, {"lgc": runner.summary(), "paced_connections": paced})
     finally:
         comm.close()
+
+
+def _save(out_dir: str, rank: int, results: list[dict[str, Any]]) -> None:
+    """rank{R}.pt (the final parameters, one tensor per codec), then rank{R}.json, which launch() waits for."""
+    base = os.path.join(out_dir, f"rank{rank}")
+    torch.save([r.pop("final") for r in results], base + ".pt.tmp")
+    os.replace(base + ".pt.tmp", base + ".pt")
+    with open(base + ".json.tmp", "w") as f:
+        json.dump({"rank": rank, "runs": results}, f)
+    os.replace(base + ".json.tmp", base + ".json")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m dgt.experiment.codecs_worker SPEC.json`` under launch(): RANK, WORLD_SIZE from the environment."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m dgt.experiment.codecs_worker")
+    ap.add_argument("spec", help="the batch's spec.json, written by dgt.experiment.launch.launch")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    with open(args.spec) as f:
+        spec = CodecsSpec.from_json(f.read())
+    rank = int(os.environ["RANK"])
+    _save(spec.out_dir, rank, run_spec(spec, rank, int(os.environ["WORLD_SIZE"]),
+                                       os.environ.get("DGT_BIND", "127.0.0.1")))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
