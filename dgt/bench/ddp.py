@@ -4,10 +4,10 @@ Three modes in the same processes: plain DDP on Gloo (the anchor), the DGT hook 
 only) and the DGT hook "lossy": by default ``DGTState()`` with no options, as the README line gives it (DGT codec,
 important blocks on TCP, the rest on UDP, and the chooser of dgt/shim/chooser.py, which falls back to the lossless
 path where dropping does not pay); ``--lossy-codec dgt:p=0.3`` forces a constant-p DGT codec instead. Each mode
-first runs untimed warm-up steps (DDP's bucket rebuild, the hook's dense warm-up, connection set-up); the timed steps are then split
-into rounds that cycle through the modes, each round starting after a barrier, so a machine whose load drifts
-(shared CI runners) affects every mode alike. Reported: median and mean seconds per step (the slowest rank's), and
-the ratio of each DGT mode to Gloo (below 1 = faster than Gloo).
+first runs untimed warm-up steps (DDP's bucket rebuild, the hook's dense warm-up, connection set-up); the timed
+steps are then split into rounds that cycle through the modes, each round starting after a barrier, so a machine
+whose load drifts (shared CI runners) affects every mode alike. Reported: median and mean seconds per step (the
+slowest rank's), and the ratio of each DGT mode to Gloo (below 1 = faster than Gloo).
 """
 
 from __future__ import annotations
