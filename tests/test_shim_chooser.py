@@ -27,36 +27,51 @@ def _run(ch: DropChooser, iters: range, seconds, buckets: int = 2) -> list[str]:
 
 
 def test_probe_window_then_the_faster_path_holds():
-    ch = DropChooser(probe=3, gain=0.9, hold=5, hold_max=20, start=2)
+    ch = DropChooser(probe=3, settle=0, gain=0.9, hold=5, hold_max=20, start=2)
     modes = _run(ch, range(2, 10), lambda it, m: 0.010 if m == LOSSLESS else 0.030)  # loopback: dropping costs
     assert modes[:6] == [LOSSLESS] * 3 + [LOSSY] * 3
     assert modes[6:] == [LOSSLESS] * 2 and ch.chosen == LOSSLESS
     assert ch.decisions[0] == {"iter": 7, "lossless_s": pytest.approx(0.010), "lossy_s": pytest.approx(0.030),
                                "chosen": LOSSLESS, "hold": 5}
     # at a bottleneck the lossy path wins
-    ch2 = DropChooser(probe=3, gain=0.9, hold=5, start=0)
+    ch2 = DropChooser(probe=3, settle=0, gain=0.9, hold=5, start=0)
     _run(ch2, range(6), lambda it, m: 0.25 if m == LOSSLESS else 0.15)
     assert ch2.chosen == LOSSY and ch2.mode(6) == LOSSY
 
 
 def test_gain_margin_keeps_lossless_when_dropping_barely_pays():
-    ch = DropChooser(probe=2, gain=0.9, hold=4, start=0)
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=4, start=0)
     _run(ch, range(4), lambda it, m: 0.100 if m == LOSSLESS else 0.095)  # 5 % faster: not worth the drops
     assert ch.chosen == LOSSLESS
-    ch = DropChooser(probe=2, gain=0.9, hold=4, start=0)
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=4, start=0)
     _run(ch, range(4), lambda it, m: 0.100 if m == LOSSLESS else 0.085)
     assert ch.chosen == LOSSY
 
 
 def test_median_ignores_one_slow_probe_iteration():
-    ch = DropChooser(probe=3, hold=4, start=0)
+    ch = DropChooser(probe=3, settle=0, hold=4, start=0)
     slow_first = {3: 0.5}  # the first lossy iteration pays for a cold deadline: one outlier
     _run(ch, range(6), lambda it, m: slow_first.get(it, 0.2 if m == LOSSLESS else 0.1))
     assert ch.chosen == LOSSY
 
 
+def test_settling_iterations_after_a_switch_are_not_timed():
+    # the first iteration on a path is cold (measured at 40 Mbit: the first lossy step 0.24-0.30 s, then 0.17-0.19 s)
+    ch = DropChooser(probe=3, settle=1, gain=0.9, hold=5, start=2)
+    cold = {2: 0.9, 6: 0.9}  # each path's first iteration in the window
+    modes = _run(ch, range(2, 12), lambda it, m: cold.get(it, 0.20 if m == LOSSLESS else 0.15))
+    assert modes[:8] == [LOSSLESS] * 4 + [LOSSY] * 4
+    assert ch.decisions[0]["iter"] == 9 and ch.decisions[0]["lossy_s"] == pytest.approx(0.15)
+    assert ch.chosen == LOSSY
+    # the re-probe: settle + probe iterations of the other path, 5 iterations after the decision
+    assert ch.window_start == 15 and ch.window == [LOSSLESS] * 4 and ch.timed == [False, True, True, True]
+    ch2 = DropChooser(probe=3, settle=0, gain=0.9, hold=5, start=2)  # without settling the cold iteration counts
+    _run(ch2, range(2, 8), lambda it, m: {2: 0.9, 5: 0.9, 6: 0.19}.get(it, 0.20 if m == LOSSLESS else 0.15))
+    assert ch2.chosen == LOSSLESS  # lossy median 0.19 > 0.9 * 0.20
+
+
 def test_reprobe_follows_a_changing_network_and_the_hold_doubles_while_the_choice_stands():
-    ch = DropChooser(probe=2, gain=0.9, hold=3, hold_max=12, start=0)
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=3, hold_max=12, start=0)
     # the link is the bottleneck until iteration 40 (lossy faster), then it is not (lossless faster)
     modes = _run(ch, range(80), lambda it, m: (0.2 if m == LOSSLESS else 0.1) if it < 40 else
                  (0.05 if m == LOSSLESS else 0.15))
@@ -77,7 +92,7 @@ def test_reprobe_follows_a_changing_network_and_the_hold_doubles_while_the_choic
 
 
 def test_nan_figures_keep_the_choice_and_bad_settings_are_refused():
-    ch = DropChooser(probe=1, hold=2, start=0)
+    ch = DropChooser(probe=1, settle=0, hold=2, start=0)
     _run(ch, range(2), lambda it, m: 0.2 if m == LOSSLESS else 0.1)
     assert ch.chosen == LOSSY
     ch.decide(5, [math.nan, 0.1])
@@ -86,6 +101,8 @@ def test_nan_figures_keep_the_choice_and_bad_settings_are_refused():
         DropChooser(probe=0)
     with pytest.raises(ValueError):
         DropChooser(hold=10, hold_max=5)
+    with pytest.raises(ValueError):
+        DropChooser(settle=-1)
 
 
 def test_default_state_chooses_and_an_explicit_codec_does_not():
