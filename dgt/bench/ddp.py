@@ -1,11 +1,13 @@
 """``dgt bench ddp``: time per DDP training step of the example model (examples/ddp_dgt.py), Gloo vs the DGT hook.
 
 Three modes in the same processes: plain DDP on Gloo (the anchor), the DGT hook lossless (dense codec, TCP lane
-only) and the DGT hook lossy (DGT codec, important blocks on TCP, the rest on UDP). Each mode first runs untimed
-warm-up steps (DDP's bucket rebuild, the hook's dense warm-up, connection set-up); the timed steps are then split
-into rounds that cycle through the modes, each round starting after a barrier, so a machine whose load drifts
-(shared CI runners) affects every mode alike. Reported: median and mean seconds per step (the slowest rank's), and
-the ratio of each DGT mode to Gloo (below 1 = faster than Gloo).
+only) and the DGT hook "lossy": by default ``DGTState()`` with no options, as the README line gives it (DGT codec,
+important blocks on TCP, the rest on UDP, and the chooser of dgt/shim/chooser.py, which falls back to the lossless
+path where dropping does not pay); ``--lossy-codec dgt:p=0.3`` forces a constant-p DGT codec instead. Each mode
+first runs untimed warm-up steps (DDP's bucket rebuild, the hook's dense warm-up, connection set-up); the timed
+steps are then split into rounds that cycle through the modes, each round starting after a barrier, so a machine
+whose load drifts (shared CI runners) affects every mode alike. Reported: median and mean seconds per step (the
+slowest rank's), and the ratio of each DGT mode to Gloo (below 1 = faster than Gloo).
 """
 
 from __future__ import annotations
@@ -26,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--collective", choices=["ring", "ps"], default="ring")
-    p.add_argument("--lossy-codec", default="dgt:p=0.3", help="codec of the lossy mode (default: constant p=30%%)")
+    p.add_argument("--lossy-codec", default="default",
+                   help="codec of the lossy mode: 'default' = DGTState() with no options (the README line: "
+                   "dgt:idle_p=0.1 with the measuring lossless fallback); a spec such as dgt:p=0.3 forces that codec")
     p.add_argument("--drop", type=float, default=0.0, help="datagram loss injected at the receivers (lossy mode)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=600.0)
@@ -61,9 +65,15 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     for name, opts in modes.items():  # every mode's model and state exist side by side
         ddp = DDP(_model(cfg["hidden"]), bucket_cap_mb=cfg["bucket_mb"])
         state = None
-        if opts is not None:
+        if opts is not None and opts["codec"] == "default":  # the README line: no options at all
+            kw = {"transport": opts["transport"]} if opts.get("transport") else {}
+            if cfg["collective"] != "ring":
+                kw["collective"] = cfg["collective"]
+            state = dgt.shim.DGTState(**kw)
+        elif opts is not None:
             state = dgt.shim.DGTState(codec=opts["codec"], collective=cfg["collective"], warmup_iters=1,
                                       transport=opts.get("transport"))
+        if state is not None:
             ddp.register_comm_hook(state, dgt.shim.hook)
         runs[name] = (ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.01), [])
 
@@ -100,6 +110,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
             res["dropped_blocks"] = t["dropped"] - t0["dropped"]
             for lane, key in ((0, "reliable"), (1, "droppable")):
                 res[f"{key}_bytes_per_step"] = (t["bytes_sent"].get(lane, 0) - t0["bytes_sent"].get(lane, 0)) / n
+            if state.chooser is not None:  # which path the default state chose, on what figures
+                res["choice"] = state.chooser.summary()
             state.close()
         out[name] = res
     dist.destroy_process_group()
@@ -122,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
         m = {"s_per_step_median": max(p["median"] for p in per_rank),
              "s_per_step_mean": max(p["mean"] for p in per_rank),
              "final_loss_rank0": per_rank[0]["final_loss"]}
-        for k in ("hook_comm_s_per_step", "reliable_bytes_per_step", "droppable_bytes_per_step"):
+        for k in ("hook_comm_s_per_step", "reliable_bytes_per_step", "droppable_bytes_per_step", "choice"):
             if k in per_rank[0]:
                 m[k] = per_rank[0][k]
         if "dropped_blocks" in per_rank[0]:

@@ -83,8 +83,24 @@ def render(results: dict[str, Any]) -> str:
               "lanes (the backend does not count lanes). Dropped blocks: DGT blocks not delivered by the deadline "
               "(summed over ranks); Gloo and the torch hooks are lossless. Queue drops: packets the queues of host 0's "
               "link dropped, both directions (cross traffic included)."]
+    lines += _choices(results["runs"])
     lines += _goals(results)
     return "\n".join(lines) + "\n"
+
+
+def _choices(runs: list[dict[str, Any]]) -> list[str]:
+    """What the default hook's chooser (dgt/shim/chooser.py) decided, on rank 0's agreed figures."""
+    out = []
+    for r in runs:
+        ch = next((d.get("choice") for d in r.get("dgt") or [] if isinstance(d, dict) and d.get("choice")), None)
+        if not ch:
+            continue
+        dec = "; ".join(f"iter {d['iter']}: lossless {d['lossless_s'] * 1e3:.0f} ms, lossy {d['lossy_s'] * 1e3:.0f} ms"
+                        f" -> {d['chosen']}" for d in ch.get("decisions", []))
+        it = ch.get("iters", {})
+        out.append(f"- `{r['arm']}` chose (collective time per iteration, mean over ranks): {dec or 'none'}"
+                   f" ({it.get('lossy', 0)} iterations lossy, {it.get('lossless', 0)} lossless after the warm-up).")
+    return ["", "Path chosen by the hook's chooser (docs/shim.md):", ""] + out if out else []
 
 
 def _goals(results: dict[str, Any]) -> list[str]:

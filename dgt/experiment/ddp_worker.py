@@ -78,7 +78,9 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
     if arm.startswith("dgt-hook") and state is not None:
         t = state.totals
         return {"lanes": {str(k): int(v) for k, v in t["bytes_sent"].items()}, "dropped": int(t["dropped"]),
-                "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"])}
+                "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"]),
+                "lossy_buckets": int(t.get("lossy_buckets", 0)),
+                "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":
         pg = dist.distributed_c10d._get_default_group()
         stats = getattr(pg, "stats", None)

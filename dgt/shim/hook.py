@@ -26,16 +26,19 @@ def hook(state: DGTState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     segments = [g.numel() for g in bucket.gradients()]
     clear = state.note_bucket(index, buf.numel(), buf.dtype, segments)
     use_codec = state.past_warmup
-    if bucket.is_last():
+    it, last = state.iter, bucket.is_last()
+    if last:
         state.iter += 1
-    return submit(state, buf, index, segments, use_codec=use_codec, clear=clear)
+    return submit(state, buf, index, segments, use_codec=use_codec, clear=clear, it=it, last=last)
 
 
 def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] | None = None, *,
-           use_codec: bool = True, clear: bool = False) -> torch.futures.Future[torch.Tensor]:
+           use_codec: bool = True, clear: bool = False, it: int | None = None,
+           last: bool = True) -> torch.futures.Future[torch.Tensor]:
     """Queue the mean all-reduce of ``buf`` (a flat tensor) on the state's worker (also usable without DDP):
     with the state's codec, or densely and losslessly when ``use_codec`` is False; ``clear`` drops the codec's
-    per-bucket state first."""
+    per-bucket state first. ``it``/``last``: the training iteration and whether ``buf`` is its last bucket; with
+    them the state's chooser (if any) picks the lossless or the lossy path and times the round."""
     devices = None
     ready = None
     if buf.device.type == "cuda":
@@ -51,10 +54,13 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
         if clear:  # DDP rebuilt its buckets: the codec's per-bucket state describes tensors that no longer exist
             state.codec.load_state_dict({})
         warm, main = state.collectives(group)
-        coll = main if use_codec else warm
+        lossy = use_codec and state.lossy_now(it)
         t0 = time.perf_counter()
-        res = await coll.allreduce(buf, index, segments)
-        state.record(index, res.stats, use_codec, time.perf_counter() - t0)
+        res = await (main if lossy else warm).allreduce(buf, index, segments)
+        seconds = time.perf_counter() - t0
+        state.record(index, res.stats, use_codec, seconds, lossy)
+        if use_codec and it is not None and state.chooser is not None:
+            await state.after_round(group, it, last, seconds)
         return res.tensor.view_as(buf)
 
     return for_cpp(state.worker.submit(job, devices))

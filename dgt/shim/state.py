@@ -20,6 +20,7 @@ from dgt.codecs.base import Codec
 from dgt.codecs.registry import make_codec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
+from dgt.shim.chooser import LOSSY, DropChooser
 from dgt.shim.net import group_connector
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,7 @@ COLLECTIVES = ("ring", "ps")
 # DGT's p = p0 * loss_t / loss_0 once the trainer feeds the loss (observe_loss); until then (and for the README's
 # one-line change, which never feeds it) a fixed p = 0.1 instead of p0 = 1, which would drop nothing: docs/shim.md
 DEFAULT_CODEC = "dgt:idle_p=0.1"
+AGREE_BUCKET = 16383  # the bucket id of the chooser's agreement all-reduce (DDP's buckets are numbered from 0)
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
 
@@ -40,6 +42,10 @@ class DGTState:
         codec: a codec spec (``"dgt"``, ``"dgt:p=0.3"``, ``"dense"``, any registered codec) or a ``Codec``.
             ``"dense"`` makes the hook lossless. Default: DGT with p = p0 * loss_t / loss_0 once a loss is observed
             and p = 0.1 before (``DEFAULT_CODEC``).
+        choose: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
+            lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then).
+            None (default): on when ``codec`` is left at its default, off for an explicitly given codec; True, False,
+            or a ``DropChooser`` with its own settings.
         collective: ``"ring"`` (ring all-reduce) or ``"ps"`` (parameter server; ``server`` = a rank or
             ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
@@ -56,7 +62,7 @@ class DGTState:
         "codec", "warmup_codec", "collective", "server", "normalize", "lossy_pull", "warmup_iters", "transport",
         "host", "timeout",
         # internal state (pickled)
-        "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter",
+        "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter", "chooser",
         # run time only (not pickled)
         "_worker", "_collectives",
     )
@@ -76,6 +82,7 @@ class DGTState:
         host: str | None = None,
         timeout: float = 60.0,
         store: dist.Store | None = None,
+        choose: bool | DropChooser | None = None,
     ) -> None:
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, not {collective!r}")
@@ -102,6 +109,13 @@ class DGTState:
         self._worker: TrioWorker | None = None
         self._collectives: tuple[Any, Any] | None = None
         self._clear_iter = -1
+        if choose is None:
+            choose = isinstance(codec, str) and codec == DEFAULT_CODEC
+        if choose is True:
+            choose = DropChooser(start=warmup_iters)
+        if choose and not self.codec.capabilities.lossy_tolerant:
+            choose = None  # a lossless codec has nothing to choose
+        self.chooser: DropChooser | None = choose or None
 
     # -- the loss feed ----------------------------------------------------------------------------------------
     def observe_loss(self, loss: float | torch.Tensor) -> None:
@@ -151,6 +165,24 @@ class DGTState:
         return ParameterServer(group, codec, op="mean", server=self.server, normalize=self.normalize,
                                lossy_pull=self.lossy_pull)
 
+    def lossy_now(self, it: int | None) -> bool:
+        """Whether iteration ``it`` (past the warm-up) runs the configured codec: always without a chooser (or
+        without an iteration number), else as the chooser plans. Called in the worker thread, in job order."""
+        return self.chooser is None or it is None or self.chooser.mode(it) == LOSSY
+
+    async def after_round(self, group: Any, it: int, last: bool, seconds: float) -> None:
+        """Feed one bucket's collective time to the chooser (worker thread); at the close of a probe window (after
+        the iteration's last bucket, the same job on every rank) the ranks agree on the mean of their figures with
+        a tiny lossless all-reduce and the chooser decides."""
+        ch = self.chooser
+        ch.observe(it, seconds, last)
+        if not (last and ch.due(it)):
+            return
+        warm, _main = self.collectives(group)
+        res = await warm.allreduce(torch.tensor(ch.local(), dtype=torch.float32), AGREE_BUCKET)
+        ch.decide(it, res.tensor.tolist())
+        self.totals["choice"] = ch.summary()
+
     def note_bucket(self, index: int, numel: int, dtype: torch.dtype, segments: list[int]) -> bool:
         """Record a bucket's geometry; True when it changed (DDP rebuilt its buckets) and this is the first change
         seen in this iteration, i.e. the hook should drop the codec's per-bucket state before the next round."""
@@ -167,21 +199,25 @@ class DGTState:
         self._clear_iter = self.iter
         return True
 
-    def record(self, index: int, stats: CollectiveStats, use_codec: bool, seconds: float) -> None:
+    def record(self, index: int, stats: CollectiveStats, use_codec: bool, seconds: float,
+               lossy: bool | None = None) -> None:
         """Fold one bucket's collective statistics into the running totals (called in the worker thread).
-        ``codec_buckets`` counts the buckets reduced with the configured codec (after the dense warm-up)."""
+        ``codec_buckets`` counts the buckets past the dense warm-up, ``lossy_buckets`` those of them that ran the
+        configured codec (``lossy``, default ``use_codec``; the chooser may have sent the others lossless)."""
+        lossy = use_codec if lossy is None else lossy
         t = self.totals
         t["buckets"] += 1
         t["codec_buckets"] += int(use_codec)
+        t["lossy_buckets"] = t.get("lossy_buckets", 0) + int(lossy)
         t["blocks"] += stats.blocks
         t["dropped"] += stats.dropped
         t["seconds"] += seconds
         for lane, b in stats.bytes_sent.items():
             t["bytes_sent"][lane] = t["bytes_sent"].get(lane, 0) + b
-        entry = {"codec": self.codec.name if use_codec else "dense", "seconds": seconds, "blocks": stats.blocks,
+        entry = {"codec": self.codec.name if lossy else "dense", "seconds": seconds, "blocks": stats.blocks,
                  "dropped": stats.dropped, "bytes_sent": dict(stats.bytes_sent)}
         schedule = getattr(self.codec, "schedule", None)
-        if use_codec and schedule is not None:
+        if lossy and schedule is not None:
             entry["p"] = schedule.p()
         self.last_stats[index] = entry
 
@@ -200,6 +236,7 @@ class DGTState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot in self._RUNTIME:
             setattr(self, slot, None)
+        self.chooser = None  # (checkpoints from before the chooser)
         for k, v in state.items():
             setattr(self, k, v)
         if dist.is_initialized():
@@ -220,7 +257,8 @@ class DGTState:
 
 
 def _new_totals() -> dict[str, Any]:
-    return {"buckets": 0, "codec_buckets": 0, "blocks": 0, "dropped": 0, "seconds": 0.0, "bytes_sent": {}}
+    return {"buckets": 0, "codec_buckets": 0, "lossy_buckets": 0, "blocks": 0, "dropped": 0, "seconds": 0.0,
+            "bytes_sent": {}}
 
 
 def _group_name(pg: dist.ProcessGroup) -> str:

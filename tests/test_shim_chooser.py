@@ -1,0 +1,187 @@
+"""The default hook's lossless fallback (dgt/shim/chooser.py): the decision logic with injected timings, and a
+loopback run whose ranks switch between the lossless and the lossy path and back while the results stay right."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from dgt.collectives.launch import run_ranks
+from dgt.shim.chooser import LOSSLESS, LOSSY, DropChooser
+
+
+def _run(ch: DropChooser, iters: range, seconds, buckets: int = 2) -> list[str]:
+    """Drive ``ch`` as the hook does: per iteration ``buckets`` rounds of ``seconds(it, mode) / buckets`` each; at
+    a window's close it decides on its own figures (one rank: the agreed mean is its own). Returns the modes."""
+    modes = []
+    for it in iters:
+        mode = ch.mode(it)
+        modes.append(mode)
+        for b in range(buckets):
+            ch.observe(it, seconds(it, mode) / buckets, b == buckets - 1)
+        if ch.due(it):
+            ch.decide(it, ch.local())
+    return modes
+
+
+def test_probe_window_then_the_faster_path_holds():
+    ch = DropChooser(probe=3, settle=0, gain=0.9, hold=5, hold_max=20, start=2)
+    modes = _run(ch, range(2, 10), lambda it, m: 0.010 if m == LOSSLESS else 0.030)  # loopback: dropping costs
+    assert modes[:6] == [LOSSLESS] * 3 + [LOSSY] * 3
+    assert modes[6:] == [LOSSLESS] * 2 and ch.chosen == LOSSLESS
+    assert ch.decisions[0] == {"iter": 7, "lossless_s": pytest.approx(0.010), "lossy_s": pytest.approx(0.030),
+                               "chosen": LOSSLESS, "hold": 5}
+    # at a bottleneck the lossy path wins
+    ch2 = DropChooser(probe=3, settle=0, gain=0.9, hold=5, start=0)
+    _run(ch2, range(6), lambda it, m: 0.25 if m == LOSSLESS else 0.15)
+    assert ch2.chosen == LOSSY and ch2.mode(6) == LOSSY
+
+
+def test_gain_margin_keeps_lossless_when_dropping_barely_pays():
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=4, start=0)
+    _run(ch, range(4), lambda it, m: 0.100 if m == LOSSLESS else 0.095)  # 5 % faster: not worth the drops
+    assert ch.chosen == LOSSLESS
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=4, start=0)
+    _run(ch, range(4), lambda it, m: 0.100 if m == LOSSLESS else 0.085)
+    assert ch.chosen == LOSSY
+
+
+def test_median_ignores_one_slow_probe_iteration():
+    ch = DropChooser(probe=3, settle=0, hold=4, start=0)
+    slow_first = {3: 0.5}  # the first lossy iteration pays for a cold deadline: one outlier
+    _run(ch, range(6), lambda it, m: slow_first.get(it, 0.2 if m == LOSSLESS else 0.1))
+    assert ch.chosen == LOSSY
+
+
+def test_settling_iterations_after_a_switch_are_not_timed():
+    # the first iteration on a path is cold (measured at 40 Mbit: the first lossy step 0.24-0.30 s, then 0.17-0.19 s)
+    ch = DropChooser(probe=3, settle=1, gain=0.9, hold=5, start=2)
+    cold = {2: 0.9, 6: 0.9}  # each path's first iteration in the window
+    modes = _run(ch, range(2, 12), lambda it, m: cold.get(it, 0.20 if m == LOSSLESS else 0.15))
+    assert modes[:8] == [LOSSLESS] * 4 + [LOSSY] * 4
+    assert ch.decisions[0]["iter"] == 9 and ch.decisions[0]["lossy_s"] == pytest.approx(0.15)
+    assert ch.chosen == LOSSY
+    # the re-probe: settle + probe iterations of the other path, 5 iterations after the decision
+    assert ch.window_start == 15 and ch.window == [LOSSLESS] * 4 and ch.timed == [False, True, True, True]
+    ch2 = DropChooser(probe=3, settle=0, gain=0.9, hold=5, start=2)  # without settling the cold iteration counts
+    _run(ch2, range(2, 8), lambda it, m: {2: 0.9, 5: 0.9, 6: 0.19}.get(it, 0.20 if m == LOSSLESS else 0.15))
+    assert ch2.chosen == LOSSLESS  # lossy median 0.19 > 0.9 * 0.20
+
+
+def test_reprobe_follows_a_changing_network_and_the_hold_doubles_while_the_choice_stands():
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=3, hold_max=12, start=0)
+    # the link is the bottleneck until iteration 40 (lossy faster), then it is not (lossless faster)
+    modes = _run(ch, range(80), lambda it, m: (0.2 if m == LOSSLESS else 0.1) if it < 40 else
+                 (0.05 if m == LOSSLESS else 0.15))
+    first = ch.decisions[0]
+    assert first["iter"] == 3 and first["chosen"] == LOSSY
+    # re-probes of the other path (lossless, 2 iterations) after holds of 3, 6, 12, 12... while lossy stands
+    holds = [d["hold"] for d in ch.decisions]
+    assert holds[:4] == [3, 6, 12, 12]
+    assert modes[4:7] == [LOSSY] * 3 and modes[7:9] == [LOSSLESS] * 2
+    # after iteration 40 the next re-probe sees lossless win; from then on lossless holds
+    flip = next(d for d in ch.decisions if d["chosen"] == LOSSLESS)
+    assert 40 <= flip["iter"] < 40 + 12 + 2 + 1
+    assert flip["hold"] == 3
+    assert ch.chosen == LOSSLESS and modes[-1] in (LOSSLESS, LOSSY)
+    assert ch.iters[LOSSLESS] + ch.iters[LOSSY] == 80
+    # the agreed figures compare the re-probed path with the chosen one's last iterations before the window
+    assert flip["lossless_s"] == pytest.approx(0.05) and flip["lossy_s"] == pytest.approx(0.15)
+
+
+def test_nan_figures_keep_the_choice_and_bad_settings_are_refused():
+    ch = DropChooser(probe=1, settle=0, hold=2, start=0)
+    _run(ch, range(2), lambda it, m: 0.2 if m == LOSSLESS else 0.1)
+    assert ch.chosen == LOSSY
+    ch.decide(5, [math.nan, 0.1])
+    assert ch.chosen == LOSSY
+    with pytest.raises(ValueError):
+        DropChooser(probe=0)
+    with pytest.raises(ValueError):
+        DropChooser(hold=10, hold_max=5)
+    with pytest.raises(ValueError):
+        DropChooser(settle=-1)
+
+
+def test_default_state_chooses_and_an_explicit_codec_does_not():
+    from dgt.shim import DGTState
+
+    assert isinstance(DGTState().chooser, DropChooser)
+    assert DGTState().chooser.start == 2  # governs the iterations after the dense warm-up
+    assert DGTState(codec="dgt:p=0.3").chooser is None
+    assert DGTState(codec="dgt:p=0.3", choose=True).chooser is not None
+    assert DGTState(codec="dense", choose=True).chooser is None  # nothing to choose
+    assert DGTState(choose=False).chooser is None
+
+
+# -- loopback: the ranks switch paths and the results stay right -------------------------------------------------
+class Scripted(DropChooser):
+    """Real rounds, scripted timings: lossy looks faster until iteration 6, slower after; each rank reports its own
+    figures, so the decision rests on their agreed mean."""
+
+    def observe(self, it: int, seconds: float, last: bool) -> None:
+        fast, slow = 0.01, 0.05
+        lossy_fast = it < 6
+        mode = self.mode(it)
+        t = fast if (mode == LOSSY) == lossy_fast else slow
+        super().observe(it, t * (1 + 0.1 * RANK[0]), last)  # the ranks disagree a little
+
+
+RANK = [0]
+ITERS = 14
+SIZES = (3000, 20000)  # two buckets per iteration
+
+
+def _bucket(rank: int, it: int, b: int) -> torch.Tensor:
+    return torch.randn(SIZES[b], generator=torch.Generator().manual_seed(1000 * it + 10 * b + rank))
+
+
+def _switching_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dgt.shim import DGTState
+    from dgt.shim.hook import submit
+
+    RANK[0] = rank
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    st = DGTState(codec="dgt:p=0.3", warmup_iters=1, transport={"drop_fraction": 0.3, "drop_seed": rank},
+                  choose=Scripted(probe=1, hold=2, hold_max=2, start=1))
+    out: dict = {"results": [], "modes": []}
+    for it in range(ITERS):
+        # the previous iteration's rounds are done, so its decision (if any) is in: this is the path it runs
+        out["modes"].append(st.chooser.mode(it) if it >= 1 else "warmup")
+        futs = [submit(st, _bucket(rank, it, b), b, use_codec=it >= 1, it=it, last=b == len(SIZES) - 1)
+                for b in range(len(SIZES))]
+        out["results"].append([f.wait() for f in futs])
+    out["decisions"] = st.chooser.decisions
+    out["totals"] = dict(st.totals)
+    st.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_ranks_switch_paths_together_and_lossless_rounds_stay_exact():
+    res = run_ranks(_switching_rank, 2, timeout=120)
+    r0, r1 = res[0], res[1]
+    assert r0["decisions"] == r1["decisions"], "both ranks decide on the same agreed figures"
+    assert r0["modes"] == r1["modes"]
+    chosen = [d["chosen"] for d in r0["decisions"]]
+    assert LOSSY in chosen and LOSSLESS in chosen and chosen.index(LOSSY) < len(chosen) - 1 - chosen[::-1].index(
+        LOSSLESS), f"a switch to lossy and back: {chosen}"
+    # per iteration: two buckets of 0.01 (rank 0) and 0.011 (rank 1) s, averaged over the ranks
+    assert r0["decisions"][0]["lossy_s"] == pytest.approx(2 * 0.0105, rel=1e-5)
+    dropped = 0
+    for it in range(ITERS):
+        for b in range(len(SIZES)):
+            exact = (_bucket(0, it, b) + _bucket(1, it, b)) / 2
+            a, c = r0["results"][it][b], r1["results"][it][b]
+            assert torch.equal(a, c), f"iteration {it} bucket {b}: the ranks' results differ"
+            assert torch.isfinite(a).all()
+            if r0["modes"][it] in ("warmup", LOSSLESS):
+                torch.testing.assert_close(a, exact, rtol=1e-6, atol=1e-6)  # lossless after lossy: exact
+            elif not torch.allclose(a, exact, rtol=1e-6, atol=1e-6):
+                dropped += 1
+    assert dropped > 0, "the lossy iterations dropped blocks (30 % datagram loss)"
+    assert r0["totals"]["choice"]["iters"][LOSSY] > 0 and r0["totals"]["choice"]["iters"][LOSSLESS] > 0
