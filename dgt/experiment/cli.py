@@ -28,7 +28,12 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
                    help="netem: one FIFO queue per link, DSCP bleached (most cloud networks), instead of DSCP "
                         "priority classes")
     g.add_argument("--cross-traffic", default=net.cross_traffic, metavar="RATE",
-                   help="netem: best-effort UDP at RATE from an extra host into the server's link")
+                   help="netem: a flow paced to RATE from an extra host into the server's link through each whole "
+                        "run; its goodput beside the baseline and beside DGT is reported")
+    g.add_argument("--cross-proto", choices=["udp", "tcp"], default=net.cross_proto,
+                   help="protocol of the cross flow (default: %(default)s)")
+    g.add_argument("--cross-dscp", type=int, default=net.cross_dscp,
+                   help="DSCP of the cross flow (default: %(default)s, best effort)")
     g = p.add_argument_group("training")
     g.add_argument("--workers", type=int, default=defaults.workers, help="K (default: %(default)s)")
     g.add_argument("--target", type=float, default=defaults.target, help="target test accuracy (default: %(default)s)")
@@ -61,7 +66,8 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
 
 def _config(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> ExperimentConfig:
     net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit,
-                        cross_traffic=args.cross_traffic, priority=not args.no_priority)
+                        cross_traffic=args.cross_traffic, priority=not args.no_priority,
+                        cross_proto=args.cross_proto, cross_dscp=args.cross_dscp)
     codecs = dict(base.codecs, dgt=args.dgt_codec)
     return dataclasses.replace(
         base, network=net, workers=args.workers, target=args.target, max_iters=args.max_iters,

@@ -87,6 +87,7 @@ def render(results: dict[str, Any]) -> str:
                            fmt_bytes(got.get("0", 0)), fmt_bytes(sent.get("1", 0)), fmt_bytes(got.get("1", 0)),
                            pct(s.get("udp_block_delivery")), fmt_bytes(s.get("bytes_unsent", 0)),
                            fmt_bytes(s.get("delivered_per_iteration", 0))]))
+    lines += _lane_lines(results)
     lines += ["", "## DGT against the baseline, beside the paper", "",
               _row(["Model", "BCT reduction", "paper", "Time-to-target reduction", "paper", "Iterations", "paper"]),
               _row(["---"] + ["---:"] * 6)]
@@ -101,6 +102,7 @@ def render(results: dict[str, Any]) -> str:
     lines += ["", "The paper (6 GTX 1080 Ti, 1 Gbps, Fashion-MNIST, target 0.8): AlexNet BCT 36.72 -> 23.71 s, "
               "1300 -> 1700 iterations, 47494 -> 40314 s; VGG-11 BCT 105.34 -> 73.75 s, 420 -> 490 iterations, "
               "44246 -> 36141 s.", ""]
+    lines += _cross_flow_lines(results)
     queues = [(r, r.get("queues")) for r in results["runs"] if r.get("queues")]
     if queues:
         lines += ["## The server's link (HTB class counters, whole run)", "",
@@ -118,6 +120,62 @@ def render(results: dict[str, Any]) -> str:
     if results.get("plots"):
         lines += ["## Plots", ""] + [f"![{name}]({path})" for name, path in results["plots"].items()] + [""]
     return "\n".join(lines)
+
+
+def _lane_lines(results: dict[str, Any]) -> list[str]:
+    """Per lane, whole run, all ranks (the endpoints' counters): sent, delivered, unsent and lost."""
+    rows = [(r, r["summary"].get("transport_lanes") or {}) for r in results["runs"] if r.get("summary")]
+    if not any(lanes for _, lanes in rows):
+        return []
+    lines = ["", "Per lane, whole run, all ranks (the endpoints' counters; blocks are 1024-element blocks: "
+             "delivered arrived before their round closed, unsent were kept back by the send budget and lost were "
+             "sent but reported missing, both carried on by error feedback; abandoned datagrams were not sent "
+             "because their round had already closed):", "",
+             _row(["Model", "Protocol", "Lane", "Sent", "Frames sent", "Delivered", "Blocks delivered",
+                   "Blocks unsent", "Blocks lost", "Datagrams abandoned"]),
+             _row(["---"] * 3 + ["---:"] * 7)]
+    for r, lanes in rows:
+        for lane, c in sorted(lanes.items()):
+            lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"], lane,
+                               fmt_bytes(c.get("tx_bytes", 0)), str(c.get("tx_frames", 0)),
+                               fmt_bytes(c.get("delivered_bytes", 0)), str(c.get("delivered_blocks", 0)),
+                               str(c.get("tx_unsent_blocks", 0)), str(c.get("tx_lost_blocks", 0)),
+                               str(c.get("tx_abandoned", 0))]))
+    return lines
+
+
+def _mbit(bps: float | None) -> str:
+    return "-" if bps is None else f"{bps / 1e6:.2f}"
+
+
+def _cross_flow_lines(results: dict[str, Any]) -> list[str]:
+    """The cross flow beside each run (goodput during the training iterations, whole flow) and DGT / baseline."""
+    rows = [(r, r["summary"]["cross_flow"]) for r in results["runs"] if (r.get("summary") or {}).get("cross_flow")]
+    errors = [r for r in results["runs"] if r.get("cross_flow_error")]
+    if not rows and not errors:
+        return []
+    cfg = results["config"]["network"]
+    lines = ["## Cross traffic beside each run", "",
+             f"A {cfg['cross_proto'].upper()} flow paced to {cfg['cross_traffic']} (DSCP {cfg['cross_dscp']}) from an "
+             "extra host into the server's link, started before the ranks and stopped after them. Goodput is "
+             "measured at its sink: during rank 0's training iterations until the target (the BCT windows; "
+             "start-up and evaluation pauses, when the link is idle, excluded) and over the whole flow.", "",
+             _row(["Model", "Protocol", "Goodput during training (Mbit/s)", "Whole flow (Mbit/s)", "Sent",
+                   "Received", "Spans the run"]),
+             _row(["---"] * 2 + ["---:"] * 4 + ["---"])]
+    for r, cf in rows:
+        spans = "-" if cf.get("spans_run") is None else ("yes" if cf["spans_run"] else "no")
+        lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"],
+                           _mbit(cf.get("goodput_training_bps")), _mbit(cf.get("goodput_flow_bps")),
+                           fmt_bytes(cf.get("sent_bytes", 0)), fmt_bytes(cf.get("received_bytes", 0)), spans]))
+    for r in errors:
+        lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"],
+                           "failed: " + r["cross_flow_error"].splitlines()[0]] + [""] * 4))
+    for m, c in results["comparisons"].items():
+        if c.get("cross_goodput_ratio") is not None:
+            lines += ["", f"{MODEL_NAMES.get(m, m)}: the cross flow got {c['cross_goodput_ratio']:.2f}x the goodput "
+                      "beside DGT that it got beside the baseline."]
+    return lines + [""]
 
 
 def write_report(results: dict[str, Any], path: str) -> str:

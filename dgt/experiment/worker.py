@@ -114,6 +114,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
     try:
         for it in range(1, spec.max_iters + 1):
             t0 = time.perf_counter()
+            at = time.monotonic()  # the system-wide clock, to place the iteration against the cross flow's arrivals
             idx = sampler.next()
             loss = F.cross_entropy(model(data.x_train[idx]), data.y_train[idx])
             opt.zero_grad(set_to_none=False)
@@ -144,7 +145,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
             bct = t3 - t0
             train_time += bct
             st = res.stats
-            rec = {"it": it, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
+            rec = {"it": it, "at": at, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
                    "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
                    "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
                    "phases": {k: round(v, 6) for k, v in st.phases.items()}}
