@@ -402,6 +402,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
     late_ev: list[np.ndarray] = []
     lane_acc: dict[int, Counter] = {}
     round_out: list[dict] = []
+    lost_unplaced = unsent_unplaced = 0  # blocks no fragment of which was seen: their lane is not on the wire
 
     def lacc(lane: int) -> Counter:
         return lane_acc.setdefault(int(lane), Counter())
@@ -530,6 +531,12 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
         late_blocks_n = len([x for x in late_blocks if not done[x]])
         for lane, c in zip(*np.unique(lane_of[done], return_counts=True)):
             lanes.setdefault(int(lane), Counter())["blocks"] = int(c)
+        # a partial block was sent (and lost) on the lane its fragments came by; the rest of the lost blocks and the
+        # unsent ones are placed on the unreliable lane below when the capture has only one
+        for lane, c in zip(*np.unique(lane_of[partial], return_counts=True)):
+            lacc(int(lane))["lost_blocks"] += int(c)
+        lost_unplaced += dropped - int(partial.sum())
+        unsent_unplaced += unsent
         t_last = float(fr_ts[r.rel + fr_rows.tolist()].max()) if (r.rel or len(fr_rows)) else tb
         t_close = r.report[0] if r.report else None
         drop_ev.append((t_close if t_close is not None else t_last, dropped))
@@ -626,6 +633,11 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
         nonack_tcp_dgt_acks = int((fdgt[tflow] & (table.paylen[trows] == 0)).sum())
 
     # ---- lanes out, DSCP warnings
+    unreliable = [lane for lane in all_lanes if lane > 0]
+    if len(unreliable) == 1:
+        lacc(unreliable[0])["lost_blocks"] += lost_unplaced
+        lacc(unreliable[0])["unsent_blocks"] += unsent_unplaced
+        lost_unplaced = unsent_unplaced = 0
     lanes_out: dict[str, dict] = {}
     for lane in all_lanes:
         pk = lane_pkts.get(lane, dict(packets=0, wire_bytes=0, dscp={}))
@@ -650,6 +662,11 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
             late_frames=acc["late_frames"],
             rejected=acc["rejected"],
             goodput_bytes=acc["goodput_bytes"],
+            # lost: sent on this lane, missing when the round closed; unsent: kept back by the send budget. With
+            # several unreliable lanes a block none of whose fragments was seen counts in totals["lost_unplaced"] /
+            # totals["unsent_unplaced"] instead
+            lost_blocks=acc["lost_blocks"],
+            unsent_blocks=acc["unsent_blocks"],
             bulk_frames=acc["bulk_frames"],
             unannounced_frames=unannounced.get(lane, 0),
         )
@@ -718,6 +735,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
     totals["rounds_closed"] = sum(1 for rr in round_out if rr["t_close"] is not None)
     totals["unannounced_frames"] = int(sum(unannounced.values()))
     totals["unmatched_reports"] = unmatched_reports
+    totals["lost_unplaced"], totals["unsent_unplaced"] = lost_unplaced, unsent_unplaced
     totals["bulk_messages"] = len(bulk_out)
     totals["bulk_complete"] = sum(1 for m in bulk_out if m["complete"])
     totals["bulk_bytes"] = int(sum(m["bytes"] for m in bulk_out))
