@@ -127,20 +127,20 @@ def _lane_lines(results: dict[str, Any]) -> list[str]:
     rows = [(r, r["summary"].get("transport_lanes") or {}) for r in results["runs"] if r.get("summary")]
     if not any(lanes for _, lanes in rows):
         return []
-    lines = ["", "Per lane, whole run, all ranks (the endpoints' counters; blocks are 1024-element blocks: "
-             "delivered arrived before their round closed, unsent were kept back by the send budget and lost were "
-             "sent but reported missing, both carried on by error feedback; abandoned datagrams were not sent "
-             "because their round had already closed):", "",
-             _row(["Model", "Protocol", "Lane", "Sent", "Frames sent", "Delivered", "Blocks delivered",
-                   "Blocks unsent", "Blocks lost", "Datagrams abandoned"]),
-             _row(["---"] * 3 + ["---:"] * 7)]
+    lines = ["", "Per lane, whole run, all ranks (the endpoints' counters): bytes sent and received (frame headers "
+             "included), and 1024-element blocks of DGT rounds: delivered before their round closed, unsent (kept "
+             "back by the send budget) and lost (sent, reported missing), both carried on by error feedback; "
+             "abandoned datagrams were not sent because their round had already closed. The baseline's dense "
+             "gradients travel as bulk messages, not rounds of blocks, so its block counts are 0.", "",
+             _row(["Model", "Protocol", "Lane", "Sent", "Received", "Blocks delivered", "Blocks unsent",
+                   "Blocks lost", "Datagrams abandoned"]),
+             _row(["---"] * 3 + ["---:"] * 6)]
     for r, lanes in rows:
         for lane, c in sorted(lanes.items()):
             lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"], lane,
-                               fmt_bytes(c.get("tx_bytes", 0)), str(c.get("tx_frames", 0)),
-                               fmt_bytes(c.get("delivered_bytes", 0)), str(c.get("delivered_blocks", 0)),
-                               str(c.get("tx_unsent_blocks", 0)), str(c.get("tx_lost_blocks", 0)),
-                               str(c.get("tx_abandoned", 0))]))
+                               fmt_bytes(c.get("tx_bytes", 0)), fmt_bytes(c.get("rx_bytes", 0)),
+                               str(c.get("delivered_blocks", 0)), str(c.get("tx_unsent_blocks", 0)),
+                               str(c.get("tx_lost_blocks", 0)), str(c.get("tx_abandoned", 0))]))
     return lines
 
 
