@@ -145,8 +145,9 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
             bct = t3 - t0
             train_time += bct
             st = res.stats
-            rec = {"it": it, "at": at, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
-                   "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
+            rec = {"it": it, "at": at, "bct": bct, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v,
+                   "p": p, "train_time": train_time, "sent": _lane_dict(st.bytes_sent),
+                   "recv": _lane_dict(st.bytes_received),
                    "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
                    "phases": {k: round(v, 6) for k, v in st.phases.items()}}
             records.append(rec)

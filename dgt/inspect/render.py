@@ -73,8 +73,12 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
         f"blocks {t['blocks']}: important {t['important']}, unimportant received {t['unimportant_received']}, "
         f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), "
         f"unsent {t.get('unsent', 0)} (kept back by the send budget), late frames {t['late_frames']}, "
-        + (f"not placed on a lane (no fragment seen, several unreliable lanes): lost {t['lost_unplaced']}, unsent "
-           f"{t['unsent_unplaced']}, " if t.get("lost_unplaced") or t.get("unsent_unplaced") else "")
+        + (
+            f"not placed on a lane (no fragment seen, several unreliable lanes): lost {t['lost_unplaced']}, unsent "
+            f"{t['unsent_unplaced']}, "
+            if t.get("lost_unplaced") or t.get("unsent_unplaced")
+            else ""
+        )
         + f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
     )
     if t.get("bulk_messages"):
