@@ -76,7 +76,8 @@ def test_cross_flow_takes_the_training_iterations_until_the_target_and_the_repor
         "network": {"mode": "netem", "description": "x"},
         "dataset": {"name": "digits", "train": 1, "test": 1, "shape": [1, 8, 8]}, "models": {},
         "machine": {"cpus": 2},
-        "runs": [{"model": "alexnet", "protocol": "baseline", "summary": dict(run_s, cross_flow=base)},
+        "runs": [{"model": "alexnet", "protocol": "baseline", "summary": dict(run_s, cross_flow=base),
+                  "queues": {"into_server": {"FIFO": {"bytes": 5000, "packets": 5, "drops": 3}}}},
                  {"model": "alexnet", "protocol": "dgt", "summary": dict(run_s, cross_flow=dgt)}],
         "comparisons": {"alexnet": dict(c, bct_reduction=0.0, time_reduction=0.0, iteration_increase=0.0)},
     }
@@ -85,6 +86,7 @@ def test_cross_flow_takes_the_training_iterations_until_the_target_and_the_repor
     assert f"| AlexNet | baseline | {base['goodput_training_bps'] / 1e6:.2f} |" in md
     assert f"| AlexNet | dgt | {dgt['goodput_training_bps'] / 1e6:.2f} |" in md and "| no |" in md
     assert f"{c['cross_goodput_ratio']:.2f}x the goodput beside DGT" in md
+    assert "one FIFO queue" in md and "| AlexNet | baseline | into server | 5.0 kB | 5 | 3 |" in md
     # per lane: sent, delivered, unsent, lost
     assert "| AlexNet | dgt | 1 | 500 B | 300 B | 3 | 7 | 2 | 1 |" in md
 

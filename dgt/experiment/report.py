@@ -104,6 +104,17 @@ def render(results: dict[str, Any]) -> str:
               "44246 -> 36141 s.", ""]
     lines += _cross_flow_lines(results)
     queues = [(r, r.get("queues")) for r in results["runs"] if r.get("queues")]
+    fifo = [(r, q) for r, q in queues if any("FIFO" in cls for cls in q.values())]
+    if fifo:
+        lines += ["## The server's link (HTB counters of its one FIFO queue, whole run; cross traffic included)", "",
+                  _row(["Model", "Protocol", "Direction", "Bytes", "Packets", "Drops"]), _row(["---"] * 3 + ["---:"] * 3)]
+        for r, q in fifo:
+            for way, cls in q.items():
+                c = cls.get("FIFO", {})
+                lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"], way.replace("_", " "),
+                                   fmt_bytes(c.get("bytes", 0)), str(c.get("packets", 0)), str(c.get("drops", 0))]))
+        lines.append("")
+        queues = [(r, q) for r, q in queues if (r, q) not in fifo]
     if queues:
         lines += ["## The server's link (HTB class counters, whole run)", "",
                   _row(["Model", "Protocol", "Direction", "EF bytes", "EF drops", "BE bytes", "LE bytes", "LE drops"]),
