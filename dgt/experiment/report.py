@@ -107,7 +107,8 @@ def render(results: dict[str, Any]) -> str:
     fifo = [(r, q) for r, q in queues if any("FIFO" in cls for cls in q.values())]
     if fifo:
         lines += ["## The server's link (its one FIFO queue, whole run; cross traffic included)", "",
-                  _row(["Model", "Protocol", "Direction", "Bytes", "Packets", "Drops"]), _row(["---"] * 3 + ["---:"] * 3)]
+                  _row(["Model", "Protocol", "Direction", "Bytes", "Packets", "Drops"]),
+                  _row(["---"] * 3 + ["---:"] * 3)]
         for r, q in fifo:
             for way, cls in q.items():
                 c = cls.get("FIFO", {})
