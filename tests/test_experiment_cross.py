@@ -98,13 +98,16 @@ def _netem_reason() -> str | None:
 
 
 @pytest.mark.root
-def test_a_real_tcp_flow_records_its_arrivals_and_its_goodput_in_a_window():
+@pytest.mark.parametrize("proto", ["tcp", "udp"])
+def test_a_real_flow_records_its_arrivals_and_its_goodput_in_a_window(proto):
     if _netem_reason():
         pytest.skip(f"netem emulation unavailable: {_netem_reason()}")
     from dgt.netem import Flow, Topology
 
     with Topology(hosts=2, rate="40mbit", prefix=f"dgtc{os.getpid() % 100000}", replace=True) as topo:
-        flow = Flow(topo, 1, 0, proto="tcp", rate="10mbit", duration=20.0, port=5331, bin_s=0.02, burst=0.1)
+        # idle=30: the sink waits out gaps, as in the experiment; stop() still ends it at once
+        flow = Flow(topo, 1, 0, proto=proto, rate="10mbit", duration=20.0, port=5331, bin_s=0.02, burst=0.1,
+                    idle=30.0)
         before = time.monotonic()
         flow.start()
         try:
@@ -113,7 +116,9 @@ def test_a_real_tcp_flow_records_its_arrivals_and_its_goodput_in_a_window():
             time.sleep(1.0)
             b = time.monotonic()
             time.sleep(0.3)  # a paced flow sends a chunk every ~50 ms: let one arrive after the window
+            stopping = time.monotonic()
             res = flow.stop()
+            assert time.monotonic() - stopping < 5.0
         finally:
             flow.kill()
     ser = res.received["series"]
@@ -121,5 +126,5 @@ def test_a_real_tcp_flow_records_its_arrivals_and_its_goodput_in_a_window():
     assert res.spans(a, b) and not res.spans(before - 1.0, b)
     assert res.bytes_during([before - 1.0], [before]).tolist() == [0.0]
     got = res.goodput_during([a], [b])
-    print(f"paced TCP flow, 10 Mbit/s asked, 40 Mbit/s link: {got / 1e6:.2f} Mbit/s in a 1 s window")
+    print(f"paced {proto} flow, 10 Mbit/s asked, 40 Mbit/s link: {got / 1e6:.2f} Mbit/s in a 1 s window")
     assert 7e6 <= got <= 12e6  # the sender paces to the rate (a bounded credit: it never catches up in a burst)

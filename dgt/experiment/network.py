@@ -26,6 +26,7 @@ from dgt.experiment.config import NetworkConfig
 MASTER_PORT = 29611
 CROSS_BIN_S = 0.02  # resolution of the cross flow's arrival series
 CROSS_BURST_S = 0.1  # the cross flow's pacing credit: it wants its rate at every moment, it does not catch up
+CROSS_IDLE_S = 30.0  # a UDP cross flow's sink outlasts any gap in arrivals a run can cause (it is stopped at the end)
 
 
 def netem_unavailable_reason() -> str | None:
@@ -125,7 +126,7 @@ class Network:
 
         self.flow = cross_traffic(self.topo, self.workers, 0, proto=self.cfg.cross_proto, dscp=self.cfg.cross_dscp,
                                   rate=self.cfg.cross_traffic, duration=duration, bin_s=CROSS_BIN_S,
-                                  burst=CROSS_BURST_S)
+                                  burst=CROSS_BURST_S, idle=CROSS_IDLE_S)
 
     def stop_cross_traffic(self) -> Any:
         """End the cross flow now and return its :class:`dgt.netem.FlowResult` (None: there was none)."""

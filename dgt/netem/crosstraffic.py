@@ -285,6 +285,7 @@ class Flow:
     count: int | None = None
     bin_s: float = 0.0  # > 0: the sink records bytes per bin_s seconds (FlowResult.goodput_during)
     burst: float | None = None  # pacing credit bound in seconds (run_sender)
+    idle: float = 0.5  # the sink stops after this long without data once some has arrived (UDP, or no connection)
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -293,7 +294,8 @@ class Flow:
             raise ValueError("proto must be tcp or udp")
         py = [sys.executable, "-m", "dgt.netem.crosstraffic"]
         sink = self.topo.popen(self.dst, py + ["sink", "--proto", self.proto, "--port", str(self.port),
-                                              "--duration", str(self.duration + 3.0), "--bin", str(self.bin_s)],
+                                              "--duration", str(self.duration + 3.0), "--bin", str(self.bin_s),
+                                              "--idle", str(self.idle)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._procs.append(sink)
         ready, _, _ = select.select([sink.stdout], [], [], 10.0)
@@ -364,10 +366,10 @@ class Flow:
 
 def cross_traffic(topo: Topology, src: int, dst: int, proto: str = "udp", dscp: int = 1,
                   rate: str | int | None = "1gbit", duration: float = 5.0, port: int = 5301, bin_s: float = 0.0,
-                  burst: float | None = None) -> Flow:
+                  burst: float | None = None, idle: float = 0.5) -> Flow:
     """Start background load (LE-marked UDP by default) from src to dst; bounded by duration. Returns the Flow."""
     return Flow(topo, src, dst, proto=proto, dscp=dscp, rate=rate, duration=duration, port=port, bin_s=bin_s,
-                burst=burst).start()
+                burst=burst, idle=idle).start()
 
 
 if __name__ == "__main__":
