@@ -93,6 +93,12 @@ def _run(cfg: ExperimentConfig, print_json: bool = False) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     ui.table(results)
+    for r in results["runs"]:
+        cf = (r.get("summary") or {}).get("cross_flow")
+        if cf and cf.get("goodput_training_bps") is not None:
+            ui.note(f"cross flow ({cf['proto'].upper()} {cf['rate']}) beside {r['model']} {r['protocol']}: "
+                    f"{cf['goodput_training_bps'] / 1e6:.2f} Mbit/s during the training iterations"
+                    + ("" if cf.get("spans_run") else " [red](did not span the whole run)[/red]"))
     ui.note(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md"
             + (", plots: " + ", ".join(f"{cfg.out_dir}/{p}" for p in results.get("plots", {}).values())
                if results.get("plots") else ""))
