@@ -87,6 +87,11 @@ def test_cross_flow_takes_the_training_iterations_until_the_target_and_the_repor
     assert f"| AlexNet | dgt | {dgt['goodput_training_bps'] / 1e6:.2f} |" in md and "| no |" in md
     assert f"{c['cross_goodput_ratio']:.2f}x the goodput beside DGT" in md
     assert "one FIFO queue" in md and "| AlexNet | baseline | into server | 5.0 kB | 5 | 3 |" in md
+    results["config"]["network"]["cross_traffic"] = "unpaced"
+    assert "A TCP flow not paced (DSCP 0)" in render(results)
+    from dgt.experiment.network import cross_rate
+
+    assert cross_rate("unpaced") is None and cross_rate("20mbit") == "20mbit"
     # per lane: sent, delivered, unsent, lost
     assert "| AlexNet | dgt | 1 | 500 B | 300 B | 3 | 7 | 2 | 1 |" in md
 

@@ -28,8 +28,9 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
                    help="netem: one FIFO queue per link, DSCP bleached (most cloud networks), instead of DSCP "
                         "priority classes")
     g.add_argument("--cross-traffic", default=net.cross_traffic, metavar="RATE",
-                   help="netem: a flow paced to RATE from an extra host into the server's link through each whole "
-                        "run; its goodput beside the baseline and beside DGT is reported")
+                   help="netem: a flow paced to RATE ('unpaced': as fast as it goes) from an extra host into the "
+                        "server's link through each whole run; its goodput beside the baseline and beside DGT is "
+                        "reported")
     g.add_argument("--cross-proto", choices=["udp", "tcp"], default=net.cross_proto,
                    help="protocol of the cross flow (default: %(default)s)")
     g.add_argument("--cross-dscp", type=int, default=net.cross_dscp,

@@ -54,6 +54,11 @@ def resolve_mode(cfg: NetworkConfig) -> tuple[str, str | None]:
     return ("loopback", why) if why else ("netem", None)
 
 
+def cross_rate(value: str | None) -> str | None:
+    """The cross flow's pacing rate: ``unpaced`` (a TCP flow then takes what congestion control gives it) -> None."""
+    return None if value in (None, "unpaced") else value
+
+
 def rate_bytes(rate: str) -> float:
     from dgt.netem.spec import parse_rate
 
@@ -125,7 +130,7 @@ class Network:
         from dgt.netem import cross_traffic
 
         self.flow = cross_traffic(self.topo, self.workers, 0, proto=self.cfg.cross_proto, dscp=self.cfg.cross_dscp,
-                                  rate=self.cfg.cross_traffic, duration=duration, bin_s=CROSS_BIN_S,
+                                  rate=cross_rate(self.cfg.cross_traffic), duration=duration, bin_s=CROSS_BIN_S,
                                   burst=CROSS_BURST_S, idle=CROSS_IDLE_S)
 
     def stop_cross_traffic(self) -> Any:

@@ -168,7 +168,9 @@ def _cross_flow_lines(results: dict[str, Any]) -> list[str]:
         return []
     cfg = results["config"]["network"]
     lines = ["## Cross traffic beside each run", "",
-             f"A {cfg['cross_proto'].upper()} flow paced to {cfg['cross_traffic']} (DSCP {cfg['cross_dscp']}) from an "
+             f"A {cfg['cross_proto'].upper()} flow "
+             + ("not paced" if cfg["cross_traffic"] == "unpaced" else f"paced to {cfg['cross_traffic']}")
+             + f" (DSCP {cfg['cross_dscp']}) from an "
              "extra host into the server's link, started before the ranks and stopped after them. Goodput is "
              "measured at its sink: during rank 0's training iterations until the target (the BCT windows; "
              "start-up and evaluation pauses, when the link is idle, excluded) and over the whole flow.", "",
