@@ -234,8 +234,15 @@ def test_table1_tiny_on_netem(tmp_path):
     from dgt.netem import nsutil
 
     out = str(tmp_path / "res")
-    assert main(_tiny_cli(out, "netem")) == 0
+    # a TCP cross flow at half the link rate into the server's link, beside both runs
+    assert main(_tiny_cli(out, "netem") + ["--cross-traffic", "100mbit", "--cross-proto", "tcp"]) == 0
     res = _check_outputs(out, "netem")
+    for r in res["runs"]:
+        cf = r["summary"]["cross_flow"]
+        assert cf["proto"] == "tcp" and cf["spans_run"] is True, cf  # started before and stopped after the ranks
+        assert cf["goodput_training_bps"] > 0 and cf["received_bytes"] > 0, cf
+    assert res["comparisons"]["alexnet"]["cross_goodput_ratio"] > 0
+    assert "## Cross traffic beside each run" in open(os.path.join(out, "report.md")).read()
     q = {r["protocol"]: r["queues"] for r in res["runs"]}
     # the baseline's pushes are EF only; DGT's droppable blocks go through the server's LE queue
     assert q["baseline"]["into_server"]["EF"]["bytes"] > 0 and q["baseline"]["into_server"]["LE"]["bytes"] == 0
@@ -285,7 +292,9 @@ def test_cli_adds_demo_and_experiment_table1():
     assert args.func.__name__ == "demo" and args.network == "auto" and args.workers == 4 and args.lossy_pull
     args = build_parser(["experiment"]).parse_args(
         ["experiment", "table1", "--models", "vgg11", "--dataset", "fashion-mnist", "--data-dir", "/x",
-         "--no-lossy-pull", "--server", "sharded", "--rate", "100mbit", "--cross-traffic", "5mbit"])
+         "--no-lossy-pull", "--server", "sharded", "--rate", "100mbit", "--cross-traffic", "5mbit",
+         "--cross-proto", "tcp"])
     assert args.func.__name__ == "table1" and args.models == "vgg11" and args.dataset == "fashion-mnist"
     assert not args.lossy_pull and args.server == "sharded" and args.cross_traffic == "5mbit"
+    assert args.cross_proto == "tcp" and args.cross_dscp == 0
     assert main(["experiment"]) == 2  # no experiment named: help, exit 2

@@ -69,6 +69,21 @@ def test_send_budget_shows_unsent_apart_from_dropped(tmp_path):
     t = s["totals"]
     assert t["unsent"] == sum(st["unsent"] for st in truth.stats) > 0 and t["dropped"] > 0
     assert t["important"] + t["unimportant_received"] + t["dropped"] + t["unsent"] == t["blocks"]
+    # per lane: one unreliable lane carries every lost and unsent block; the reliable lane none
+    lanes = s["lanes"]
+    assert (lanes["1"]["lost_blocks"], lanes["1"]["unsent_blocks"]) == (t["dropped"], t["unsent"])
+    assert (lanes["0"]["lost_blocks"], lanes["0"]["unsent_blocks"]) == (0, 0)
+    assert lanes["1"]["blocks"] == t["unimportant_received"] and t["lost_unplaced"] == t["unsent_unplaced"] == 0
+
+
+def test_lost_blocks_per_lane_with_two_unreliable_lanes(base_pcap):
+    path, truth = base_pcap
+    s = summarize(path)
+    t, lanes = s["totals"], s["lanes"]
+    # partial blocks are placed on the lane their fragments came by; wholly missing ones cannot be
+    assert sum(v["lost_blocks"] for v in lanes.values()) + t["lost_unplaced"] == t["dropped"] > 0
+    assert sum(v["lost_blocks"] for v in lanes.values()) == t["partial"] and lanes["0"]["lost_blocks"] == 0
+    assert sum(v["unsent_blocks"] for v in lanes.values()) + t["unsent_unplaced"] == t["unsent"]
 
 
 def test_ports_without_auto_detection(base_pcap):

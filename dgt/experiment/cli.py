@@ -28,7 +28,13 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
                    help="netem: one FIFO queue per link, DSCP bleached (most cloud networks), instead of DSCP "
                         "priority classes")
     g.add_argument("--cross-traffic", default=net.cross_traffic, metavar="RATE",
-                   help="netem: best-effort UDP at RATE from an extra host into the server's link")
+                   help="netem: a flow paced to RATE ('unpaced': as fast as it goes) from an extra host into the "
+                        "server's link through each whole run; its goodput beside the baseline and beside DGT is "
+                        "reported")
+    g.add_argument("--cross-proto", choices=["udp", "tcp"], default=net.cross_proto,
+                   help="protocol of the cross flow (default: %(default)s)")
+    g.add_argument("--cross-dscp", type=int, default=net.cross_dscp,
+                   help="DSCP of the cross flow (default: %(default)s, best effort)")
     g = p.add_argument_group("training")
     g.add_argument("--workers", type=int, default=defaults.workers, help="K (default: %(default)s)")
     g.add_argument("--target", type=float, default=defaults.target, help="target test accuracy (default: %(default)s)")
@@ -61,7 +67,8 @@ def _common(p: argparse.ArgumentParser, defaults: ExperimentConfig) -> None:
 
 def _config(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> ExperimentConfig:
     net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit,
-                        cross_traffic=args.cross_traffic, priority=not args.no_priority)
+                        cross_traffic=args.cross_traffic, priority=not args.no_priority,
+                        cross_proto=args.cross_proto, cross_dscp=args.cross_dscp)
     codecs = dict(base.codecs, dgt=args.dgt_codec)
     return dataclasses.replace(
         base, network=net, workers=args.workers, target=args.target, max_iters=args.max_iters,
@@ -87,6 +94,12 @@ def _run(cfg: ExperimentConfig, print_json: bool = False) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     ui.table(results)
+    for r in results["runs"]:
+        cf = (r.get("summary") or {}).get("cross_flow")
+        if cf and cf.get("goodput_training_bps") is not None:
+            ui.note(f"cross flow ({cf['proto'].upper()} {cf['rate']}) beside {r['model']} {r['protocol']}: "
+                    f"{cf['goodput_training_bps'] / 1e6:.2f} Mbit/s during the training iterations"
+                    + ("" if cf.get("spans_run") else " [red](did not span the whole run)[/red]"))
     ui.note(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md"
             + (", plots: " + ", ".join(f"{cfg.out_dir}/{p}" for p in results.get("plots", {}).values())
                if results.get("plots") else ""))

@@ -28,12 +28,13 @@ class NetworkConfig:
         no priorities), or ``auto`` (netem when this process can build namespaces).
     rate: link rate (tc units: '40mbit'); the server's link is the bottleneck of a parameter server.
     queue_limit: packets per priority class queue.
-    cross_traffic: rate of a flow from an extra host into the server's (host 0's) link (None: none).
+    cross_traffic: rate of a flow from an extra host into the server's (host 0's) link through each whole run
+        (None: none); its goodput during the training iterations is reported per run.
     priority: DSCP priority classes on every link (False: one FIFO queue per link, DSCP bleached, as on most cloud
         networks).
     loss: random loss per link direction, a fraction (netem only).
     delay: one-way delay per link direction (netem only; needs the kernel's delay line).
-    cross_proto: ``udp`` or ``tcp`` for the cross traffic.
+    cross_proto: ``udp`` or ``tcp`` for the cross traffic; cross_dscp: its DSCP (0: best effort).
     """
 
     mode: str = "auto"
@@ -96,6 +97,8 @@ class ExperimentConfig:
             raise ValueError("server must be a worker rank or 'sharded'")
         if self.network.mode not in ("auto", "netem", "loopback"):
             raise ValueError("network mode must be auto, netem or loopback")
+        if self.network.cross_proto not in ("udp", "tcp"):
+            raise ValueError("cross traffic protocol must be udp or tcp")
 
     @classmethod
     def demo(cls, **overrides: Any) -> ExperimentConfig:

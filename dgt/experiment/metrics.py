@@ -97,6 +97,27 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     }
 
 
+def cross_flow(flow: Any, records: list[dict[str, Any]], n: int, proto: str, rate: str | None) -> dict[str, Any]:
+    """What the cross flow (a :class:`dgt.netem.FlowResult` with an arrival series) got beside one run: goodput
+    during rank 0's first ``n`` training iterations (the BCT windows until the target, so evaluation pauses and
+    start-up, when the link is idle, do not count), over the whole flow, and whether it ran through every
+    iteration of the run."""
+    out: dict[str, Any] = {
+        "proto": proto, "rate": rate,
+        "sent_bytes": int(flow.sent.get("bytes", 0)), "received_bytes": int(flow.received.get("bytes", 0)),
+        "goodput_flow_bps": flow.goodput_bps, "goodput_training_bps": None, "training_s": 0.0, "spans_run": None,
+    }
+    timed = [r for r in records if "at" in r]
+    if timed and flow.received.get("series"):
+        upto = timed[:n]
+        starts = [r["at"] for r in upto]
+        ends = [r["at"] + r["bct"] for r in upto]
+        out["goodput_training_bps"] = flow.goodput_during(starts, ends)
+        out["training_s"] = float(sum(r["bct"] for r in upto))
+        out["spans_run"] = flow.spans(timed[0]["at"], timed[-1]["at"] + timed[-1]["bct"])
+    return out
+
+
 def reduction(base: float | None, new: float | None) -> float | None:
     """Relative reduction (base - new) / base, None when either side is missing."""
     if base is None or new is None or base <= 0:
@@ -113,4 +134,13 @@ def compare(baseline: dict[str, Any], dgt: dict[str, Any]) -> dict[str, Any]:
         if baseline["reached"] and dgt["reached"] else None,
         "delivered_reduction": reduction(baseline["delivered_per_iteration"], dgt["delivered_per_iteration"]),
         "both_reached": bool(baseline["reached"] and dgt["reached"]),
+        # the cross flow's goodput during DGT's training iterations / during the baseline's (>= 1: DGT left it as
+        # much of the bottleneck as the baseline did)
+        "cross_goodput_ratio": _ratio(baseline.get("cross_flow"), dgt.get("cross_flow")),
     }
+
+
+def _ratio(base: dict[str, Any] | None, new: dict[str, Any] | None) -> float | None:
+    b = (base or {}).get("goodput_training_bps")
+    d = (new or {}).get("goodput_training_bps")
+    return d / b if b and d is not None else None

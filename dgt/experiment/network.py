@@ -4,8 +4,8 @@ interface that starts the ranks' processes and reports what the network saw.
 netem: host r (namespace PREFIX-hR, address 10.77.0.r+1) runs rank r; every host link is shaped to the configured
 rate in both directions by HTB with DSCP priority classes EF > AF > BE > LE, so the parameter server's link is the
 bottleneck (K-1 workers push into it, it sends K-1 pulls out of it) and important blocks (TCP, EF) overtake
-unimportant ones (UDP, LE) in its queues. Optional cross traffic: an extra host sends best-effort UDP into the
-server's link.
+unimportant ones (UDP, LE) in its queues. Optional cross traffic: an extra host sends UDP or TCP at a paced rate
+into the server's link through the whole run; what it got is measured at its sink.
 
 loopback: all ranks on 127.0.0.1; every TCP connection is capped with SO_MAX_PACING_RATE and every peer's UDP lanes
 with the transport's pacer, each to rate / (K - 1): what one flow gets when a host's K - 1 flows share a link of the
@@ -24,6 +24,9 @@ from typing import Any
 from dgt.experiment.config import NetworkConfig
 
 MASTER_PORT = 29611
+CROSS_BIN_S = 0.02  # resolution of the cross flow's arrival series
+CROSS_BURST_S = 0.1  # the cross flow's pacing credit: it wants its rate at every moment, it does not catch up
+CROSS_IDLE_S = 30.0  # a UDP cross flow's sink outlasts any gap in arrivals a run can cause (it is stopped at the end)
 
 
 def netem_unavailable_reason() -> str | None:
@@ -49,6 +52,11 @@ def resolve_mode(cfg: NetworkConfig) -> tuple[str, str | None]:
     if cfg.mode == "netem" and why:
         raise RuntimeError(f"--network netem: {why}")
     return ("loopback", why) if why else ("netem", None)
+
+
+def cross_rate(value: str | None) -> str | None:
+    """The cross flow's pacing rate: ``unpaced`` (a TCP flow then takes what congestion control gives it) -> None."""
+    return None if value in (None, "unpaced") else value
 
 
 def rate_bytes(rate: str) -> float:
@@ -114,13 +122,26 @@ class Network:
         return subprocess.Popen(list(argv), env=env, **kwargs)
 
     def start_cross_traffic(self, duration: float) -> None:
-        """Best-effort traffic from the extra host into the server's link for ``duration`` seconds (netem only)."""
+        """Traffic from the extra host into the server's link for ``duration`` seconds at most (netem only); the
+        sink records what arrives in 20 ms bins, so the flow's goodput during the training iterations can be taken
+        (:meth:`stop_cross_traffic`, :func:`dgt.experiment.metrics.cross_flow`)."""
         if self.topo is None or not self.cfg.cross_traffic:
             return
         from dgt.netem import cross_traffic
 
         self.flow = cross_traffic(self.topo, self.workers, 0, proto=self.cfg.cross_proto, dscp=self.cfg.cross_dscp,
-                                  rate=self.cfg.cross_traffic, duration=duration)
+                                  rate=cross_rate(self.cfg.cross_traffic), duration=duration, bin_s=CROSS_BIN_S,
+                                  burst=CROSS_BURST_S, idle=CROSS_IDLE_S)
+
+    def stop_cross_traffic(self) -> Any:
+        """End the cross flow now and return its :class:`dgt.netem.FlowResult` (None: there was none)."""
+        if self.flow is None:
+            return None
+        flow, self.flow = self.flow, None
+        try:
+            return flow.stop()
+        finally:
+            flow.kill()
 
     # -- reporting
     def describe(self) -> str:

@@ -104,6 +104,7 @@ def _traffic_table(results: dict[str, Any]) -> list[str]:
                            fmt_bytes(got.get("0", 0)), fmt_bytes(sent.get("1", 0)), fmt_bytes(got.get("1", 0)),
                            pct(s.get("udp_block_delivery")), fmt_bytes(s.get("bytes_unsent", 0)),
                            fmt_bytes(s.get("delivered_per_iteration", 0))]))
+    lines += _lane_lines(results)
     return lines
 
 
@@ -123,12 +124,25 @@ def _comparison(results: dict[str, Any]) -> list[str]:
     lines += ["", "The paper (6 GTX 1080 Ti, 1 Gbps, Fashion-MNIST, target 0.8): AlexNet BCT 36.72 -> 23.71 s, "
               "1300 -> 1700 iterations, 47494 -> 40314 s; VGG-11 BCT 105.34 -> 73.75 s, 420 -> 490 iterations, "
               "44246 -> 36141 s.", ""]
+    lines += _cross_flow_lines(results)
     return lines
 
 
 def _queues_and_plots(results: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     queues = [(r, r.get("queues")) for r in results["runs"] if r.get("queues")]
+    fifo = [(r, q) for r, q in queues if any("FIFO" in cls for cls in q.values())]
+    if fifo:
+        lines += ["## The server's link (its one FIFO queue, whole run; cross traffic included)", "",
+                  _row(["Model", "Protocol", "Direction", "Bytes", "Packets", "Drops"]),
+                  _row(["---"] * 3 + ["---:"] * 3)]
+        for r, q in fifo:
+            for way, cls in q.items():
+                c = cls.get("FIFO", {})
+                lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"], way.replace("_", " "),
+                                   fmt_bytes(c.get("bytes", 0)), str(c.get("packets", 0)), str(c.get("drops", 0))]))
+        lines.append("")
+        queues = [(r, q) for r, q in queues if (r, q) not in fifo]
     if queues:
         lines += ["## The server's link (HTB class counters, whole run)", "",
                   _row(["Model", "Protocol", "Direction", "EF bytes", "EF drops", "BE bytes", "LE bytes", "LE drops"]),
@@ -145,6 +159,64 @@ def _queues_and_plots(results: dict[str, Any]) -> list[str]:
     if results.get("plots"):
         lines += ["## Plots", ""] + [f"![{name}]({path})" for name, path in results["plots"].items()] + [""]
     return lines
+
+
+def _lane_lines(results: dict[str, Any]) -> list[str]:
+    """Per lane, whole run, all ranks (the endpoints' counters): sent, delivered, unsent and lost."""
+    rows = [(r, r["summary"].get("transport_lanes") or {}) for r in results["runs"] if r.get("summary")]
+    if not any(lanes for _, lanes in rows):
+        return []
+    lines = ["", "Per lane, whole run, all ranks (the endpoints' counters): bytes sent and received (frame headers "
+             "included), and 1024-element blocks of DGT rounds: delivered before their round closed, unsent (kept "
+             "back by the send budget) and lost (sent, reported missing), both carried on by error feedback; "
+             "abandoned datagrams were not sent because their round had already closed. The baseline's dense "
+             "gradients travel as bulk messages, not rounds of blocks, so its block counts are 0.", "",
+             _row(["Model", "Protocol", "Lane", "Sent", "Received", "Blocks delivered", "Blocks unsent",
+                   "Blocks lost", "Datagrams abandoned"]),
+             _row(["---"] * 3 + ["---:"] * 6)]
+    for r, lanes in rows:
+        for lane, c in sorted(lanes.items()):
+            lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"], lane,
+                               fmt_bytes(c.get("tx_bytes", 0)), fmt_bytes(c.get("rx_bytes", 0)),
+                               str(c.get("delivered_blocks", 0)), str(c.get("tx_unsent_blocks", 0)),
+                               str(c.get("tx_lost_blocks", 0)), str(c.get("tx_abandoned", 0))]))
+    return lines
+
+
+def _mbit(bps: float | None) -> str:
+    return "-" if bps is None else f"{bps / 1e6:.2f}"
+
+
+def _cross_flow_lines(results: dict[str, Any]) -> list[str]:
+    """The cross flow beside each run (goodput during the training iterations, whole flow) and DGT / baseline."""
+    rows = [(r, r["summary"]["cross_flow"]) for r in results["runs"] if (r.get("summary") or {}).get("cross_flow")]
+    errors = [r for r in results["runs"] if r.get("cross_flow_error")]
+    if not rows and not errors:
+        return []
+    cfg = results["config"]["network"]
+    lines = ["## Cross traffic beside each run", "",
+             f"A {cfg['cross_proto'].upper()} flow "
+             + ("not paced" if cfg["cross_traffic"] == "unpaced" else f"paced to {cfg['cross_traffic']}")
+             + f" (DSCP {cfg['cross_dscp']}) from an "
+             "extra host into the server's link, started before the ranks and stopped after them. Goodput is "
+             "measured at its sink: during rank 0's training iterations until the target (the BCT windows; "
+             "start-up and evaluation pauses, when the link is idle, excluded) and over the whole flow.", "",
+             _row(["Model", "Protocol", "Goodput during training (Mbit/s)", "Whole flow (Mbit/s)", "Sent",
+                   "Received", "Spans the run"]),
+             _row(["---"] * 2 + ["---:"] * 4 + ["---"])]
+    for r, cf in rows:
+        spans = "-" if cf.get("spans_run") is None else ("yes" if cf["spans_run"] else "no")
+        lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"],
+                           _mbit(cf.get("goodput_training_bps")), _mbit(cf.get("goodput_flow_bps")),
+                           fmt_bytes(cf.get("sent_bytes", 0)), fmt_bytes(cf.get("received_bytes", 0)), spans]))
+    for r in errors:
+        lines.append(_row([MODEL_NAMES.get(r["model"], r["model"]), r["protocol"],
+                           "failed: " + r["cross_flow_error"].splitlines()[0]] + [""] * 4))
+    for m, c in results["comparisons"].items():
+        if c.get("cross_goodput_ratio") is not None:
+            lines += ["", f"{MODEL_NAMES.get(m, m)}: the cross flow got {c['cross_goodput_ratio']:.2f}x the goodput "
+                      "beside DGT that it got beside the baseline."]
+    return lines + [""]
 
 
 def write_report(results: dict[str, Any], path: str) -> str:

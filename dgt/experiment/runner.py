@@ -16,7 +16,7 @@ from dgt.experiment.console import Reporter
 from dgt.experiment.data import load_dataset
 from dgt.experiment.launch import RunFailed, launch
 from dgt.experiment.load import LoadMeter
-from dgt.experiment.metrics import compare, summarize
+from dgt.experiment.metrics import compare, cross_flow, summarize
 from dgt.experiment.models import build_model, describe
 from dgt.experiment.network import Network, resolve_mode
 
@@ -80,6 +80,10 @@ def _one_run(cfg: ExperimentConfig, model: str, protocol: str, mode: str, index:
         with Network(cfg.network, cfg.workers, mode, tag=str(index)) as net:
             net.start_cross_traffic(hard_timeout(cfg))
             ranks = launch(net, spec, run_dir, ui.update, hard_timeout(cfg))
+            try:
+                flow = net.stop_cross_traffic()
+            except RuntimeError as exc:  # the cross flow's processes failed: the run itself stands
+                flow, entry["cross_flow_error"] = None, str(exc)
             entry["queues"] = net.counters()
             entry["load"] = meter.stop()
     except (RunFailed, OSError, RuntimeError) as exc:
@@ -88,6 +92,9 @@ def _one_run(cfg: ExperimentConfig, model: str, protocol: str, mode: str, index:
         return entry
     summary = summarize(ranks, cfg.target)
     summary["run_wall_time"] = time.monotonic() - started
+    if flow is not None:
+        summary["cross_flow"] = cross_flow(flow, ranks[0]["records"], summary["iterations"], cfg.network.cross_proto,
+                                           cfg.network.cross_traffic)
     entry["summary"] = summary
     r0 = ranks[0]
     entry["curve"] = r0["evals"]

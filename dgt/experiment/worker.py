@@ -114,6 +114,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
     try:
         for it in range(1, spec.max_iters + 1):
             t0 = time.perf_counter()
+            at = time.monotonic()  # the system-wide clock, to place the iteration against the cross flow's arrivals
             loss_v = _local_gradient(model, params, opt, data, sampler.next(), grad, rank, it)
             s = spec.loss_smoothing
             smoothed = loss_v if smoothed is None else s * smoothed + (1 - s) * loss_v
@@ -134,7 +135,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
             bct = t3 - t0
             train_time += bct
             st = res.stats
-            records.append(_record(it, (t0, t1, t2, t3), loss_v, p, train_time, st))
+            records.append(_record(it, at, (t0, t1, t2, t3), loss_v, p, train_time, st))
             decision = None
             if it % spec.eval_every == 0 or it == spec.max_iters:  # every rank pauses at the same iterations
                 te = time.perf_counter()
@@ -189,11 +190,12 @@ def _apply(params: list[torch.nn.Parameter], flat: torch.Tensor) -> None:
         off += prm.numel()
 
 
-def _record(it: int, t: tuple[float, float, float, float], loss_v: float, p: float, train_time: float,
+def _record(it: int, at: float, t: tuple[float, float, float, float], loss_v: float, p: float, train_time: float,
             st: Any) -> dict[str, Any]:
-    """One iteration's record for results.json (t: start, all-reduce start, all-reduce end, step end)."""
+    """One iteration's record for results.json (at: time.monotonic() at its start; t: start, all-reduce start,
+    all-reduce end, step end)."""
     t0, t1, t2, t3 = t
-    return {"it": it, "bct": t3 - t0, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
+    return {"it": it, "at": at, "bct": t3 - t0, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v, "p": p,
             "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
             "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
             "phases": {k: round(v, 6) for k, v in st.phases.items()}}

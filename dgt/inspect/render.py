@@ -33,7 +33,13 @@ def render(summary: dict, console: Console | None = None, max_rounds: int = 20) 
         f"blocks {t['blocks']}: important {t['important']}, unimportant received {t['unimportant_received']}, "
         f"dropped {t['dropped']} (partial {t['partial']}, missing {t['missing']}), "
         f"unsent {t.get('unsent', 0)} (kept back by the send budget), late frames {t['late_frames']}, "
-        f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
+        + (
+            f"not placed on a lane (no fragment seen, several unreliable lanes): lost {t['lost_unplaced']}, unsent "
+            f"{t['unsent_unplaced']}, "
+            if t.get("lost_unplaced") or t.get("unsent_unplaced")
+            else ""
+        )
+        + f"duplicated {t['duplicated']}, reordered {t['reordered']}, rejected {t['rejected']}"
     )
     if t.get("bulk_messages"):
         con.print(
@@ -62,6 +68,8 @@ def _lanes_table(lanes_of: dict[str, dict]) -> Table:
         "blocks",
         "data MB",
         "goodput MB",
+        "lost",
+        "unsent",
         "dup",
         "reord",
         "late",
@@ -81,6 +89,8 @@ def _lanes_table(lanes_of: dict[str, dict]) -> Table:
             str(v["blocks"]),
             _mb(v["bytes"]),
             _mb(v["goodput_bytes"]),
+            str(v.get("lost_blocks", 0)),
+            str(v.get("unsent_blocks", 0)),
             str(v["duplicated"]),
             str(v["reordered"]),
             str(v["late_frames"]),

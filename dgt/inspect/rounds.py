@@ -140,6 +140,9 @@ class Accounts:
     late_ev: list[np.ndarray] = field(default_factory=list)
     unannounced: Counter[int] = field(default_factory=Counter)
     warnings: list[str] = field(default_factory=list)
+    # blocks no fragment of which was seen: their lane is not on the wire (placed by summarize when it can be)
+    lost_unplaced: int = 0
+    unsent_unplaced: int = 0
 
     def lane(self, lane: int) -> Counter[str]:
         return self.lanes.setdefault(int(lane), Counter())
@@ -311,6 +314,12 @@ def _round_record(key: tuple, r: WireRound, t: _Tally, fr: Frames, acc: Accounts
     late_blocks_n = len([x for x in t.late_blocks if not done[x]])
     for lane, c in zip(*np.unique(t.lane_of[done], return_counts=True)):
         lanes.setdefault(int(lane), Counter())["blocks"] = int(c)
+    # a partial block was sent (and lost) on the lane its fragments came by; the rest of the lost blocks and the
+    # unsent ones are placed on the unreliable lane by summarize when the capture has only one
+    for lane, c in zip(*np.unique(t.lane_of[partial], return_counts=True)):
+        acc.lane(int(lane))["lost_blocks"] += int(c)
+    acc.lost_unplaced += dropped - int(partial.sum())
+    acc.unsent_unplaced += unsent
     t_last = float(fr.ts[r.rel + fr_rows.tolist()].max()) if (r.rel or len(fr_rows)) else tb
     t_close = r.report[0] if r.report else None
     acc.drop_ev.append((t_close if t_close is not None else t_last, dropped))

@@ -114,6 +114,7 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
     pk_lane = packet_lanes(table, dg, streams, flows)
     dgt_pkts = pk_lane >= 0
     all_lanes = sorted(set(np.unique(pk_lane[dgt_pkts]).tolist()) | set(acc.lanes) | set(acc.unannounced))
+    _place_unplaced(all_lanes, acc)
     lanes_out = _lanes_out(table, pk_lane, all_lanes, acc, ctl, opts)
     duration = float(table.ts.max() - table.ts.min()) if n else 0.0
     timeline = _timeline(table, pk_lane, all_lanes, acc, t0, duration, opts)
@@ -273,6 +274,15 @@ def _reordering(fr: Frames) -> np.ndarray:
     return reordered
 
 
+def _place_unplaced(all_lanes: list[int], acc: Accounts) -> None:
+    """Lost and unsent blocks none of whose fragments was seen go on the unreliable lane when there is just one."""
+    unreliable = [lane for lane in all_lanes if lane > 0]
+    if len(unreliable) == 1:
+        acc.lane(unreliable[0])["lost_blocks"] += acc.lost_unplaced
+        acc.lane(unreliable[0])["unsent_blocks"] += acc.unsent_unplaced
+        acc.lost_unplaced = acc.unsent_unplaced = 0
+
+
 def _lanes_out(table: PacketTable, pk_lane: np.ndarray, all_lanes: list[int], acc: Accounts, ctl: _Control,
                opts: Options) -> dict[str, dict]:
     """Per lane: packets, DSCP against the expected marking (with a warning when off), frames and accounting."""
@@ -303,6 +313,11 @@ def _lanes_out(table: PacketTable, pk_lane: np.ndarray, all_lanes: list[int], ac
             late_frames=a["late_frames"],
             rejected=a["rejected"],
             goodput_bytes=a["goodput_bytes"],
+            # lost: sent on this lane, missing when the round closed; unsent: kept back by the send budget. With
+            # several unreliable lanes a block none of whose fragments was seen counts in totals["lost_unplaced"] /
+            # totals["unsent_unplaced"] instead
+            lost_blocks=a["lost_blocks"],
+            unsent_blocks=a["unsent_blocks"],
             bulk_frames=a["bulk_frames"],
             unannounced_frames=acc.unannounced.get(lane, 0),
         )
@@ -369,6 +384,7 @@ def _totals(round_out: list[dict], bulk_out: list[dict], acc: Accounts, unmatche
     totals["rounds_closed"] = sum(1 for rr in round_out if rr["t_close"] is not None)
     totals["unannounced_frames"] = int(sum(acc.unannounced.values()))
     totals["unmatched_reports"] = unmatched_reports
+    totals["lost_unplaced"], totals["unsent_unplaced"] = acc.lost_unplaced, acc.unsent_unplaced
     totals["bulk_messages"] = len(bulk_out)
     totals["bulk_complete"] = sum(1 for m in bulk_out if m["complete"])
     totals["bulk_bytes"] = int(sum(m["bytes"] for m in bulk_out))

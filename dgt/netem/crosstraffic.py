@@ -18,10 +18,13 @@ import struct
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import numpy as np
+
     from dgt.netem.topology import Topology
 
 UDP_PAYLOAD = 1400  # stays under a 1500 MTU with IP/UDP headers
@@ -48,8 +51,12 @@ def _udp_rcvbuf_errors() -> int:
         return 0
 
 
-def run_sink(proto: str, port: int, duration: float, idle: float = 0.5) -> dict[str, Any]:
-    """Count bytes (and UDP sequence numbers) until duration is up, the sender has gone quiet, or SIGTERM."""
+def run_sink(proto: str, port: int, duration: float, idle: float = 0.5, bin_s: float = 0.0) -> dict[str, Any]:
+    """Count bytes (and UDP sequence numbers) until duration is up, the sender has gone quiet, or SIGTERM.
+
+    ``bin_s`` > 0 also records the bytes that arrived in every ``bin_s`` seconds since the sink started (``series``,
+    with the start as ``t0`` on the system-wide monotonic clock, which every namespace shares), so the goodput of any
+    window of the flow can be taken afterwards (:meth:`FlowResult.goodput_during`)."""
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))
     rcvbuf_errors = _udp_rcvbuf_errors()
@@ -57,6 +64,7 @@ def run_sink(proto: str, port: int, duration: float, idle: float = 0.5) -> dict[
     deadline = start + duration
     stats: dict[str, Any] = {"proto": proto, "bytes": 0, "packets": 0, "first": None, "last": None}
     seqs: set[int] = set()
+    bins: list[int] = []
     if proto == "udp":
         sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
@@ -100,6 +108,11 @@ def run_sink(proto: str, port: int, duration: float, idle: float = 0.5) -> dict[
             stats["last"] = t
             stats["bytes"] += len(data)
             stats["packets"] += 1
+            if bin_s > 0:
+                i = int((t - start) / bin_s)
+                if i >= len(bins):
+                    bins.extend([0] * (i + 1 - len(bins)))
+                bins[i] += len(data)
             if proto == "udp" and len(data) >= _SEQ.size:
                 seqs.add(_SEQ.unpack_from(data)[0])
         if proto == "tcp" and had_conn and not conns:
@@ -108,6 +121,9 @@ def run_sink(proto: str, port: int, duration: float, idle: float = 0.5) -> dict[
     span = (last - first) if first is not None and last is not None else 0.0
     stats["span_s"] = span
     stats["goodput_bps"] = stats["bytes"] * 8 / span if span > 0 else 0.0
+    stats["first_at"], stats["last_at"] = first, last
+    if bin_s > 0:
+        stats["series"] = {"t0": start, "bin_s": bin_s, "bytes": bins}
     if proto == "udp":
         stats["unique"] = len(seqs)
         stats["rcvbuf_errors"] = _udp_rcvbuf_errors() - rcvbuf_errors
@@ -115,8 +131,12 @@ def run_sink(proto: str, port: int, duration: float, idle: float = 0.5) -> dict[
 
 
 def run_sender(proto: str, dst: str, port: int, duration: float, rate: int | None, dscp: int,
-               size: int = UDP_PAYLOAD, count: int | None = None) -> dict[str, Any]:
-    """Send for duration seconds (or count datagrams, or until SIGTERM), paced to rate bit/s, marked with dscp."""
+               size: int = UDP_PAYLOAD, count: int | None = None, burst: float | None = None) -> dict[str, Any]:
+    """Send for duration seconds (or count datagrams, or until SIGTERM), paced to rate bit/s, marked with dscp.
+
+    ``burst``: the pacing credit a sender held back by the network may build up, in seconds of ``rate`` (None: no
+    bound, the average since the start is held to ``rate``, so time lost is made up later at full speed; a bound
+    makes the flow a source that wants ``rate`` at every moment, like a video call or a rate-limited backup)."""
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(True))  # Flow.stop(): end early but still report
     fam_type = socket.SOCK_DGRAM if proto == "udp" else socket.SOCK_STREAM
@@ -140,12 +160,16 @@ def run_sender(proto: str, dst: str, port: int, duration: float, rate: int | Non
     sent = 0
     packets = 0
     chunk = bytearray(TCP_CHUNK if proto == "tcp" else size)
+    origin = start  # pacing reference: moves forward when a bounded credit is exceeded
     while connected:
         now = time.monotonic()
         if now >= deadline or stop or (count is not None and packets >= count):
             break
         if rate is not None:
-            ahead = sent * 8 / rate - (now - start)
+            ahead = sent * 8 / rate - (now - origin)
+            if burst is not None and ahead < -burst:
+                origin += -burst - ahead
+                ahead = -burst
             if ahead > 0:
                 time.sleep(min(ahead, deadline - now))
                 continue
@@ -175,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--port", type=int, default=5201)
     s.add_argument("--duration", type=float, default=10.0)
     s.add_argument("--idle", type=float, default=0.5)
+    s.add_argument("--bin", type=float, default=0.0)
     t = sub.add_parser("send")
     t.add_argument("--proto", choices=("tcp", "udp"), default="tcp")
     t.add_argument("--dst", required=True)
@@ -184,11 +209,12 @@ def main(argv: list[str] | None = None) -> int:
     t.add_argument("--dscp", type=int, default=0)
     t.add_argument("--size", type=int, default=UDP_PAYLOAD)
     t.add_argument("--count", type=int, default=None)
+    t.add_argument("--burst", type=float, default=None)
     a = p.parse_args(argv)
     if a.role == "sink":
-        out = run_sink(a.proto, a.port, a.duration, a.idle)
+        out = run_sink(a.proto, a.port, a.duration, a.idle, a.bin)
     else:
-        out = run_sender(a.proto, a.dst, a.port, a.duration, _rate_arg(a.rate), a.dscp, a.size, a.count)
+        out = run_sender(a.proto, a.dst, a.port, a.duration, _rate_arg(a.rate), a.dscp, a.size, a.count, a.burst)
     # the work is done: a late SIGTERM from Flow.wait() must not kill us during interpreter shutdown, where Python
     # puts its own handlers back to the default (a loaded CI box once lost a finished sink's report that way)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -216,6 +242,32 @@ class FlowResult:
         sent = self.sent.get("packets", 0)
         return 1.0 - self.received.get("unique", 0) / sent if sent else 0.0
 
+    def bytes_during(self, starts: Sequence[float], ends: Sequence[float]) -> np.ndarray:
+        """Bytes the sink received in each window [starts[i], ends[i]] (monotonic clock), from its binned series
+        (the sink must have run with ``bin_s`` > 0); a bin that a window covers in part counts in proportion."""
+        import numpy as np  # not at the top: the child programs start without it
+        ser = self.received.get("series")
+        if not ser:
+            raise ValueError("the sink recorded no series (start the flow with bin_s > 0)")
+        counts = np.asarray(ser["bytes"], dtype=np.float64)
+        edges = ser["t0"] + ser["bin_s"] * np.arange(len(counts) + 1)
+        cum = np.concatenate(([0.0], np.cumsum(counts)))
+        return np.interp(np.asarray(ends, float), edges, cum) - np.interp(np.asarray(starts, float), edges, cum)
+
+    def goodput_during(self, starts: Sequence[float], ends: Sequence[float]) -> float | None:
+        """Bit/s the flow got within the windows (their bytes over their total length); None: no time in them."""
+        import numpy as np
+        length = float(np.sum(np.asarray(ends, float) - np.asarray(starts, float)))
+        if length <= 0:
+            return None
+        return float(self.bytes_during(starts, ends).sum()) * 8 / length
+
+    def spans(self, start: float, end: float) -> bool:
+        """Whether data arrived at the sink both at or before ``start`` and at or after ``end`` (monotonic clock):
+        the flow covered the whole of that window."""
+        first, last = self.received.get("first_at"), self.received.get("last_at")
+        return first is not None and last is not None and first <= start and last >= end
+
 
 @dataclass
 class Flow:
@@ -231,6 +283,9 @@ class Flow:
     port: int = 5201
     size: int = UDP_PAYLOAD
     count: int | None = None
+    bin_s: float = 0.0  # > 0: the sink records bytes per bin_s seconds (FlowResult.goodput_during)
+    burst: float | None = None  # pacing credit bound in seconds (run_sender)
+    idle: float = 0.5  # the sink stops after this long without data once some has arrived (UDP, or no connection)
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     _stopped: bool = field(default=False, repr=False)
 
@@ -239,7 +294,8 @@ class Flow:
             raise ValueError("proto must be tcp or udp")
         py = [sys.executable, "-m", "dgt.netem.crosstraffic"]
         sink = self.topo.popen(self.dst, py + ["sink", "--proto", self.proto, "--port", str(self.port),
-                                              "--duration", str(self.duration + 3.0)],
+                                              "--duration", str(self.duration + 3.0), "--bin", str(self.bin_s),
+                                              "--idle", str(self.idle)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         self._procs.append(sink)
         ready, _, _ = select.select([sink.stdout], [], [], 10.0)
@@ -254,6 +310,8 @@ class Flow:
             cmd += ["--rate", str(self.rate)]
         if self.count is not None:
             cmd += ["--count", str(self.count)]
+        if self.burst is not None:
+            cmd += ["--burst", str(self.burst)]
         self._procs.append(self.topo.popen(self.src, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
         return self
 
@@ -307,9 +365,11 @@ class Flow:
 
 
 def cross_traffic(topo: Topology, src: int, dst: int, proto: str = "udp", dscp: int = 1,
-                  rate: str | int | None = "1gbit", duration: float = 5.0, port: int = 5301) -> Flow:
+                  rate: str | int | None = "1gbit", duration: float = 5.0, port: int = 5301, bin_s: float = 0.0,
+                  burst: float | None = None, idle: float = 0.5) -> Flow:
     """Start background load (LE-marked UDP by default) from src to dst; bounded by duration. Returns the Flow."""
-    return Flow(topo, src, dst, proto=proto, dscp=dscp, rate=rate, duration=duration, port=port).start()
+    return Flow(topo, src, dst, proto=proto, dscp=dscp, rate=rate, duration=duration, port=port, bin_s=bin_s,
+                burst=burst, idle=idle).start()
 
 
 if __name__ == "__main__":
