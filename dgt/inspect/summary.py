@@ -189,7 +189,8 @@ def summarize(source: str | PacketTable, opts: Options | None = None) -> dict:
     # ---- UDP datagrams: one frame each
     urows, uh, upl = _datagrams(table, np.flatnonzero(l4 & (table.proto == UDP)))
     ureason = wire.validate(uh, limits).astype(np.int64)
-    bad_len = (ureason == 0) & (uh["length"].astype(np.int64) + wire.HEADER_SIZE != upl)
+    tag = ((uh["flags"] & Flags.MAC) != 0).astype(np.int64) * wire.MAC_TAG  # a MAC trailer (not checked here: no key)
+    bad_len = (ureason == 0) & (uh["length"].astype(np.int64) + wire.HEADER_SIZE + tag != upl)
     ureason[bad_len] = REASONS.index("length")
     ureason[upl < wire.HEADER_SIZE] = REASONS.index("truncated")
     notfrag = (ureason == 0) & ((uh["ftype"] != FrameType.DATA) | ((uh["flags"] & Flags.FRAGMENT) == 0))
@@ -849,6 +850,7 @@ def _datagrams(table: PacketTable, rows: np.ndarray) -> tuple[np.ndarray, np.nda
             pos, cuts = 0, []
             while pos < len(pay):
                 n = int.from_bytes(pay[pos + 44 : pos + 48], "big") + wire.HEADER_SIZE if pos + 48 <= len(pay) else 0
+                n += wire.MAC_TAG if n and pay[pos + 4] & Flags.MAC else 0  # the datagram's MAC trailer
                 end = pos + n if wire.HEADER_SIZE <= n <= len(pay) - pos else len(pay)  # bad length: rest is one
                 cuts.append(pay[pos:end])
                 pos = end

@@ -11,6 +11,7 @@ import torch
 from dgt import wire
 from dgt.layout import BucketLayout
 from dgt.protocol.budget import fold_blocks, split_budget
+from dgt.protocol.datagram_mac import DatagramMac, slots, tag_bytes
 from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.protocol.report import Timing, decode_report
@@ -101,6 +102,8 @@ class RoundSender:
         error_feedback: bool = True,
         max_pending: int = 64,
         codec: int = 0,
+        mac: DatagramMac | None = None,
+        peer: int = 0,
     ) -> None:
         if lanes < 2:
             raise ValueError("need the reliable lane and at least one unreliable lane")
@@ -113,6 +116,8 @@ class RoundSender:
         self.error_feedback = error_feedback
         self.max_pending = max_pending
         self.codec = codec
+        self.mac = mac  # datagrams carry a MAC trailer (dgt.protocol.datagram_mac); its nonce names ``peer``
+        self.peer = peer
         self._residual: dict[int, torch.Tensor] = {}
         self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
             OrderedDict()
@@ -176,7 +181,8 @@ class RoundSender:
 
     # -- framing
     def geometry(self, layout: BucketLayout, itemsize: int) -> Geometry:
-        frag = fragment_elems(layout.block, itemsize, self.datagram_payload)
+        room = self.datagram_payload - (0 if self.mac is None else wire.MAC_TAG)  # the tag rides in the payload's room
+        frag = fragment_elems(layout.block, itemsize, room)
         key = (layout, frag)
         if key not in self._geom:
             self._geom[key] = Geometry(layout, frag)
@@ -232,10 +238,13 @@ class RoundSender:
             lanes, counts = np.unique(cls_np[unsent], return_counts=True)
             plan.unsent_lanes = dict(zip(lanes.tolist(), counts.tolist()))
             plan.unsent_bytes = int(geom.block_len[unsent].sum()) * isz
+        pads = None  # the MAC's one-time pads of this round's fragment slots: one SHAKE call for every lane
+        if self.mac is not None and len(unimp):
+            pads = self.mac.pads(self.rank, self.peer, bucket, round, geom.nblocks * geom.frags_per_block)
         for lane in range(1, self.lanes):
             blocks = unimp[cls_np[unimp] == lane]
             if len(blocks):
-                self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common)
+                self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common, pads)
         end = wire.encode_round_end(len(important), len(unimp), len(reliable) - 1, plan.unreliable_frames())
         reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
         unsent_mask = None
@@ -329,14 +338,30 @@ class RoundSender:
             for i, (o, c) in enumerate(zip(off.tolist(), cnt.tolist()))
         ]
 
-    def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common) -> None:
+    def _datagrams(self, plan: RoundPlan, lane, raw, isz, dt, geom: Geometry, blocks: np.ndarray, common,
+                   pads: np.ndarray | None = None) -> None:
         """One fragment per datagram: the equal-size ones as headers (built in one numpy step) plus the byte offsets
-        of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends)."""
+        of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends).
+        With a MAC, the tags of all of them are computed here in one vectorised pass over the bucket."""
         blk, off, cnt = geom.fragments_of(blocks)
-        h = self._data_headers(len(blk), Flags.FRAGMENT, lane, dt, common, blk, off, cnt, isz)
+        flags = Flags.FRAGMENT | (0 if pads is None else Flags.MAC)
+        h = self._data_headers(len(blk), flags, lane, dt, common, blk, off, cnt, isz)
         full = cnt == geom.frag
         hs = wire.HEADER_SIZE
         hrows = h[full].view(np.uint8).reshape(-1, hs)
-        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz)
+        tags = None
+        if pads is not None:
+            pads = pads[slots(blk, (off - geom.block_start[blk]) // geom.frag, geom.frags_per_block)]
+            tags = self.mac.tags(hrows, raw, off[full] * isz, geom.frag * isz, pads[full])
+        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz, tags)
         odd = np.flatnonzero(~full)
-        plan.odd[lane] = [h[i : i + 1].tobytes() + raw[off[i] * isz : (off[i] + cnt[i]) * isz].tobytes() for i in odd]
+        plan.odd[lane] = [self._odd(h[i : i + 1], raw, off[i] * isz, cnt[i] * isz, pads, i) for i in odd]
+
+    def _odd(self, h: np.ndarray, raw: np.ndarray, start: int, nbytes: int, pads: np.ndarray | None, i: int) -> bytes:
+        """One odd-size datagram (a partial tensor tail), with its MAC trailer when the round has pads."""
+        out = h.tobytes() + raw[start : start + nbytes].tobytes()
+        if pads is None:
+            return out
+        hrow = h.view(np.uint8).reshape(1, wire.HEADER_SIZE)
+        tag = self.mac.tags(hrow, raw, np.array([start], np.int64), int(nbytes), pads[i : i + 1])
+        return out + tag_bytes(tag).tobytes()

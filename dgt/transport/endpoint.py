@@ -39,6 +39,7 @@ from dgt.layout import BucketLayout
 from dgt.protocol.budget import RoundWindow
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.congestion import Feedback, LedbatRate
+from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 from dgt.protocol.stats import LaneStats as RoundLaneStats
@@ -169,6 +170,8 @@ class Endpoint:
         self._closing = False
         self._fatal: BaseException | None = None
         self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
+        self._mac = DatagramMac(self._key) if c.datagram_mac else None  # datagram MAC (issue 22), same key
+        self.receiver.mac = self._mac
         self._handshakes = 0  # accepted connections whose handshake is under way (capped)
         self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
         self._aborted = trio.Event()
@@ -535,6 +538,7 @@ class Endpoint:
         sender = RoundSender(
             self.token, self.rank, block=c.block, datagram_payload=c.datagram_payload,
             reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
+            mac=self._mac, peer=rank,
         )  # fmt: skip
         link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
         self._links[rank] = link
