@@ -88,6 +88,7 @@ class RoundDone:
     stats: RoundStats
     report: bytes | None  # the DROP_REPORT frame for the sender; None when the sender asked for none
     layout: BucketLayout
+    codec: int = 0  # the ROUND_BEGIN header's codec byte (a collective's call code: its op)
 
 
 @dataclass
@@ -731,4 +732,4 @@ class RoundReceiver:
                 FrameType.DROP_REPORT, np.packbits(mask).tobytes() + encode_timing(_timing(r)), token=self.token,
                 rank=self.rank, round=round_, bucket=bucket, count=g.nblocks, flags=Flags.CLOSED | Flags.TIMING,
             )
-        return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout)
+        return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout, r.codec)

@@ -198,6 +198,7 @@ class RoundSender:
         order: torch.Tensor | None = None,
         report: bool = True,
         budget: int | None = None,
+        codec: int | None = None,
     ) -> RoundPlan:
         """Frames for one round. ``cls``: lane class per block (0 = reliable) or one class for all; ``order``: the
         unimportant blocks, most important first (default: block order). ``report=False`` asks the receiver for no
@@ -224,7 +225,8 @@ class RoundSender:
             unimp = order.detach().to("cpu").numpy().astype(np.int64)
             unimp = unimp[cls_np[unimp] > 0]
         unimp, unsent = split_budget(geom, unimp, isz, budget)
-        common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=self.codec)
+        codec = self.codec if codec is None else codec  # the header's codec byte (a collective's call code)
+        common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=codec)
 
         reliable: list[tuple[bytes, memoryview]] = []
         begin = wire.encode_round_begin(layout.numel, layout.block, geom.frag, layout.sizes)
