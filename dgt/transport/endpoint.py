@@ -898,7 +898,7 @@ class Endpoint:
         everything reliably (lossless). With ``wait`` (default) returns once the receiver's drop report is in,
         so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
         was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
-        frame headers' codec byte, a collective's call code (its op), handed to the receiver as ``RoundResult.codec``."""
+        frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
         return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec)
