@@ -211,3 +211,23 @@ async def test_endpoints_tag_every_datagram_and_the_receiver_takes_them_all(on):
     finally:
         await a.aclose()
         await b.aclose()
+
+
+async def test_endpoints_that_disagree_on_the_mac_refuse_to_connect():
+    """One rank with the MAC and one without would refuse each other's every datagram: the handshake says so."""
+    import trio
+
+    from dgt.endpoint import Endpoint, TransportConfig
+    from dgt.errors import DgtError
+
+    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=True))
+    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=False))
+    try:
+        with pytest.raises(DgtError, match="datagram_mac"):
+            with trio.fail_after(10):
+                async with trio.open_nursery() as n:
+                    n.start_soon(a.connect, {1: b.address})
+                    n.start_soon(b.connect, {0: a.address})
+    finally:
+        await a.aclose()
+        await b.aclose()

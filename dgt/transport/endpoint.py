@@ -366,7 +366,7 @@ class Endpoint:
                 try:
                     dn = auth.nonce()
                     hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), nonce=dn, **fields)
+                                            lanes=len(self.udp), nonce=dn, mac=self._mac is not None, **fields)
                     await chan.send_buffers([hello])
                     peer, msg = await self._read_control(chan)
                     if msg["op"] == control.CHALLENGE and peer == rank:
@@ -489,6 +489,8 @@ class Endpoint:
                     why = f"rank {rank} is already connected"
                 elif int(msg.get("lanes", -1)) != len(self.udp):
                     why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+                elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
+                    why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
                 addr = PeerAddress.from_dict(msg["address"])
                 if why is None and len(addr.udp_ports) != len(self.udp):
                     why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
