@@ -53,17 +53,18 @@ def run(rx, plan, items, t=0.0):
     return done[0]
 
 
-def receiver(key=KEY):
-    return RoundReceiver(TOKEN, rank=RECEIVER, mac=dm.DatagramMac(key))
+def receiver(key=KEY, native=True):
+    return RoundReceiver(TOKEN, rank=RECEIVER, mac=dm.DatagramMac(key, native=native))
 
 
+@pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.uint8])
-def test_genuine_datagrams_all_pass_and_the_round_is_exact(dtype):
-    layout, flat, plan = plan_round(dm.DatagramMac(KEY), dtype=dtype)
+def test_genuine_datagrams_all_pass_and_the_round_is_exact(dtype, native):
+    layout, flat, plan = plan_round(dm.DatagramMac(KEY, native=native), dtype=dtype)
     items = datagrams(plan)
     assert items and all(int(np.frombuffer(b[:48], wire.HEADER_DTYPE)["flags"][0]) & wire.Flags.MAC for _, b in items)
     assert any(len(b) != len(items[0][1]) for _, b in items)  # odd-size tails are tagged too
-    rx = receiver()
+    rx = receiver(native=native)
     done = run(rx, plan, items)
     assert rx.counters.reasons.get("bad-mac", 0) == 0
     assert bool(done.mask.all()) and done.stats.dropped == 0
@@ -254,3 +255,20 @@ def test_fuzzed_datagrams_never_reach_the_sum(seed):
     assert done.stats.lanes[1].frames == len(genuine)  # not one changed datagram was taken (some named other rounds)
     exp = layout.expand(done.mask)
     assert torch.equal(done.data[exp], flat[exp]) and bool((done.data[~exp] == 0).all())
+
+
+def test_c_and_numpy_tags_agree_and_verify_each_other():
+    if dm._nh is None:
+        pytest.skip("the C extension dgt.protocol._nh is not built")
+    packed = {}
+    for native in (True, False):
+        _, _, plan = plan_round(dm.DatagramMac(KEY, native=native))
+        packed[native] = np.asarray(plan.datagrams[1])
+    assert np.array_equal(packed[True], packed[False])
+    rows = packed[True]
+    k, seg = rows.shape
+    starts = np.arange(0, k * seg, seg, dtype=np.int64)
+    pads = dm.DatagramMac(KEY).pads(SENDER, RECEIVER, 0, 0, 1)[:1].repeat(k)  # wrong pads: every tag fails
+    for native in (True, False):
+        mac = dm.DatagramMac(KEY, native=native)
+        assert not mac.verify(rows.reshape(-1), starts, seg - dm.TAG, pads).any()

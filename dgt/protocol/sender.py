@@ -344,18 +344,18 @@ class RoundSender:
                    pads: np.ndarray | None = None) -> None:
         """One fragment per datagram: the equal-size ones as headers (built in one numpy step) plus the byte offsets
         of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends).
-        With a MAC, the tags of all of them are computed here in one vectorised pass over the bucket."""
+        With a MAC, each datagram's pad is picked here (one SHAKE call per round drew them all)."""
         blk, off, cnt = geom.fragments_of(blocks)
         flags = Flags.FRAGMENT | (0 if pads is None else Flags.MAC)
         h = self._data_headers(len(blk), flags, lane, dt, common, blk, off, cnt, isz)
         full = cnt == geom.frag
         hs = wire.HEADER_SIZE
         hrows = h[full].view(np.uint8).reshape(-1, hs)
-        tags = None
-        if pads is not None:
+        if pads is not None:  # each datagram's one-time pad; the tags are made as the rows are packed
             pads = pads[slots(blk, (off - geom.block_start[blk]) // geom.frag, geom.frags_per_block)]
-            tags = self.mac.tags(hrows, raw, off[full] * isz, geom.frag * isz, pads[full])
-        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz, tags)
+        mac = None if pads is None else self.mac
+        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz, mac,
+                                            None if pads is None else pads[full])
         odd = np.flatnonzero(~full)
         plan.odd[lane] = [self._odd(h[i : i + 1], raw, off[i] * isz, cnt[i] * isz, pads, i) for i in odd]
 
