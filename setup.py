@@ -1,7 +1,10 @@
-"""Build hook for the one optional native piece (dgt/channels/_duplex.c); everything else is in pyproject.toml.
-``optional=True``: without a C compiler the install still succeeds and dgt uses the pure-Python hop loop."""
+"""Build hook for the optional native pieces (dgt/channels/_duplex.c, dgt/protocol/_nh.c); everything else is in
+pyproject.toml. ``optional=True``: without a C compiler the install still succeeds and dgt uses the pure-Python hop
+loop and the numpy NH hash (same results, slower)."""
 
 from setuptools import Extension, setup
 
-setup(ext_modules=[Extension("dgt.channels._duplex", ["dgt/channels/_duplex.c"], optional=True,
-                             extra_compile_args=["-O3"])])
+setup(ext_modules=[
+    Extension("dgt.channels._duplex", ["dgt/channels/_duplex.c"], optional=True, extra_compile_args=["-O3"]),
+    Extension("dgt.protocol._nh", ["dgt/protocol/_nh.c"], optional=True, extra_compile_args=["-O3"]),
+])

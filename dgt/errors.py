@@ -95,8 +95,23 @@ class InputRejected(DgtError, ValueError):
     a class array that does not cover the bucket): refused before any traffic."""
 
 
+OPS = ("", "sum", "mean")  # a collective's op as its call code, the frame header's codec byte (0: none given)
+
+
+def op_mismatch(a: int, b: int, round: int) -> str:
+    """The reason every rank gives for an op mismatch, the same whichever rank saw it (ops sorted, no rank named)."""
+    names = sorted(OPS[c] if 0 < c < len(OPS) else f"op code {c}" for c in {a, b})
+    return f"the ranks called a collective with different ops ({' / '.join(names)}) in round {round}"
+
+
+def path_mismatch(round: int) -> str:
+    """The reason every rank gives when its peers took different paths for one call (stream lanes / rounds)."""
+    return (f"the ranks called a collective with tensors that take different paths in round {round} (stream lanes on "
+            f"some ranks, rounds on others): different dtypes, devices or memory layouts, or stream_hops settings")
+
+
 class RankMismatch(ProtocolError):
-    """Ranks called the same collective with different sizes or dtypes, or collectives in different orders. The
+    """Ranks called the same collective with different sizes, dtypes or ops, or collectives in different orders. The
     rank that sees it tells its peers (a control ABORT), so every rank of the call raises it with the same reason.
     ``remote``: the rank it was reported by (None where this rank saw it)."""
 

@@ -17,6 +17,7 @@ import torch
 from dgt.errors import WireError as WireError  # re-exported: dgt.wire.WireError is public
 
 MAGIC = 0x4447  # "DG"
+MAC_TAG = 8  # bytes of a datagram's MAC trailer (Flags.MAC)
 VERSION = 1
 
 HEADER_DTYPE = np.dtype(
@@ -59,6 +60,7 @@ class Flags(IntFlag):
     CLOSED = 8  # DROP_REPORT: the receiver has finalised the round
     NO_REPORT = 16  # ROUND_BEGIN: a lossless round whose sender does not wait for a drop report: send none
     TIMING = 32  # DROP_REPORT: a timing trailer follows the bitmap (dgt.protocol.report)
+    MAC = 64  # datagram: an 8-byte tag follows the payload (dgt.protocol.datagram_mac); ``length`` excludes it
 
 
 class WireDType(IntEnum):
@@ -354,7 +356,8 @@ def decode_datagrams(
 ) -> Batch:
     """Decode ``len(sizes)`` datagrams laid back to back in ``buf`` (as GRO delivers them) without raising.
 
-    A datagram is valid iff its header validates and header + payload length equals the datagram size exactly.
+    A datagram is valid iff its header validates and header + payload length (+ the MAC tag when ``Flags.MAC``)
+    equals the datagram size exactly.
     Headers are gathered with one numpy copy (no Python loop over datagrams).
     """
     mv = memoryview(buf).cast("B")
@@ -369,7 +372,8 @@ def decode_datagrams(
         hdr_bytes = np.zeros((len(sizes), HEADER_SIZE), np.uint8)
     h = np.ascontiguousarray(hdr_bytes).view(HEADER_DTYPE).reshape(-1)
     reason = validate(h, limits, token)
-    reason[(reason == 0) & (h["length"].astype(np.int64) + HEADER_SIZE != sizes)] = REASONS.index("length")
+    tagged = ((h["flags"] & Flags.MAC) != 0).astype(np.int64) * MAC_TAG
+    reason[(reason == 0) & (h["length"].astype(np.int64) + HEADER_SIZE + tagged != sizes)] = REASONS.index("length")
     reason[short] = REASONS.index("truncated")
     return Batch(h, starts + HEADER_SIZE, reason, mv)
 

@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from dgt import wire
-from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
+from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, op_mismatch
 
 try:
     from dgt.channels import _duplex
@@ -214,6 +214,8 @@ def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.sock
     if code == -errno.EPROTO:
         same = _message_id(hdr) == _message_id(expect)
         why = "called it with different sizes or dtypes" if same else "issued collectives in different orders"
+        if same and len(hdr) > 6 and len(expect) > 6 and hdr[6] != expect[6]:  # the codec byte: the call's op
+            raise RankMismatch(op_mismatch(hdr[6], expect[6], _message_id(hdr)[1]))
         raise RankMismatch(f"{label}: expected {describe(expect)}, got {describe(hdr)}: the ranks {why}")
     if code == -errno.ETIMEDOUT:
         raise PeerTimeout(f"{label}: no progress for {timeout:g} s (sent {sent}, received {got} bytes)")

@@ -15,7 +15,7 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected, PeerClosed, RankMismatch
+from dgt.errors import OPS, CodecMismatch, InputRejected, PeerClosed, RankMismatch
 from dgt.transport.streams import streamable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -36,10 +36,11 @@ def tells_peers(fn: F) -> F:
                 ep.abort_peers(str(exc))
             raise
         except PeerClosed as exc:
-            if not getattr(exc, "mid_hop", False):
+            if not (getattr(exc, "mid_hop", False) or getattr(exc, "bye", False)):
                 raise
             # a peer that saw a mismatch in a stream hop shuts its stream lanes as it raises; its ABORT (on the
-            # session link) may trail that by a moment: report the mismatch, the cause, when it comes within a second
+            # session link) may trail that by a moment, and a rank that got another peer's ABORT closes its group
+            # (a goodbye) before that ABORT reaches us: report the mismatch, the cause, when it comes within a second
             mismatch = await self.group.endpoint.aborted(min(1.0, self.group.endpoint.cfg.peer_timeout))
             if mismatch is None:
                 raise
@@ -62,6 +63,8 @@ class Collective:
         self.group = group
         self.codec = make_codec(codec)
         self.op = op
+        self.call_code = OPS.index(op)  # on every message this collective sends (the header's codec byte), so a
+        # rank whose peer called with another op sees it (RankMismatch) instead of returning a different answer
         runner = getattr(self.codec, "runner", None)
         if runner:
             raise CodecMismatch(f"codec {self.codec.name!r} is driven by {runner}, not by the generic {self.name}")

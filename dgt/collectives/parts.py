@@ -9,7 +9,7 @@ import trio
 
 from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import RankMismatch
+from dgt.errors import RankMismatch, op_mismatch
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
@@ -19,6 +19,9 @@ MAX_PARTS = 1 << PART_BITS  # parts one codec emits per chunk
 MAX_STEPS = 1 << STEP_BITS  # ring steps / PS shards: worlds up to 4096 ranks
 MAX_BUCKETS = 1 << BUCKET_BITS  # bucket ids 0..16383
 assert PART_BITS + STEP_BITS + PHASE_BITS + BUCKET_BITS == 32 and len(PHASES) <= 1 << PHASE_BITS
+# the key bits that name a message family (bucket and phase): a stream exchange and the rounds a peer on the other
+# path sends for the same call agree on these (Endpoint.exchange's ``family``), whatever their steps and parts
+FAMILY_MASK = 0xFFFFFFFF ^ ((1 << (STEP_BITS + PART_BITS)) - 1)
 
 
 def transport_key(bucket: int, phase: str, step: int = 0, part: int = 0) -> int:
@@ -88,8 +91,9 @@ def codec_block_mask(transport_mask: torch.Tensor, transport: BucketLayout, code
 
 
 async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
-                     stats: CollectiveStats, reliable: bool = False, wait_report: bool = True) -> None:
-    """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane.
+                     stats: CollectiveStats, reliable: bool = False, wait_report: bool = True, op: int = 0) -> None:
+    """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane. ``op``: the
+    collective's call code (its op), carried in every frame header for the receiver to compare.
     ``wait_report=False``: return once every frame is handed to the kernel, without waiting a round trip for the
     receiver's drop report (the transport keeps a copy and folds the report into error feedback when it comes)."""
     jobs = []
@@ -100,7 +104,7 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
             cls = cls.detach().to("cpu")
         order = None if part.order is None else part.order.detach().to("cpu")
         jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), layout_of(part), cls,
-                     order, wait_report))
+                     order, wait_report, op))
         _count_sent(stats, part, cls)
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
         await _send_one(stats, *jobs[0])
@@ -121,11 +125,11 @@ def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
     stats.add_sent(1, part.nbytes - rel)
 
 
-async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cls, order, wait_report) -> None:
+async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cls, order, wait_report, op) -> None:
     # a lossless round has nothing to learn from its drop report: do not spend a round trip waiting for it
     lossless = cls == 0 if isinstance(cls, int) else not bool((cls != 0).any())
     st = await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order,
-                             wait=wait_report and not lossless)
+                             wait=wait_report and not lossless, codec=op)
     unsent = getattr(st, "unsent_bytes", 0)
     if unsent:  # the send budget kept these back (error feedback carries them): not sent on the unreliable lane
         stats.add_sent(1, -unsent)
@@ -134,18 +138,20 @@ async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cl
 
 async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, like: list[Part],
                      stats: CollectiveStats, into: list[torch.Tensor | None] | None = None,
-                     device: torch.device | None = None, exact: bool = False) -> list[Received]:
+                     device: torch.device | None = None, exact: bool = False, op: int = 0) -> list[Received]:
     """Receive the parts ``peer`` sends (shaped like our own ``like`` parts: same count and block geometry).
     ``into``: per part, a contiguous CPU tensor to reassemble straight into (no extra buffer, no copy).
     ``device``: where the caller decodes (the bucket's device): data and block masks move there together, since
     decoders index the data with the masks. ``exact``: the parts are element-aligned (a summable codec), so a part
-    of another size or dtype means the ranks called the collective differently (:class:`RankMismatch`)."""
+    of another size or dtype means the ranks called the collective differently (:class:`RankMismatch`). ``op``:
+    this rank's call code; a part sent with another one means the ranks called it with different ops."""
     out: list[Received | None] = [None] * len(like)
 
     async def one(i: int, part: Part) -> None:
         dst = into[i] if into else None
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
+        check_op(op, res.codec, rnd)
         want = layout_of(part).numel
         # parts of summable codecs hold one element per element and must match exactly; those of other codecs
         # (QSGD records, sparse payloads) may differ in size from rank to rank
@@ -170,6 +176,12 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
             for i, part in enumerate(like):
                 nursery.start_soon(one, i, part)
     return out  # type: ignore[return-value]
+
+
+def check_op(mine: int, theirs: int, rnd: int) -> None:
+    """Raise :class:`RankMismatch` when a peer sent with another call code (op) than this rank's (0: unchecked)."""
+    if mine and theirs != mine:
+        raise RankMismatch(op_mismatch(theirs, mine, rnd))
 
 
 def like_parts(template: list[Part], segments: list[int], codec, data: torch.Tensor) -> list[Part]:

@@ -19,6 +19,7 @@ exchange on stream lanes, like the ring (:meth:`ParameterServer._stream_allreduc
 from __future__ import annotations
 
 import time
+from functools import partial
 
 import torch
 import trio
@@ -27,6 +28,7 @@ from dgt.codecs.base import Codec, Received
 from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import (
+    FAMILY_MASK,
     MAX_STEPS,
     as_received,
     check_world,
@@ -89,8 +91,8 @@ class ParameterServer(Collective):
         segs = segments or [flat.numel()]
         block = self.codec.capabilities.block
         ch = self.chunking(segs, block, len(self.servers))
-        owners = self.servers
         out = flat.clone()
+        op = self.call_code  # in every frame this call sends, compared by every receiver
 
         async def serve_shard(shard: int, owner: int) -> None:
             piece = ch.chunk(flat, shard)
@@ -100,11 +102,11 @@ class ParameterServer(Collective):
             parts = self.codec.encode(piece, self.state(state_key("push", bucket_id, shard), piece, sg))
             if owner != g.rank:  # worker: push, then pull
                 with self.phase(stats, "push"):
-                    await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats)
+                    await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats, op=op)
                 with self.phase(stats, "pull"):
                     like = like_parts(parts, sg, self.codec, piece)
                     got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
-                                           device=piece.device, exact=self.codec.capabilities.summable)
+                                           device=piece.device, exact=self.codec.capabilities.summable, op=op)
                     pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
                     ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
                 return
@@ -115,7 +117,7 @@ class ParameterServer(Collective):
                 async def gather(w: int) -> None:
                     like = like_parts(parts, sg, self.codec, piece)
                     received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
-                                                   device=piece.device, exact=self.codec.capabilities.summable)
+                                                   device=piece.device, exact=self.codec.capabilities.summable, op=op)
 
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):
@@ -138,11 +140,11 @@ class ParameterServer(Collective):
                 async with trio.open_nursery() as nursery:
                     for w in range(g.world):
                         if w != g.rank:
-                            nursery.start_soon(send_parts, g.endpoint, w, bucket_id, "pull", shard, rnd, pull, stats,
-                                               not self.lossy_pull)
+                            nursery.start_soon(partial(send_parts, g.endpoint, w, bucket_id, "pull", shard, rnd,
+                                                       pull, stats, not self.lossy_pull, op=op))
 
         async with trio.open_nursery() as nursery:
-            for shard, owner in enumerate(owners):
+            for shard, owner in enumerate(self.servers):
                 nursery.start_soon(serve_shard, shard, owner)
         # results arrive already averaged by the server; op is applied there
         return CollectiveResult(out.view_as(bucket), stats)
@@ -177,6 +179,7 @@ class ParameterServer(Collective):
         res = self.result_buffer(bucket, out)
         rnd = g.next_round("ps", bucket_id)
         push, pull = transport_key(bucket_id, "push"), transport_key(bucket_id, "pull")
+        op = self.call_code
         hops: list[Hop] = []
         if self.server == "sharded":
             ch = self.chunking(segments, self.codec.capabilities.block, W)
@@ -184,19 +187,21 @@ class ParameterServer(Collective):
             for s in range(1, W):
                 to, frm = (r + s) % W, (r - s) % W
                 hops.append(Hop(transport_key(bucket_id, "push", s), rnd, to, ch.chunk(src, to), frm, mine,
-                                add_src=ch.chunk(src, r) if s == 1 else mine))
+                                add_src=ch.chunk(src, r) if s == 1 else mine, codec=op))
             for s in range(1, W):
                 to, frm = (r + s) % W, (r - s) % W
-                hops.append(Hop(transport_key(bucket_id, "pull", s), rnd, to, mine, frm, ch.chunk(res, frm)))
+                hops.append(Hop(transport_key(bucket_id, "pull", s), rnd, to, mine, frm, ch.chunk(res, frm), codec=op))
         elif r == self.server:
             workers = [w for w in range(W) if w != r]
-            hops = [Hop(push, rnd, recv_from=w, land=res, add_src=res if i else src) for i, w in enumerate(workers)]
-            hops += [Hop(pull, rnd, send_to=w, payload=res) for w in workers]
+            hops = [Hop(push, rnd, recv_from=w, land=res, add_src=res if i else src, codec=op)
+                    for i, w in enumerate(workers)]
+            hops += [Hop(pull, rnd, send_to=w, payload=res, codec=op) for w in workers]
         else:
-            hops = [Hop(push, rnd, send_to=self.server, payload=src), Hop(pull, rnd, recv_from=self.server, land=res)]
+            hops = [Hop(push, rnd, send_to=self.server, payload=src, codec=op),
+                    Hop(pull, rnd, recv_from=self.server, land=res, codec=op)]
         stats = CollectiveStats()
         t0 = time.monotonic()
-        done = await g.endpoint.exchange(hops)
+        done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
         pushed = done[len(hops) // 2 - 1].finished  # pushes come first, then as many pulls
         stats.phases["push"] = pushed - t0

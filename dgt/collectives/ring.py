@@ -18,7 +18,17 @@ import trio
 from dgt.codecs.base import Received
 from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.chunks import Chunking
-from dgt.collectives.parts import as_received, check_world, like_parts, recv_parts, send_parts, state_key, transport_key
+from dgt.collectives.parts import (
+    FAMILY_MASK,
+    as_received,
+    check_op,
+    check_world,
+    like_parts,
+    recv_parts,
+    send_parts,
+    state_key,
+    transport_key,
+)
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 from dgt.transport.streams import Hop
@@ -125,12 +135,12 @@ class RingAllReduce(Collective):
         for s in range(W - 1):
             a, c = (r - s) % W, (r - s - 1) % W
             hops.append(Hop(transport_key(bucket_id, "rs", s, 0), rnd, nxt, ch.chunk(src if s == 0 else flat, a), prv,
-                            ch.chunk(flat, c), add_src=ch.chunk(src, c)))
+                            ch.chunk(flat, c), add_src=ch.chunk(src, c), codec=self.call_code))
         for s in range(W - 1):
             hops.append(Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
-                            ch.chunk(flat, (own - s - 1) % W)))
+                            ch.chunk(flat, (own - s - 1) % W), codec=self.call_code))
         t0 = time.monotonic()
-        done = await g.endpoint.exchange(hops)
+        done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
         stats.phases["reduce_scatter"] = stats.phases.get("reduce_scatter", 0.0) + done[W - 2].finished - t0
         stats.phases["all_gather"] = stats.phases.get("all_gather", 0.0) + done[-1].finished - done[W - 2].finished
@@ -155,14 +165,14 @@ class RingAllReduce(Collective):
 
         async def recv() -> None:
             got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
-                                        device=mine.device, exact=True))
+                                        device=mine.device, exact=True, op=self.call_code))
 
         async with trio.open_nursery() as nursery:
             if parts:
                 # the next hop needs what this one receives, not the drop report of what it sent: do not wait a
                 # round trip per hop for it (error feedback folds it in when it comes)
                 nursery.start_soon(partial(send_parts, ep, (g.rank + 1) % g.world, bucket_id, phase, step, rnd, parts,
-                                           stats, reliable, wait_report=False))
+                                           stats, reliable, wait_report=False, op=self.call_code))
             if like:
                 nursery.start_soon(recv)
         if not like:
@@ -181,11 +191,12 @@ class RingAllReduce(Collective):
         key = transport_key(bucket_id, phase, step, 0)
         pending = None
         if out.numel():
-            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out)
+            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out, codec=self.call_code)
             stats.add_sent(0, out.numel() * out.element_size())
         if land is not None:
             res = await ep.recv_round((g.rank - 1) % g.world, key, rnd, out=land)
             stats.add_round(res.stats)
+            check_op(self.call_code, res.codec, rnd)
         if pending is not None:
             await pending.wait()  # the chunk may be overwritten (all-gather landing) once this returns
         return land

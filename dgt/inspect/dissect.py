@@ -30,7 +30,7 @@ from dgt import wire
 
 FTYPES = {int(t): t.name for t in wire.FrameType}
 DTYPES = {int(t): t.name.lower() for t in wire.WireDType}
-FLAG_NAMES = ["IMPORTANT", "FRAGMENT", "RESEND", "CLOSED", "NO_REPORT", "TIMING"]
+FLAG_NAMES = ["IMPORTANT", "FRAGMENT", "RESEND", "CLOSED", "NO_REPORT", "TIMING", "MAC"]
 
 
 class DGT(Packet):

@@ -83,7 +83,8 @@ def udp_datagrams(table: PacketTable, l4: np.ndarray, flows: Flows, opts: Option
     limits = opts.limits
     urows, uh, upl = split_datagrams(table, np.flatnonzero(l4 & (table.proto == UDP)))
     ureason = wire.validate(uh, limits).astype(np.int64)
-    bad_len = (ureason == 0) & (uh["length"].astype(np.int64) + wire.HEADER_SIZE != upl)
+    tag = ((uh["flags"] & Flags.MAC) != 0).astype(np.int64) * wire.MAC_TAG  # a MAC trailer (not checked here: no key)
+    bad_len = (ureason == 0) & (uh["length"].astype(np.int64) + wire.HEADER_SIZE + tag != upl)
     ureason[bad_len] = REASONS.index("length")
     ureason[upl < wire.HEADER_SIZE] = REASONS.index("truncated")
     notfrag = (ureason == 0) & ((uh["ftype"] != FrameType.DATA) | ((uh["flags"] & Flags.FRAGMENT) == 0))
@@ -209,6 +210,7 @@ def split_datagrams(table: PacketTable, rows: np.ndarray) -> tuple[np.ndarray, n
             pos, cuts = 0, []
             while pos < len(pay):
                 n = int.from_bytes(pay[pos + 44 : pos + 48], "big") + wire.HEADER_SIZE if pos + 48 <= len(pay) else 0
+                n += wire.MAC_TAG if n and pay[pos + 4] & Flags.MAC else 0  # the datagram's MAC trailer
                 end = pos + n if wire.HEADER_SIZE <= n <= len(pay) - pos else len(pay)  # bad length: rest is one
                 cuts.append(pay[pos:end])
                 pos = end

@@ -24,7 +24,7 @@ Key = tuple[int, int, int]  # (sender rank, bucket, round)
 
 
 def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tensor,
-                frame_bytes: int) -> list[tuple[bytes, memoryview]]:
+                frame_bytes: int, codec: int = 0) -> list[tuple[bytes, memoryview]]:
     """(header, payload view) frames for a contiguous 1-D CPU tensor; each payload at most ``frame_bytes`` (whole
     elements). An empty tensor is one frame with no payload, so the receiver still completes the message. A message
     is a handful of multi-MiB frames, so headers are packed one by one (numpy's per-call cost would dominate)."""
@@ -37,7 +37,7 @@ def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tens
     for a in range(0, max(n, 1), per):
         c = min(per, n - a)
         hdr = wire.encode_header(FrameType.BULK, token=token, rank=rank, round=round, bucket=bucket, block=n,
-                                 offset=a, count=c, length=c * isz, dtype=dt)
+                                 offset=a, count=c, length=c * isz, dtype=dt, codec=codec)
         frames.append((hdr, mv[a * isz : (a + c) * isz]))
     return frames
 
@@ -52,6 +52,7 @@ class BulkMessage:
     frames: int = 0
     opened: float = 0.0
     owned: int = 0  # bytes this receiver allocated for it (0: a posted landing buffer)
+    codec: int = 0  # the header's codec byte (a collective's call code: its op), from the first frame
 
     @property
     def total(self) -> int:
@@ -67,6 +68,7 @@ class BulkDone:
     frames: int
     nbytes: int  # payload + headers
     elapsed: float
+    codec: int = 0
 
 
 class BulkReceiver:
@@ -103,7 +105,8 @@ class BulkReceiver:
                                         f"({self.allocated} of {self.max_bytes} bytes in use)")
                 data = torch.empty(total, dtype=dtype)
                 self.allocated += need
-            msg = self.open[key] = BulkMessage(data, raw_bytes(data).data, opened=now, owned=need)
+            msg = self.open[key] = BulkMessage(data, raw_bytes(data).data, opened=now, owned=need,
+                                               codec=int(h["codec"]))
         elif offset != msg.got or total != msg.total or dtype != msg.data.dtype:
             raise ProtocolError(f"rank {rank}: bulk frame for elements [{offset}, {offset + count}) of {total} does "
                                 f"not continue message {key[1:]} ({msg.got} of {msg.total} {msg.data.dtype} in)")
@@ -121,7 +124,7 @@ class BulkReceiver:
         del self.open[key]
         self._release(msg)
         nbytes = msg.data.numel() * msg.data.element_size() + msg.frames * wire.HEADER_SIZE
-        return BulkDone(key, msg.data, msg.frames, nbytes, max(now - msg.opened, 0.0))
+        return BulkDone(key, msg.data, msg.frames, nbytes, max(now - msg.opened, 0.0), msg.codec)
 
     def abort(self, rank: int) -> None:
         """The peer is gone: forget its partial messages."""

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Iterator
-from typing import SupportsIndex, overload
+from typing import TYPE_CHECKING, SupportsIndex, overload
 
 import numpy as np
 import torch
 from numpy.typing import DTypeLike
 
 from dgt import wire
+
+if TYPE_CHECKING:
+    from dgt.protocol.datagram_mac import DatagramMac
 
 
 def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int, out: np.ndarray | None = None) -> np.ndarray:
@@ -38,11 +41,15 @@ def gather_rows(raw: np.ndarray, byte_offsets: np.ndarray, row_bytes: int, out: 
 
 class DatagramRows:
     """``len(offsets)`` datagrams of ``HEADER_SIZE + payload`` bytes each: header ``i`` is ``headers[i]`` (uint8
-    ``[k, 48]``), its payload the ``payload`` bytes of ``raw`` (the bucket as uint8) from ``offsets[i]``."""
+    ``[k, 48]``), its payload the ``payload`` bytes of ``raw`` (the bucket as uint8) from ``offsets[i]``; with
+    ``mac`` (a dgt.protocol.datagram_mac.DatagramMac) and ``pads`` (its one-time pad per datagram) each is followed
+    by its 8-byte MAC trailer, computed as the datagrams are packed (in cache, batch by batch, in step with the
+    sends rather than all before the first one)."""
 
-    __slots__ = ("headers", "raw", "offsets", "payload", "_rows")
+    __slots__ = ("headers", "raw", "offsets", "payload", "_rows", "mac", "pads")
 
-    def __init__(self, headers: np.ndarray, raw: np.ndarray, offsets: np.ndarray, payload: int) -> None:
+    def __init__(self, headers: np.ndarray, raw: np.ndarray, offsets: np.ndarray, payload: int,
+                 mac: DatagramMac | None = None, pads: np.ndarray | None = None) -> None:
         if headers.ndim != 2 or headers.shape[1] != wire.HEADER_SIZE or len(headers) != len(offsets):
             raise ValueError("headers must be [k, HEADER_SIZE] uint8, one per payload offset")
         if len(offsets) and (int(offsets.min()) < 0 or int(offsets.max()) + payload > len(raw)):
@@ -52,17 +59,21 @@ class DatagramRows:
         self.offsets = offsets
         self.payload = payload
         self._rows = byte_rows(raw, payload)  # every payload-sized row of the bucket (a view, made once)
+        if mac is not None and (pads is None or len(pads) != len(offsets)):
+            raise ValueError("a MAC needs one pad per datagram")
+        self.mac, self.pads = mac, pads
 
     def _part(self, i: slice) -> DatagramRows:
         """Rows ``i`` of these (checked already: no second pass over the offsets, no new strided view)."""
         part = object.__new__(DatagramRows)
         part.headers, part.raw, part.offsets = self.headers[i], self.raw, self.offsets[i]
         part.payload, part._rows = self.payload, self._rows
+        part.mac, part.pads = self.mac, None if self.pads is None else self.pads[i]
         return part
 
     @property
     def seg(self) -> int:
-        return wire.HEADER_SIZE + self.payload
+        return wire.HEADER_SIZE + self.payload + (0 if self.mac is None else wire.MAC_TAG)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,10 +112,12 @@ class DatagramRows:
     def pack(self, out: np.ndarray, start: int | None = None) -> np.ndarray:
         """The datagrams (all, or just row ``start``) packed back to back into ``out`` (``[>= k, seg]`` uint8):
         the headers with one copy, the payloads with one gather. Returns the filled ``[k, seg]`` prefix."""
+        pads = self.pads
         if start is None:
             h, offs = self.headers, self.offsets
         else:
             h, offs = self.headers[start : start + 1], self.offsets[start : start + 1]
+            pads = None if pads is None else pads[start : start + 1]
         k = len(offs)
         if out.ndim != 2 or out.shape[1] != self.seg or len(out) < k:
             raise ValueError(f"staging buffer {out.shape} cannot hold {k} datagrams of {self.seg} bytes")
@@ -112,7 +125,10 @@ class DatagramRows:
         dst[:, : wire.HEADER_SIZE] = h
         # numpy, not torch's index_select: a batch is small (<= 64 KiB), and index_select into this strided
         # destination ran 20x slower with more than one torch thread on a loaded 2-core host (measured)
-        dst[:, wire.HEADER_SIZE :] = self._rows[offs]
+        end = wire.HEADER_SIZE + self.payload
+        dst[:, wire.HEADER_SIZE : end] = self._rows[offs]
+        if self.mac is not None and pads is not None:
+            self.mac.tag_rows(dst, end, pads)
         return dst
 
 

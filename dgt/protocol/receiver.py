@@ -23,6 +23,7 @@ import torch
 from dgt import wire
 from dgt.errors import WireError
 from dgt.layout import BucketLayout
+from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.datagram_rows import scatter_rows
 from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.geometry import Geometry
@@ -87,6 +88,7 @@ class RoundDone:
     stats: RoundStats
     report: bytes | None  # the DROP_REPORT frame for the sender; None when the sender asked for none
     layout: BucketLayout
+    codec: int = 0  # the ROUND_BEGIN header's codec byte (a collective's call code: its op)
 
 
 @dataclass
@@ -163,6 +165,7 @@ class _Round:
         self.mean_gap: float | None = None
         self.batch_gap: float | None = None  # EWMA of the time between batches (GSO/GRO make arrivals bursty)
         self.unimp_frames = 0
+        self.pads: np.ndarray | None = None  # the datagram MAC's pads of this round's fragment slots (on first use)
 
         self._scratch: dict[str, np.ndarray] = {}
 
@@ -216,8 +219,10 @@ class RoundReceiver:
         early_rounds_per_peer: int = 8,
         max_open_bytes: int = 4 << 30,
         allocator: Allocator | None = None,
+        mac: DatagramMac | None = None,
     ) -> None:
         self.token = token
+        self.mac = mac  # when set, every fragment must come as a datagram with a good MAC trailer (else "bad-mac")
         self.allocator = allocator
         self.rank = rank
         self.limits = limits
@@ -516,6 +521,9 @@ class RoundReceiver:
             self._late_or_unknown(key, lane, _reencode(f), now)
             return []
         if f.flags & Flags.FRAGMENT:
+            if self.mac is not None:  # a lone frame has no MAC trailer to check: only datagram batches carry one
+                self.counters.reject("bad-mac")
+                return []
             h = wire.headers(1)
             h["flags"], h["block"], h["offset"], h["count"] = f.flags, f.block, f.offset, f.count
             h["length"], h["rank"], h["bucket"], h["round"], h["dtype"] = len(f.payload), *key, f.dtype
@@ -559,7 +567,8 @@ class RoundReceiver:
         if key in self.closed:
             self.counters.late += len(sel)
             return
-        sizes = batch.headers["length"][sel].astype(np.int64) + wire.HEADER_SIZE
+        hsel = batch.headers[sel]
+        sizes = hsel["length"].astype(np.int64) + wire.HEADER_SIZE + ((hsel["flags"] & Flags.MAC) != 0) * wire.MAC_TAG
         total = int(sizes.sum())
         if not self._admit_early(key, total, now):
             self.counters.unknown += len(sel)
@@ -597,6 +606,15 @@ class RoundReceiver:
         if not good.all():
             r.stats.rejected += int((~good).sum())
             b, fidx, off, cnt, pos, h = b[good], fidx[good], off[good], cnt[good], pos[good], h[good]
+        if self.mac is not None and len(b):  # before de-duplication: a forged copy must not shut out the genuine one
+            if r.pads is None:
+                g = r.geom
+                r.pads = self.mac.pads(r.key[0], self.rank, r.key[1], r.key[2], g.nblocks * g.frags_per_block)
+            ok = self.mac.check_fragments(h, src, pos, r.pads, b, fidx, cnt, r.geom.frag, r.isz, r.geom.frags_per_block)
+            if not ok.all():
+                self.counters.reject("bad-mac", int((~ok).sum()))
+                r.stats.rejected += int((~ok).sum())
+                b, fidx, off, cnt, pos, h = b[ok], fidx[ok], off[ok], cnt[ok], pos[ok], h[ok]
         hs = h
         if len(b) == 0:
             return []
@@ -714,4 +732,4 @@ class RoundReceiver:
                 FrameType.DROP_REPORT, np.packbits(mask).tobytes() + encode_timing(_timing(r)), token=self.token,
                 rank=self.rank, round=round_, bucket=bucket, count=g.nblocks, flags=Flags.CLOSED | Flags.TIMING,
             )
-        return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout)
+        return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout, r.codec)

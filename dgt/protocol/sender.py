@@ -11,6 +11,7 @@ import torch
 from dgt import wire
 from dgt.layout import BucketLayout
 from dgt.protocol.budget import fold_blocks, split_budget
+from dgt.protocol.datagram_mac import DatagramMac, slots, tag_bytes
 from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.protocol.report import Timing, decode_report
@@ -101,6 +102,8 @@ class RoundSender:
         error_feedback: bool = True,
         max_pending: int = 64,
         codec: int = 0,
+        mac: DatagramMac | None = None,
+        peer: int = 0,
     ) -> None:
         if lanes < 2:
             raise ValueError("need the reliable lane and at least one unreliable lane")
@@ -113,6 +116,8 @@ class RoundSender:
         self.error_feedback = error_feedback
         self.max_pending = max_pending
         self.codec = codec
+        self.mac = mac  # datagrams carry a MAC trailer (dgt.protocol.datagram_mac); its nonce names ``peer``
+        self.peer = peer
         self._residual: dict[int, torch.Tensor] = {}
         self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
             OrderedDict()
@@ -176,7 +181,8 @@ class RoundSender:
 
     # -- framing
     def geometry(self, layout: BucketLayout, itemsize: int) -> Geometry:
-        frag = fragment_elems(layout.block, itemsize, self.datagram_payload)
+        room = self.datagram_payload - (0 if self.mac is None else wire.MAC_TAG)  # the tag rides in the payload's room
+        frag = fragment_elems(layout.block, itemsize, room)
         key = (layout, frag)
         if key not in self._geom:
             self._geom[key] = Geometry(layout, frag)
@@ -192,6 +198,7 @@ class RoundSender:
         order: torch.Tensor | None = None,
         report: bool = True,
         budget: int | None = None,
+        codec: int | None = None,
     ) -> RoundPlan:
         """Frames for one round. ``cls``: lane class per block (0 = reliable) or one class for all; ``order``: the
         unimportant blocks, most important first (default: block order). ``report=False`` asks the receiver for no
@@ -218,7 +225,8 @@ class RoundSender:
             unimp = order.detach().to("cpu").numpy().astype(np.int64)
             unimp = unimp[cls_np[unimp] > 0]
         unimp, unsent = split_budget(geom, unimp, isz, budget)
-        common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=self.codec)
+        codec = self.codec if codec is None else codec  # the header's codec byte (a collective's call code)
+        common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=codec)
 
         reliable: list[tuple[bytes, memoryview]] = []
         begin = wire.encode_round_begin(layout.numel, layout.block, geom.frag, layout.sizes)
@@ -232,10 +240,13 @@ class RoundSender:
             lanes, counts = np.unique(cls_np[unsent], return_counts=True)
             plan.unsent_lanes = dict(zip(lanes.tolist(), counts.tolist()))
             plan.unsent_bytes = int(geom.block_len[unsent].sum()) * isz
+        pads = None  # the MAC's one-time pads of this round's fragment slots: one SHAKE call for every lane
+        if self.mac is not None and len(unimp):
+            pads = self.mac.pads(self.rank, self.peer, bucket, round, geom.nblocks * geom.frags_per_block)
         for lane in range(1, self.lanes):
             blocks = unimp[cls_np[unimp] == lane]
             if len(blocks):
-                self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common)
+                self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common, pads)
         end = wire.encode_round_end(len(important), len(unimp), len(reliable) - 1, plan.unreliable_frames())
         reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
         unsent_mask = None
@@ -334,14 +345,31 @@ class RoundSender:
         ]
 
     def _datagrams(self, plan: RoundPlan, lane: int, raw: np.ndarray, isz: int, dt: int, geom: Geometry,
-                   blocks: np.ndarray, common: dict[str, int]) -> None:
+                   blocks: np.ndarray, common: dict[str, int], pads: np.ndarray | None = None) -> None:
         """One fragment per datagram: the equal-size ones as headers (built in one numpy step) plus the byte offsets
-        of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends)."""
+        of their payloads in the bucket; nothing is copied here (the channel packs each GSO batch as it sends).
+        With a MAC, each datagram's pad is picked here (one SHAKE call per round drew them all)."""
         blk, off, cnt = geom.fragments_of(blocks)
-        h = self._data_headers(len(blk), Flags.FRAGMENT, lane, dt, common, blk, off, cnt, isz)
+        flags = Flags.FRAGMENT | (0 if pads is None else Flags.MAC)
+        h = self._data_headers(len(blk), flags, lane, dt, common, blk, off, cnt, isz)
         full = cnt == geom.frag
         hs = wire.HEADER_SIZE
         hrows = h[full].view(np.uint8).reshape(-1, hs)
-        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz)
+        if pads is not None:  # each datagram's one-time pad; the tags are made as the rows are packed
+            pads = pads[slots(blk, (off - geom.block_start[blk]) // geom.frag, geom.frags_per_block)]
+        mac = None if pads is None else self.mac
+        plan.datagrams[lane] = DatagramRows(hrows, raw, off[full] * isz, geom.frag * isz, mac,
+                                            None if pads is None else pads[full])
         odd = np.flatnonzero(~full)
-        plan.odd[lane] = [h[i : i + 1].tobytes() + raw[off[i] * isz : (off[i] + cnt[i]) * isz].tobytes() for i in odd]
+        plan.odd[lane] = [self._odd(h[i : i + 1], raw, int(off[i]) * isz, int(cnt[i]) * isz, pads, int(i))
+                          for i in odd]
+
+    def _odd(self, h: np.ndarray, raw: np.ndarray, start: int, nbytes: int, pads: np.ndarray | None, i: int) -> bytes:
+        """One odd-size datagram (a partial tensor tail), with its MAC trailer when the round has pads."""
+        out = h.tobytes() + raw[start : start + nbytes].tobytes()
+        if pads is None:
+            return out
+        hrow = h.view(np.uint8).reshape(1, wire.HEADER_SIZE)
+        assert self.mac is not None  # pads are drawn only when the sender has a MAC
+        tag = self.mac.tags(hrow, raw, np.array([start], np.int64), int(nbytes), pads[i : i + 1])
+        return out + tag_bytes(tag).tobytes()

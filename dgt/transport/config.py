@@ -64,6 +64,8 @@ class TransportConfig:
     peer_timeout: silence after which a peer counts as gone; pending operations then fail with PeerTimeout.
     drop_fraction: test hook: the receiver discards this fraction of arriving datagrams (seeded by drop_seed).
     check_source: drop datagrams not sent from a connected peer's lane socket.
+    datagram_mac: every datagram carries an 8-byte MAC (dgt.protocol.datagram_mac, keyed by the session key);
+        datagrams without a right one are dropped (counted as ``bad-mac``). Every rank must use the same setting.
     stream_hops: how lossless ring hops run on stream lanes (dgt.transport.streams): "auto" (the native loop when
         it was built, else the Python one), "native", "python", or "off" (on the session link, as BULK frames).
     port_range: (LO, HI): bind the TCP listener and the UDP lane sockets to free ports in this range (firewalled
@@ -98,6 +100,7 @@ class TransportConfig:
     drop_fraction: float = 0.0
     drop_seed: int | None = None
     check_source: bool = True
+    datagram_mac: bool = True
     udp_rcvbuf: int | None = 32 << 20
     udp_sndbuf: int | None = 4 << 20
     tcp_rcvbuf: int | None = None  # None: kernel autotuning

@@ -34,11 +34,13 @@ from dgt.errors import (
     RankMismatch,
     WireError,
     one_error,
+    path_mismatch,
 )
 from dgt.layout import BucketLayout
 from dgt.protocol.budget import RoundWindow
 from dgt.protocol.bulk import BulkDone, BulkReceiver, bulk_frames
 from dgt.protocol.congestion import Feedback, LedbatRate
+from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import DropReportIn, RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 from dgt.protocol.stats import RoundLaneStats, RoundStats
@@ -50,6 +52,7 @@ from dgt.transport import auth, control
 from dgt.transport.checks import check_classes
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
+from dgt.transport.stream_watch import StreamWatch
 from dgt.transport.streams import Hop, HopResult, StreamHub
 from dgt.wire import Flags, FrameType
 
@@ -168,9 +171,13 @@ class Endpoint:
         self._closing = False
         self._fatal: BaseException | None = None
         self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
+        self._mac = DatagramMac(self._key) if c.datagram_mac else None  # datagram MAC (issue 22), same key
+        self.receiver.mac = self._mac
         self._handshakes = 0  # accepted connections whose handshake is under way (capped)
         self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
         self._aborted = trio.Event()
+        self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
+        self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count())
@@ -358,7 +365,7 @@ class Endpoint:
                 try:
                     dn = auth.nonce()
                     hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), nonce=dn, **fields)
+                                            lanes=len(self.udp), nonce=dn, mac=self._mac is not None, **fields)
                     await chan.send_buffers([hello])
                     peer, msg = await self._read_control(chan)
                     if msg["op"] == control.CHALLENGE and peer == rank:
@@ -481,6 +488,8 @@ class Endpoint:
                     why = f"rank {rank} is already connected"
                 elif int(msg.get("lanes", -1)) != len(self.udp):
                     why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+                elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
+                    why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
                 addr = PeerAddress.from_dict(msg["address"])
                 if why is None and len(addr.udp_ports) != len(self.udp):
                     why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
@@ -534,6 +543,7 @@ class Endpoint:
         sender = RoundSender(
             self.token, self.rank, block=c.block, datagram_payload=c.datagram_payload,
             reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
+            mac=self._mac, peer=rank,
         )  # fmt: skip
         link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
         self._links[rank] = link
@@ -566,6 +576,7 @@ class Endpoint:
             return
         if isinstance(error, PeerClosed) and link.said_bye:
             error = PeerClosed(f"rank {rank} closed its endpoint")
+            error.bye = True  # a peer whose collective failed closes its group: its reason (ABORT) may come late
         link.error = error
         link.writer.fail(error)
         link.chan.close()
@@ -694,9 +705,7 @@ class Endpoint:
             # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
             # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
             error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
-            if self._abort is None:
-                self._abort = error
-                self._aborted.set()
+            self._set_abort(error)
             self._fail_peer(link.rank, error)
             # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
             # show them a closed connection instead of its reason); what waits on them fails now, and new
@@ -784,7 +793,8 @@ class Endpoint:
                 acc = self._lane_delivered.setdefault(lane, [0, 0])
                 acc[0] += ls.blocks
                 acc[1] += ls.bytes
-            self._deliver(key, RoundResult(d.data, d.mask, d.stats, d.layout, d.sender, d.bucket, d.round, elapsed))
+            self._deliver(key, RoundResult(d.data, d.mask, d.stats, d.layout, d.sender, d.bucket, d.round, elapsed,
+                                           codec=d.codec))
 
     def _bulk_done(self, d: BulkDone) -> None:
         """A lossless message is in: account it like a complete round (every block received on the TCP lane)."""
@@ -802,13 +812,16 @@ class Endpoint:
         acc[0] += n
         acc[1] += d.nbytes
         mask = torch.ones(n, dtype=torch.bool)
-        self._deliver(d.key, RoundResult(d.data, mask, stats, layout, sender, bucket, round, d.elapsed, bulk=True))
+        self._deliver(d.key, RoundResult(d.data, mask, stats, layout, sender, bucket, round, d.elapsed, bulk=True,
+                                         codec=d.codec))
 
     def _deliver(self, key: tuple[int, int, int], res: RoundResult) -> None:
         waiter = self._recv_waiters.pop(key, None)
         if waiter is not None:
             waiter.set(res)
             return
+        if self._stream_watch.expected(key):  # (i22) the peer took the round path for a call we run on streams
+            self._stream_conflict(key)
         self._results[key] = res
         while len(self._results) > self.cfg.max_buffered_results:
             self._results.popitem(last=False)
@@ -879,15 +892,17 @@ class Endpoint:
         *,
         wait: bool = True,
         timeout: float | None = None,
+        codec: int = 0,
     ) -> SendStats:
         """Send one round of ``bucket`` to ``peer``: blocks of class 0 over TCP (with the round's opening and
         closing frames), class k >= 1 over UDP lane k in ``order`` (most important first). ``cls=0`` sends
         everything reliably (lossless). With ``wait`` (default) returns once the receiver's drop report is in,
         so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
-        was handed to the kernel (the bucket is then copied, since error feedback needs it later)."""
+        was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
+        frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
-        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout)
+        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec)
 
     @staticmethod
     async def _jobs_done(track: _SendTrack) -> None:
@@ -912,7 +927,7 @@ class Endpoint:
             await self._jobs_done(track)
             nursery.cancel_scope.cancel()
 
-    async def _send(self, peer, bucket, round, flat, layout, cls, order, wait, timeout) -> SendStats:
+    async def _send(self, peer, bucket, round, flat, layout, cls, order, wait, timeout, codec=0) -> SendStats:
         link = self._link(peer)
         t0 = trio.current_time()
         flat = flat.detach().reshape(-1)
@@ -929,7 +944,7 @@ class Endpoint:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
         if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
-            return await self.post_send(peer, bucket, round, flat).wait(timeout)
+            return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
         # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
         copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
         link.dirty.discard(bucket)
@@ -938,7 +953,8 @@ class Endpoint:
         budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
             budget = link.window.budget(link.pacer.rate)
-        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget)
+        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
+                                codec=codec)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
@@ -991,7 +1007,7 @@ class Endpoint:
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
 
-    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor) -> PendingSend:
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
         """Queue round ``round`` of ``bucket`` to ``peer`` losslessly, without waiting: it goes out as BULK frames
         (see dgt.protocol.bulk) behind whatever the connection's writer already holds, and lands on the peer like a
         complete round (``recv_round``). ``flat`` is sent from in place: leave it unchanged until
@@ -1009,7 +1025,7 @@ class Endpoint:
         if copied:
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
-        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes)
+        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, codec)
         nblocks = -(-flat.numel() // self.cfg.block)
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
@@ -1018,13 +1034,56 @@ class Endpoint:
         return PendingSend(stats, slot, t0, link.pacer)
 
     @one_error
-    async def exchange(self, hops: list[Hop], timeout: float | None = None) -> list[HopResult]:
+    async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF
+                       ) -> list[HopResult]:
         """Run ``hops`` (see :class:`~dgt.transport.streams.Hop`) in order on stream lanes, off the trio loop: the
         lossless path of a collective whose every rank knows the same sequence of messages (a ring all-reduce).
         Exchanges run one at a time, in the order they were called, which must be the same on every rank.
-        ``timeout``: the longest a hop may make no progress (default: peer_timeout)."""
+        ``timeout``: the longest a hop may make no progress (default: peer_timeout). ``family``: the bucket bits
+        that name a message's family; a session-link message from a hop's peer in the same family and round means
+        that peer took the round path for this call (RankMismatch on every rank, see dgt.transport.stream_watch)."""
         self._check_open()
-        return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout)
+        if self._abort is not None:
+            raise self._abort.with_traceback(None)
+        entries, scope = self._stream_watch.watch(hops, family), None
+        try:  # (i22) the peer's message may be in already
+            key = self._stream_watch.first_expected([*self._results, *self.bulk.open, *self.receiver.rounds])
+            if key is not None:
+                raise self._stream_conflict(key)
+            with trio.CancelScope() as scope:  # an abort cancels it (a lane dial to a peer that gave up, too)
+                self._exchange_scopes.add(scope)
+                try:
+                    return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout)
+                except PeerClosed as exc:  # a peer that aborted may hang up on a lane before its ABORT is read
+                    mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout))
+                    if mismatch is None:
+                        raise
+                    raise mismatch.with_traceback(None) from exc
+            raise self._abort.with_traceback(None)
+        finally:
+            if scope is not None:
+                self._exchange_scopes.discard(scope)
+            self._stream_watch.unwatch(entries)
+
+    def _set_abort(self, error: RankMismatch) -> None:
+        """The session's collectives failed with ``error`` (a peer's ABORT, or a mismatch seen here): remember the
+        first, wake what waits for it, and end stream exchanges under way (a hop or a lane dial would otherwise
+        wait for its own timeout)."""
+        if self._abort is None:
+            self._abort = error
+            self._aborted.set()
+        for scope in self._exchange_scopes:
+            scope.cancel()
+
+    def _stream_conflict(self, key: tuple[int, int, int]) -> RankMismatch:
+        """A session-link message arrived for what this rank exchanges on stream lanes (i22): fail this rank's
+        pending operations and tell every peer, as a control ABORT would."""
+        error = RankMismatch(path_mismatch(key[2]))
+        self._set_abort(error)
+        self.abort_peers(str(error))
+        for rank in list(self._links):
+            self._fail_pending(rank, error)
+        return error
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.

@@ -27,6 +27,7 @@ class RoundResult:
     round: int = 0
     elapsed: float = 0.0
     bulk: bool = False  # came as a lossless BULK message: ``mask`` and ``layout`` are those of a flat bucket
+    codec: int = 0  # the sender's header codec byte: a collective's call code (its op), 0 when none was given
 
     @property
     def goodput(self) -> float:

@@ -54,6 +54,7 @@ class Hop:
     recv_from: int | None = None
     land: torch.Tensor | None = None
     add_src: torch.Tensor | None = None
+    codec: int = 0  # the headers' codec byte (a collective's call code, its op): both ends must agree
 
 
 @dataclass
@@ -339,7 +340,8 @@ class StreamHub:
         per = max(1, self.frame_bytes // isz)
         dt = wire.wire_dtype(t.dtype)
         return [(wire.encode_header(FrameType.BULK, token=self.token, rank=sender, round=h.round, bucket=h.bucket,
-                                    block=n, offset=a, count=min(per, n - a), length=min(per, n - a) * isz, dtype=dt),
+                                    block=n, offset=a, count=min(per, n - a), length=min(per, n - a) * isz, dtype=dt,
+                                    codec=h.codec),
                  a, min(a + per, n)) for a in range(0, max(n, 1), per)]
 
     def _run(self, plan: list[list[tuple]], timeout: float) -> list[HopResult]:

@@ -1,0 +1,83 @@
+"""An op or a path mismatch between ranks (issue 22): ``sum`` on one rank and ``mean`` on the others, or a float64
+tensor on one rank where the others run float32 on stream lanes, raises the same clear RankMismatch on every rank,
+well within peer_timeout (not PeerTimeout, not a silently different answer)."""
+
+import pytest
+import torch
+
+from dgt.collectives.launch import run_ranks
+
+PEER_TIMEOUT = 20
+
+
+def _worker(rank, world, kind, codec, streams, what):
+    import time
+
+    import trio
+
+    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.transport import TransportConfig
+    from dgt.errors import RankMismatch
+
+    op = "mean" if (what == "op" and rank == 1) else "sum"
+    dtype = torch.float64 if (what == "dtype" and rank == 1) else torch.float32
+
+    def build(g):
+        if kind == "ring":
+            return RingAllReduce(g, codec, op=op)
+        return ParameterServer(g, codec, op=op, server="sharded" if kind == "ps-sharded" else 0)
+
+    async def main():
+        cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams)
+        g = await Group.create(rank, world, config=cfg, timeout=30)
+        t0 = time.monotonic()
+        try:
+            res = await build(g).allreduce(torch.ones(5000, dtype=dtype))
+            return ("no error", time.monotonic() - t0, float(res.tensor[0]))
+        except RankMismatch as exc:
+            return (str(exc), time.monotonic() - t0, None)
+        except Exception as exc:  # noqa: BLE001 - the test reports what came instead
+            return (f"{type(exc).__name__}: {exc}", time.monotonic() - t0, None)
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+def _check(res, world, words):
+    reasons = set()
+    for r in range(world):
+        msg, took, _ = res[r]
+        assert words in msg, (r, msg)
+        assert took < PEER_TIMEOUT / 2, (r, took)  # well within peer_timeout: nobody waits for a peer's timeout
+        reasons.add(msg.split("aborted: ")[-1])  # the detecting rank's own message, as the others got it
+    assert len(reasons) == 1, reasons
+
+
+@pytest.mark.parametrize("kind,codec,streams", [
+    ("ring", "dense", "auto"),  # stream lanes: the op is in every hop header
+    ("ring", "dense", "off"),  # BULK messages on the session link
+    ("ring", "dgt:p=0.3", "auto"),  # lossy rounds (the op rides in ROUND_BEGIN)
+    ("ps", "dense", "auto"),
+    ("ps", "dense", "off"),
+    ("ps-sharded", "dense", "auto"),
+    ("ps-sharded", "dgt:p=0.3", "auto"),
+])
+def test_op_mismatch_raises_the_same_clear_error_on_every_rank(kind, codec, streams):
+    world = 3
+    res = run_ranks(_worker, world, kind, codec, streams, "op", timeout=90)
+    _check(res, world, "different ops (mean / sum)")
+
+
+@pytest.mark.parametrize("kind", ["ring", "ps-sharded", "ps"])
+def test_a_dtype_that_takes_another_path_raises_rank_mismatch_on_every_rank(kind):
+    # rank 1 has float64 (rounds on the session link, bit-exact), ranks 0 and 2 float32 (stream lanes)
+    world = 3
+    res = run_ranks(_worker, world, kind, "dense", "auto", "dtype", timeout=90)
+    _check(res, world, "take different paths")
+
+
+def test_same_op_everywhere_still_works():
+    world = 3
+    res = run_ranks(_worker, world, "ring", "dense", "auto", "none", timeout=90)
+    assert all(res[r][0] == "no error" and res[r][2] == 3.0 for r in range(world)), res
