@@ -1019,13 +1019,20 @@ class Endpoint:
         return PendingSend(stats, slot, t0, link.pacer)
 
     @one_error
-    async def exchange(self, hops: list[Hop], timeout: float | None = None) -> list[HopResult]:
+    async def exchange(self, hops: list[Hop], timeout: float | None = None,
+                       ticket: int | None = None) -> list[HopResult]:
         """Run ``hops`` (see :class:`~dgt.transport.streams.Hop`) in order on stream lanes, off the trio loop: the
         lossless path of a collective whose every rank knows the same sequence of messages (a ring all-reduce).
         Exchanges run one at a time, in the order they were called, which must be the same on every rank.
-        ``timeout``: the longest a hop may make no progress (default: peer_timeout)."""
-        self._check_open()
-        return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout)
+        ``timeout``: the longest a hop may make no progress (default: peer_timeout). ``ticket``: a place in that
+        order reserved earlier with ``self.streams.reserve()``, given back here however the call ends."""
+        try:
+            self._check_open()
+        except BaseException:
+            if ticket is not None:
+                self.streams.forfeit(ticket)
+            raise
+        return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
