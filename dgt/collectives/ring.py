@@ -48,13 +48,14 @@ class RingAllReduce(Collective):
             return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
         await self.connect()  # the two neighbours, on the first call; then it does not yield
         direct = self._direct(bucket)
-        if direct and not self.codec.capabilities.lossy_tolerant:
-            # lossless: no copy of the input first. Every chunk of the result is written by a reduce-scatter add
-            # (input chunk + received) or lands from the all-gather, so the input is only read, in the hops
+        if direct:
+            # no copy of the input first. Every chunk of the result is written by a reduce-scatter add (input chunk +
+            # received) or lands from the all-gather, so the input is only read, in the hops. A lossy round's drop
+            # report comes after this call returns, but the transport sends such a round from its own copy
+            # (send_round without waiting for the report), which error feedback reads
             src = bucket.detach().reshape(-1)
             flat = self.result_buffer(bucket, out)
         else:
-            # a lossy codec's drop report may read what was sent after this call returns: send from our own copy
             src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
         ch = self.chunking(segments or [flat.numel()], getattr(self.codec, "block", 1024), W)
