@@ -49,9 +49,10 @@ class ContributionEstimator:
         self.scores: torch.Tensor | None = None
         self._tensor_first = torch.tensor(layout.tensor_first_block, dtype=torch.int64)
 
-    def update(self, flat: torch.Tensor) -> torch.Tensor:
-        """Fold one round's gradient into the scores (one pass over the bucket) and return them."""
-        m = self.layout.block_abs_mean(flat)
+    def update(self, flat: torch.Tensor, means: torch.Tensor | None = None) -> torch.Tensor:
+        """Fold one round's gradient into the scores (one pass over the bucket) and return them. ``means``: the
+        bucket's ``layout.block_abs_mean`` when the caller already has it (no second pass)."""
+        m = self.layout.block_abs_mean(flat) if means is None else means
         if self.scores is not None and self.scores.shape == m.shape and self.scores.device != m.device:
             self.scores = self.scores.to(m.device)  # restored from a CPU checkpoint: keep the average, move it
         if self.scores is None or self.scores.shape != m.shape:

@@ -10,6 +10,14 @@ import torch
 DEFAULT_BLOCK = 1024
 
 
+def _abs_sum(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Sum of |t| (over ``dim``) in float32. Floats of at most 32 bits take the 1-norm, which reduces |x| as it goes:
+    no temporary of |t| as large as the bucket (fresh memory, so first-touch page faults, on every call)."""
+    if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
+        return torch.linalg.vector_norm(t, 1, dim=dim, dtype=torch.float32)
+    return t.abs().sum(dim, dtype=torch.float32)
+
+
 class BucketLayout:
     """Block geometry of a flat bucket: tensor k of ``sizes[k]`` elements gets ceil(size/n) blocks, the last partial.
 
@@ -78,9 +86,9 @@ class BucketLayout:
         parts = []
         for off, full, tail in self._segments:
             if full:
-                parts.append(flat[off : off + full * n].view(full, n).abs().sum(1, dtype=torch.float32))
+                parts.append(_abs_sum(flat[off : off + full * n].view(full, n), 1))
             if tail:
-                parts.append(flat[off + full * n : off + full * n + tail].abs().sum(dtype=torch.float32).view(1))
+                parts.append(_abs_sum(flat[off + full * n : off + full * n + tail]).view(1))
         if not parts:
             return torch.zeros(0, dtype=torch.float32, device=flat.device)
         sums = torch.cat(parts)

@@ -102,6 +102,30 @@ def test_dgt_lossless_when_nothing_drops():
     torch.testing.assert_close(res[0][0][0], ref, rtol=1e-5, atol=1e-5)
 
 
+def test_lossy_ring_with_injected_loss_gathers_on_stream_lanes():
+    """DGT ring under 30 % injected datagram loss: the reduce-scatter rounds drop blocks, the all-gather runs as one
+    lossless stream exchange per call (its place in the call order reserved before the reduce-scatter), every rank
+    ends with the identical tensor, and each block of the result is the sum of a subset of the ranks' blocks that
+    differs from the full sum only where a block was lost or kept back (each such block spoils at most one)."""
+    world = 3
+    res = run_ranks(_worker, world, "ring", "dgt:p=0.3", {"drop_fraction": 0.3}, 2, timeout=90)
+    assert [res[r][-1][3] for r in range(world)] == [2] * world  # one all-gather exchange per call and rank
+    for rnd in range(2):
+        assert all(torch.equal(res[0][rnd][0], res[r][rnd][0]) for r in range(world))
+    out = res[0][0][0] * world  # round 0 (round 1 adds round 0's residuals)
+    xs = [data(r) for r in range(world)]
+    layout = BucketLayout(SEGMENTS)
+    wrong = 0
+    for s, n in zip(layout.block_start.tolist(), layout.block_len.tolist()):
+        sl = slice(s, s + n)
+        sums = [sum(xs[w][sl] for w in S) for k in range(world, 0, -1) for S in itertools.combinations(range(world), k)]
+        match = [i for i, t in enumerate(sums) if torch.allclose(out[sl], t, atol=1e-4)]
+        assert match, "every block is the sum of some ranks' blocks"
+        wrong += match[0] != 0
+    lost = sum(res[r][0][1]["dropped"] + res[r][0][1]["unsent"] for r in range(world))
+    assert 0 < wrong <= lost, (wrong, lost)
+
+
 def test_ps_with_injected_loss_differs_only_in_dropped_blocks():
     world = 3
     res = run_ranks(_worker, world, "ps:0", "dgt:p=0.3", {"drop_fraction": 0.3}, 1, timeout=90)

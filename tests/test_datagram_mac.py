@@ -218,8 +218,8 @@ async def test_endpoints_that_disagree_on_the_mac_refuse_to_connect():
     """One rank with the MAC and one without would refuse each other's every datagram: the handshake says so."""
     import trio
 
-    from dgt.transport import Endpoint, TransportConfig
     from dgt.errors import DgtError
+    from dgt.transport import Endpoint, TransportConfig
 
     a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=True))
     b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=False))

@@ -16,8 +16,8 @@ def _worker(rank, world, kind, codec, streams, what):
     import trio
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
-    from dgt.transport import TransportConfig
     from dgt.errors import RankMismatch
+    from dgt.transport import TransportConfig
 
     op = "mean" if (what == "op" and rank == 1) else "sum"
     dtype = torch.float64 if (what == "dtype" and rank == 1) else torch.float32

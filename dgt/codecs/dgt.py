@@ -59,13 +59,15 @@ class DGTCodec(Codec):
             layout = BucketLayout(state.segments or [flat.numel()], self.block)
             est = ContributionEstimator(layout, self.alpha, self.classes)
             state.values["estimator"] = est
-        finite = torch.isfinite(flat)
-        if bool(finite.all()):  # the common case: one pass, nothing else
-            est.update(flat)
+        means = est.layout.block_abs_mean(flat)
+        # the common case, one pass: a block's sum of |g| is finite only if each of its elements is (NaN and Inf
+        # propagate); a sum that overflowed takes the exact path below, which treats finite values alike
+        if bool(torch.isfinite(means).all()):
+            est.update(flat, means)
             c = est.classify(self.schedule.p())
             cls, order = c.cls, c.order
         else:
-            cls, order, c = self._nonfinite(flat, finite, est, state)
+            cls, order, c = self._nonfinite(flat, torch.isfinite(flat), est, state)
         state.values["last_p"] = c.p
         state.values["last_important"] = c.n_important
         return [Part(flat, cls, self.block, "dgt", state.segments, order)]

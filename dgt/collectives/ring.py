@@ -31,7 +31,7 @@ from dgt.collectives.parts import (
 )
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
-from dgt.transport.streams import Hop
+from dgt.transport.streams import Hop, streamable
 
 
 class RingAllReduce(Collective):
@@ -58,13 +58,14 @@ class RingAllReduce(Collective):
             return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
         await self.connect()  # the two neighbours, on the first call; then it does not yield
         direct = self._direct(bucket)
-        if direct and not self.codec.capabilities.lossy_tolerant:
-            # lossless: no copy of the input first. Every chunk of the result is written by a reduce-scatter add
-            # (input chunk + received) or lands from the all-gather, so the input is only read, in the hops
+        if direct:
+            # no copy of the input first. Every chunk of the result is written by a reduce-scatter add (input chunk +
+            # received) or lands from the all-gather, so the input is only read, in the hops. A lossy round's drop
+            # report comes after this call returns, but the transport sends such a round from its own copy
+            # (send_round without waiting for the report), which error feedback reads
             src = bucket.detach().reshape(-1)
             flat = self.result_buffer(bucket, out)
         else:
-            # a lossy codec's drop report may read what was sent after this call returns: send from our own copy
             src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
         ch = self.chunking(segments or [flat.numel()], self.codec.capabilities.block, W)
@@ -75,6 +76,9 @@ class RingAllReduce(Collective):
         own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
         rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
+        # a lossy direct codec: the all-gather (lossless) runs as one exchange on the stream lanes, whose place in
+        # the call order is taken now, before the first await (the reduce-scatter rounds come first)
+        ag = [g.endpoint.streams.reserve()] if direct and self._ag_on_streams(flat) else None
         try:
             if direct:
                 # post every step's landing now: a neighbour running ahead must not find its round without a buffer
@@ -83,8 +87,10 @@ class RingAllReduce(Collective):
                     # all-gather targets are chunks this rank no longer reads once it sent them; with a lossy codec a
                     # drop report may still read them (error feedback), so those are posted after reduce-scatter
                     self._post(ag_land, bucket_id, "ag", rnd)
-            await self._steps(ch, src, flat, bucket_id, rnd, stats, direct, rs_land, ag_land)
+            await self._steps(ch, src, flat, bucket_id, rnd, stats, direct, rs_land, ag_land, ag)
         except BaseException:
+            if ag and ag[0] is not None:  # its exchange never ran: later exchanges must not wait for it
+                g.endpoint.streams.forfeit(ag[0])
             if direct:  # rounds not open yet must not land in the caller's tensor after this call gave up
                 self._post([None] * len(rs_land), bucket_id, "rs", rnd)
                 self._post([None] * len(ag_land), bucket_id, "ag", rnd)
@@ -94,9 +100,10 @@ class RingAllReduce(Collective):
 
     async def _steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
                      stats: CollectiveStats, direct: bool, rs_land: list[torch.Tensor] | None,
-                     ag_land: list[torch.Tensor] | None) -> None:
+                     ag_land: list[torch.Tensor] | None, ag: list[int | None] | None = None) -> None:
         """``src``: the input (``flat`` itself unless the lossless path skipped the copy); step 0 sends from it and
-        every reduce-scatter add reads it, writing ``flat``."""
+        every reduce-scatter add reads it, writing ``flat``. ``ag``: ``[ticket]`` when the all-gather runs as an
+        exchange on stream lanes (set to None once the exchange holds it)."""
         W, r = self.group.world, self.group.rank
         own = (r + 1) % W
         with self.phase(stats, "reduce_scatter"):
@@ -112,6 +119,9 @@ class RingAllReduce(Collective):
                     # this step's scratch is free again: post it for the next round now, so a neighbour that
                     # finishes this call first and starts the next one lands there instead of in a fresh buffer
                     self._post(rs_land[s : s + 1], bucket_id, "rs", rnd + 1, first=s)
+        if ag is not None:
+            await self._stream_gather(ch, flat, bucket_id, rnd, stats, ag)
+            return
         if direct and self.codec.capabilities.lossy_tolerant:
             self._post(ag_land, bucket_id, "ag", rnd)
         with self.phase(stats, "all_gather"):
@@ -144,6 +154,27 @@ class RingAllReduce(Collective):
         self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
         stats.phases["reduce_scatter"] = stats.phases.get("reduce_scatter", 0.0) + done[W - 2].finished - t0
         stats.phases["all_gather"] = stats.phases.get("all_gather", 0.0) + done[-1].finished - done[W - 2].finished
+
+    async def _stream_gather(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int,
+                             stats: CollectiveStats, ag: list[int | None]) -> None:
+        """The all-gather of a lossy ring on stream lanes: W-1 lossless hops in the native loop (GIL released), the
+        reduced chunks landing in ``flat``, instead of W-1 DGT rounds on the session link. The sender of each
+        reduce-scatter round keeps its own copy for error feedback, so ``flat`` may be overwritten here."""
+        g = self.group
+        W, r = g.world, g.rank
+        nxt, prv, own = (r + 1) % W, (r - 1) % W, (r + 1) % W
+        hops = [Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
+                    ch.chunk(flat, (own - s - 1) % W)) for s in range(W - 1)]
+        ticket, ag[0] = ag[0], None  # the exchange gives the ticket back however it ends
+        with self.phase(stats, "all_gather"):
+            done = await g.endpoint.exchange(hops, ticket=ticket)
+        self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
+
+    def _ag_on_streams(self, flat: torch.Tensor) -> bool:
+        """Whether a lossy ring's all-gather can run on stream lanes (stream hops on, a contiguous CPU bucket)."""
+        cfg = getattr(self.group.endpoint, "cfg", None)
+        return cfg is not None and cfg.stream_hops != "off" and self.codec.capabilities.lossy_tolerant and \
+            streamable(flat)
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,
                    step: int, rnd: int, stats: CollectiveStats, state_key: tuple, reliable: bool = False,

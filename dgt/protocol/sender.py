@@ -128,8 +128,13 @@ class RoundSender:
     # -- error feedback
     def prepare(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
         """A private contiguous CPU copy of ``flat`` with the bucket's residual added (and the residual cleared)."""
-        out = flat.detach().to("cpu", copy=True).contiguous().view(-1)
+        flat = flat.detach()
         res = self._residual.get(bucket)
+        if res is not None and flat.device.type == "cpu" and res.numel() == flat.numel() and res.dtype == flat.dtype:
+            out = torch.add(flat.reshape(-1), res)  # the copy and the add in one pass
+            res.zero_()
+            return out
+        out = flat.to("cpu", copy=True).contiguous().view(-1)
         if res is not None and res.numel() == out.numel() and res.dtype == out.dtype:
             out += res
             res.zero_()

@@ -1034,17 +1034,25 @@ class Endpoint:
         return PendingSend(stats, slot, t0, link.pacer)
 
     @one_error
-    async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF
-                       ) -> list[HopResult]:
+    async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
+                       ticket: int | None = None) -> list[HopResult]:
         """Run ``hops`` (see :class:`~dgt.transport.streams.Hop`) in order on stream lanes, off the trio loop: the
         lossless path of a collective whose every rank knows the same sequence of messages (a ring all-reduce).
         Exchanges run one at a time, in the order they were called, which must be the same on every rank.
         ``timeout``: the longest a hop may make no progress (default: peer_timeout). ``family``: the bucket bits
         that name a message's family; a session-link message from a hop's peer in the same family and round means
-        that peer took the round path for this call (RankMismatch on every rank, see dgt.transport.stream_watch)."""
-        self._check_open()
-        if self._abort is not None:
-            raise self._abort.with_traceback(None)
+        that peer took the round path for this call (RankMismatch on every rank, see dgt.transport.stream_watch).
+        ``ticket``: a place in that order reserved earlier with ``self.streams.reserve()``, given back here however
+        the call ends."""
+        started = False
+        try:
+            self._check_open()
+            if self._abort is not None:
+                raise self._abort.with_traceback(None)
+        except BaseException:
+            if ticket is not None:
+                self.streams.forfeit(ticket)
+            raise
         entries, scope = self._stream_watch.watch(hops, family), None
         try:  # (i22) the peer's message may be in already
             key = self._stream_watch.first_expected([*self._results, *self.bulk.open, *self.receiver.rounds])
@@ -1053,7 +1061,8 @@ class Endpoint:
             with trio.CancelScope() as scope:  # an abort cancels it (a lane dial to a peer that gave up, too)
                 self._exchange_scopes.add(scope)
                 try:
-                    return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout)
+                    started = True  # streams.exchange owns the ticket from here, however it ends
+                    return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
                 except PeerClosed as exc:  # a peer that aborted may hang up on a lane before its ABORT is read
                     mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout))
                     if mismatch is None:
@@ -1061,6 +1070,8 @@ class Endpoint:
                     raise mismatch.with_traceback(None) from exc
             raise self._abort.with_traceback(None)
         finally:
+            if ticket is not None and not started:
+                self.streams.forfeit(ticket)
             if scope is not None:
                 self._exchange_scopes.discard(scope)
             self._stream_watch.unwatch(entries)

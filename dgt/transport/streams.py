@@ -232,10 +232,24 @@ class StreamHub:
         return [chan for ln in self.lanes.values() for chan in ln.chans]
 
     # -- exchanges --------------------------------------------------------------------------------------------
-    async def exchange(self, hops: list[Hop], timeout: float | None = None) -> list[HopResult]:
-        """Run ``hops`` in order (see the module docstring); the ticket is taken before the first await."""
+    def reserve(self) -> int:
+        """Take the next ticket now, for an exchange that runs later (``exchange(hops, ticket=...)``): a collective
+        that awaits other work first keeps its place in the call order. A ticket that will never run must be given
+        back with :meth:`forfeit`, or every later exchange waits for it."""
         ticket = self._next
         self._next += 1
+        return ticket
+
+    def forfeit(self, ticket: int) -> None:
+        """Give back a reserved ticket whose exchange will not run."""
+        self._advance(ticket)
+
+    async def exchange(self, hops: list[Hop], timeout: float | None = None,
+                       ticket: int | None = None) -> list[HopResult]:
+        """Run ``hops`` in order (see the module docstring); the ticket is taken before the first await, unless
+        one was reserved (:meth:`reserve`)."""
+        if ticket is None:
+            ticket = self.reserve()
         try:
             while self._turn != ticket:
                 await self._turned.wait()
