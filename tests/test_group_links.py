@@ -144,3 +144,28 @@ async def test_calls_leave_links_in_the_order_they_came_whatever_connects_first(
         cs.cancel()
         await g.links([1, 2])  # a checkpoint would raise Cancelled here
     assert g._passed == g._seq == 4
+
+
+async def test_a_peer_lost_between_calls_fails_the_next_call_at_once_not_after_the_connect_timeout():
+    """A ring neighbour whose link failed after the first call is not waited for again (the connect timeout, 30 s
+    here): the next call raises PeerClosed at once. Before, the higher rank waited for a redial that never came
+    (test_killed_rank_fails_the_others_with_a_clear_error took 34 s once under load)."""
+    from dgt.errors import PeerClosed
+
+    groups = await _groups("lost")
+    rings = [RingAllReduce(g, "dense") for g in groups]
+    try:
+        await _all(groups, lambda r: rings[r].allreduce(xs(0)[r], 0))
+        await groups[1].aclose()  # rank 1 leaves; rank 2 (its higher neighbour) sees the link close
+        with trio.fail_after(10):
+            while 1 in groups[2].endpoint.peers:
+                await trio.sleep(0.01)
+        with trio.fail_after(5):  # far below the group's 30 s connect timeout
+            try:
+                await rings[2].allreduce(xs(1)[2], 1)
+            except PeerClosed as exc:
+                assert "rank(s) [1] was lost" in str(exc)
+            else:
+                raise AssertionError("a call with a lost neighbour must fail")
+    finally:
+        await _all(groups, lambda r: groups[r].aclose() if r != 1 else trio.sleep(0))

@@ -11,6 +11,7 @@ from typing import Any
 import torch.distributed as dist
 
 from dgt.collectives.rendezvous import Rendezvous
+from dgt.errors import PeerClosed
 
 CONNECT = ("lazy", "all")
 
@@ -113,6 +114,10 @@ class Group:
         from dgt.transport import PeerAddress
 
         live = set(self.endpoint.peers)
+        gone = sorted((want & self._linked) - live)
+        if gone:  # a link that was up and failed is not dialled again: waiting for a dead peer would cost `timeout`
+            raise PeerClosed(f"rank {self.rank}: the connection to rank(s) {gone} was lost (a failed peer is not "
+                             f"reconnected: close the group and build a new one)")
         missing = sorted(r for r in want - live if r not in self._connecting)
         others = [self._connecting[r] for r in sorted(want - live) if r in self._connecting]
         if missing:
