@@ -196,7 +196,7 @@ def account_rounds(rounds: dict[tuple, WireRound], fr: Frames, acc: Accounts, t0
 
 
 def _reliable_runs(t: _Tally, rel: np.ndarray, fr: Frames, acc: Accounts) -> None:
-    """Reliable runs of whole blocks, in completion order, vectorised like RoundReceiver._mark_run."""
+    """Reliable runs of whole blocks, in completion order, vectorised like dgt.protocol.landing.mark_run."""
     g, nb, dt, isz = t.g, t.g.nblocks, t.dt, t.isz
     rel = rel[np.argsort(fr.ts[rel], kind="stable")]
     hh = fr.h[rel]
@@ -243,7 +243,7 @@ def _reliable_runs(t: _Tally, rel: np.ndarray, fr: Frames, acc: Accounts) -> Non
 
 
 def _fragments(t: _Tally, fr_rows: np.ndarray, fr: Frames, acc: Accounts) -> None:
-    """Fragments (unreliable lanes), vectorised like RoundReceiver._fragments."""
+    """Fragments (unreliable lanes), vectorised like dgt.protocol.landing.land_fragments."""
     g, nb, dt = t.g, t.g.nblocks, t.dt
     fr_rows = fr_rows[np.argsort(fr.ts[fr_rows], kind="stable")]
     hh = fr.h[fr_rows]
