@@ -45,6 +45,14 @@ def tells_peers(fn: F) -> F:
             if mismatch is None:
                 raise
             raise mismatch from exc
+        except ConnectionError as exc:
+            # the group could not connect a peer (another call's attempt failed): a peer that saw a mismatch aborts
+            # and hangs up, so its ABORT, if one comes within a second, is the reason to report
+            ep = self.group.endpoint
+            mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout)) if ep is not None else None
+            if mismatch is None:
+                raise
+            raise mismatch from exc
 
     return wrapper  # type: ignore[return-value]
 

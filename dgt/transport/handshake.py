@@ -1,0 +1,295 @@
+"""Joining peers, the endpoint's session links (part of :class:`dgt.transport.endpoint.Endpoint`).
+
+The lower rank dials, the higher accepts; both prove the session key (dgt.transport.auth) before a link is
+registered. Stream lanes (dgt.transport.streams) are dialled and welcomed here too.
+"""
+
+from __future__ import annotations
+
+import errno
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+import trio
+
+from dgt import wire
+from dgt.channels.framing import KEEP, FrameReader
+from dgt.channels.pacing import Pacer
+from dgt.channels.sockopts import canonical_host
+from dgt.channels.tcp import TcpChannel, dial
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error
+from dgt.protocol.budget import RoundWindow
+from dgt.protocol.congestion import LedbatRate
+from dgt.protocol.sender import RoundSender
+from dgt.scheduler.reliable import ReliableWriter
+from dgt.scheduler.slot import Slot
+from dgt.transport import auth, control
+from dgt.transport.config import PeerAddress
+
+
+@dataclass
+class _Link:
+    """One connected peer."""
+
+    rank: int
+    address: PeerAddress
+    chan: TcpChannel
+    reader: FrameReader
+    writer: ReliableWriter
+    sender: RoundSender
+    pacer: Pacer | None
+    udp_addrs: list[tuple]
+    error: BaseException | None = None
+    scope: trio.CancelScope | None = None
+    last_ping: float = 0.0
+    said_bye: bool = False
+    dirty: set[int] = field(default_factory=set)  # buckets whose residual holds folded losses
+    window: RoundWindow = field(default_factory=RoundWindow)  # expected round length, for the send budget
+
+
+class HandshakeMixin:
+    """Connecting: dial, accept, the hello/challenge handshake and the link registry (``_links``, ``_sources``)."""
+
+    @one_error
+    async def connect(self, peers: Mapping[int, PeerAddress | dict], timeout: float | None = None) -> None:
+        """Connect to ``peers`` (rank -> address). Both sides of a pair call it; the lower rank dials, the higher
+        accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
+        within ``timeout`` (default: connect_timeout, else peer_timeout)."""
+        self._check_open()
+        timeout = timeout or self.cfg.connect_timeout or self.cfg.peer_timeout
+        wanted = {}
+        for rank, addr in peers.items():
+            rank = int(rank)
+            if rank == self.rank:
+                continue
+            addr = addr if isinstance(addr, PeerAddress) else PeerAddress.from_dict(addr)
+            if len(addr.udp_ports) != len(self.udp):
+                raise ValueError(f"rank {rank} has {len(addr.udp_ports)} UDP lanes, this endpoint {len(self.udp)}")
+            wanted[rank] = addr
+        async with trio.open_nursery() as n:
+            for rank, addr in wanted.items():
+                link = self._links.get(rank)
+                if link is not None and link.error is None:
+                    continue
+                if self.rank < rank:
+                    n.start_soon(self._dial, rank, addr, timeout)
+                else:
+                    n.start_soon(self._await_link, rank, timeout)
+
+    async def _dial(self, rank: int, addr: PeerAddress, timeout: float) -> None:
+        host = canonical_host(addr.host)
+        # the acceptor may send its first round's datagrams right behind the welcome, and our UDP task can run before
+        # the task reading the welcome: accept them (into the early buffer) from the address the store gave us
+        early = [(host, p) for p in addr.udp_ports if (host, p) not in self._sources]
+        for src in early:
+            self._sources[src] = rank
+        try:
+            chan = await self._hello(rank, addr.host, addr.tcp_port, timeout)
+        except BaseException:
+            for src in early:
+                self._sources.pop(src, None)
+            raise
+        self._register(rank, addr, host, chan, FrameReader(chan, self.cfg.limits, self.token))
+
+    async def _dial_stream(self, rank: int, direction: int) -> TcpChannel:
+        """Open one direction of a stream lane to ``rank`` (see dgt.transport.streams): another connection, welcomed
+        like the first."""
+        link = self._link(rank)
+        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True,
+                                 direction=direction)
+
+    async def _hello(self, rank: int, host: str, port: int, timeout: float, what: str = "", **fields) -> TcpChannel:
+        """Dial ``rank``, say hello (plus ``fields``) and read its answer exactly, never past it (a stream lane's first
+        message may follow right behind); the connection once welcomed. ``what``: the connection, for errors."""
+        try:
+            with trio.fail_after(timeout):
+                sock = await dial(host, port, self.cfg.lanes[0], timeout)
+                chan = self._tcp_channel(sock, rank)
+                try:
+                    dn = auth.nonce()
+                    hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
+                                            lanes=len(self.udp), nonce=dn, mac=self._mac is not None, **fields)
+                    await chan.send_buffers([hello])
+                    peer, msg = await self._read_control(chan)
+                    if msg["op"] == control.CHALLENGE and peer == rank:
+                        an, why = str(msg.get("nonce", "")), auth.purpose(fields)
+                        if not auth.verify(self._key, msg.get("proof"), "acceptor", rank, self.rank, dn, an, why):
+                            raise ProtocolError(f"rank {self.rank}: rank {rank} could not prove the session key "
+                                                f"for {what or 'the session'} (another DGT_SECRET?)")
+                        mine = auth.proof(self._key, "dialer", self.rank, rank, dn, an, why)
+                        await chan.send_buffers([control.control(self.token, self.rank, control.AUTH, proof=mine)])
+                        peer, msg = await self._read_control(chan)
+                    if msg["op"] != control.WELCOME or peer != rank:
+                        raise ProtocolError(f"rank {rank} refused {what or 'the session'}: {msg.get('why', msg['op'])}")
+                except PeerClosed:
+                    chan.close()
+                    why = f"rank {self.rank}: rank {rank} hung up on our hello (another session token?)"
+                    raise PeerClosed(why) from None
+                except BaseException:
+                    chan.close()
+                    raise
+        except trio.TooSlowError:
+            why = f"rank {self.rank}: rank {rank} did not accept {what + ' ' if what else ''}within {timeout:g} s"
+            raise PeerTimeout(why) from None
+        return chan
+
+    async def _read_control(self, chan: TcpChannel) -> tuple[int, dict]:
+        """One CONTROL frame, read exactly (never past it: a stream lane's first message may follow right behind)."""
+        head = bytearray(wire.HEADER_SIZE)
+        await chan.recv_exactly(memoryview(head))
+        h = wire.decode_header(head, self.cfg.limits, self.token)
+        body = bytearray(min(int(h["length"]), self.cfg.limits.max_control))
+        await chan.recv_exactly(memoryview(body))
+        return control.parse(bytes(head + body), self.cfg.limits)
+
+    async def _challenge(self, chan: TcpChannel, reader: FrameReader, rank: int, msg: dict) -> str | None:
+        """The acceptor's half of the challenge-response (dgt.transport.auth): prove the key to the dialer, then
+        check its proof. Why the dialer is refused, or None when it proved the key for the rank it claims."""
+        dn, an, why = msg.get("nonce"), auth.nonce(), auth.purpose(msg)
+        if not isinstance(dn, str) or len(dn) != 2 * auth.NONCE_BYTES:
+            return "no valid nonce in the hello"
+        mine = auth.proof(self._key, "acceptor", self.rank, rank, dn, an, why)
+        await chan.send_buffers([control.control(self.token, self.rank, control.CHALLENGE, nonce=an, proof=mine)])
+        rf = await reader.next(lambda h: KEEP)
+        peer, answer = control.parse(rf.frame, self.cfg.limits)
+        if peer != rank or answer["op"] != control.AUTH or \
+                not auth.verify(self._key, answer.get("proof"), "dialer", rank, self.rank, dn, an, why):
+            return "authentication failed"
+        return None
+
+    def _link_error(self, rank: int) -> BaseException | None:
+        """Why the session link to ``rank`` is unusable (None: it is live)."""
+        link = self._links.get(rank)
+        if link is None:
+            return self._fatal or PeerClosed(f"rank {self.rank} is not connected to rank {rank}")
+        return link.error
+
+    async def _await_link(self, rank: int, timeout: float) -> None:
+        slot = self._link_ready.setdefault(rank, Slot())
+        try:
+            with trio.fail_after(timeout):
+                await slot.wait()
+        except trio.TooSlowError:
+            raise PeerTimeout(f"rank {self.rank}: rank {rank} did not connect within {timeout:g} s") from None
+
+    async def _accept_loop(self) -> None:
+        """Accept dialers. Accept errors (EMFILE, ENFILE, ENOBUFS...) are counted (``accept:<errno>``) and
+        survived with a short back-off; beyond ``max_pending_handshakes`` unfinished handshakes a new connection is
+        closed at once (``handshake-cap``), so silent connections cannot exhaust memory or descriptors."""
+        while True:
+            try:
+                sock = await self.listener.accept()
+            except OSError as exc:
+                self.receiver.counters.reject(f"accept:{errno.errorcode.get(exc.errno or 0, exc.errno)}")
+                await trio.sleep(0.05)  # the listener stays readable while the limit holds: do not spin
+                continue
+            if self._handshakes >= self.cfg.max_pending_handshakes:
+                self.receiver.counters.reject("handshake-cap")
+                sock.close()
+                continue
+            self._handshakes += 1
+            self._nursery.start_soon(self._handshake_in, sock)
+
+    async def _handshake_in(self, sock) -> None:
+        """Validate a dialer's hello (token, rank, lanes, proof of the key) within the connect timeout; welcome or
+        refuse it."""
+        try:
+            await self._handshake(sock)
+        finally:
+            self._handshakes -= 1
+
+    async def _handshake(self, sock) -> None:
+        chan = self._tcp_channel(sock, -1)
+        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        try:
+            with trio.fail_after(timeout):
+                reader = FrameReader(chan, self.cfg.limits, self.token)
+                rf = await reader.next(lambda h: KEEP)
+                rank, msg = control.parse(rf.frame, self.cfg.limits)
+                why = None
+                if msg["op"] == control.HELLO:
+                    why = await self._challenge(chan, reader, rank, msg)
+                    if why is not None:
+                        self.receiver.counters.reject("auth")
+                        await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
+                        chan.close()
+                        return
+                if msg["op"] == control.HELLO and msg.get("stream"):
+                    direction = msg.get("direction", 0)
+                    why = self.streams.refusal(rank, direction)
+                    reply = control.control(self.token, self.rank, control.REFUSE, why=why) if why else \
+                        control.control(self.token, self.rank, control.WELCOME)
+                    await chan.send_buffers([reply])
+                    if why:
+                        chan.close()
+                    else:
+                        self.streams.accept(rank, chan, direction)
+                    return
+                if msg["op"] != control.HELLO:
+                    why = "expected hello"
+                elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
+                    why = f"rank {rank} is already connected"
+                elif int(msg.get("lanes", -1)) != len(self.udp):
+                    why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+                elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
+                    why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
+                addr = PeerAddress.from_dict(msg["address"])
+                if why is None and len(addr.udp_ports) != len(self.udp):
+                    why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
+                if why is not None:
+                    await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
+                    chan.close()
+                    return
+                host = canonical_host(addr.host)
+                # accept the peer's datagrams before it hears the welcome: with lazy connections its first round
+                # follows the handshake at once, and datagrams that beat _register were dropped as a stranger's
+                # (lost for good: 12 blocks of a round with a 10 s deadline)
+                early = [(host, p) for p in addr.udp_ports if (host, p) not in self._sources]
+                for src in early:
+                    self._sources[src] = rank
+                try:
+                    await chan.send_buffers([control.control(self.token, self.rank, control.WELCOME)])
+                except BaseException:
+                    for src in early:
+                        self._sources.pop(src, None)
+                    raise
+        except Exception:  # wrong token, garbage, silence or a vanished dialer: not a peer of this session
+            chan.close()
+            self.receiver.counters.reject("handshake")
+            return
+        chan.label = f"rank {self.rank} <- rank {rank}"
+        self._register(rank, addr, host, chan, reader)
+
+    def _tcp_channel(self, sock, rank: int) -> TcpChannel:
+        c = self.cfg
+        chan = TcpChannel(sock, c.lanes[0], rcvbuf=c.tcp_rcvbuf, sndbuf=c.tcp_sndbuf, user_timeout=c.peer_timeout)
+        chan.label = f"rank {self.rank} <-> rank {rank}"
+        return chan
+
+    def _register(self, rank: int, addr: PeerAddress, host: str, chan: TcpChannel, reader: FrameReader) -> None:
+        c = self.cfg
+        old = self._links.get(rank)
+        if self._closing or (old is not None and old.error is None):  # closing, or a racing second connection
+            chan.close()
+            return
+        udp_addrs = [(host, p) for p in addr.udp_ports]
+        for p in addr.udp_ports:
+            self._sources[(host, p)] = rank
+        pacer = None
+        now = trio.current_time()
+        if c.congestion_control:
+            top = min(c.pace_max, c.pace_rate or c.pace_max)  # a configured pace_rate is the start and the ceiling
+            cc = LedbatRate(min(c.pace_start, top), min(c.pace_min, top), top, target=c.cc_target)
+            pacer = Pacer(cc.rate, c.pace_burst, cc, now)
+        elif c.pace_rate:
+            pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
+        sender = RoundSender(
+            self.token, self.rank, block=c.block, datagram_payload=c.datagram_payload,
+            reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
+            mac=self._mac, peer=rank,
+        )  # fmt: skip
+        link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
+        self._links[rank] = link
+        self._nursery.start_soon(self._run_link, link)
+        self._link_ready.setdefault(rank, Slot()).set()

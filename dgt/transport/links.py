@@ -1,0 +1,302 @@
+"""A registered link's life (part of :class:`dgt.transport.endpoint.Endpoint`): its reader and the dispatch of
+what it reads, control messages, liveness, a peer's failure, and the session abort (a peer's ABORT, or the
+stream-watch conflict of issue 22) with the stream exchanges it ends.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import trio
+
+from dgt import wire
+from dgt.channels.framing import KEEP
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, RankMismatch, one_error, path_mismatch
+from dgt.transport import control
+from dgt.transport.handshake import _Link
+from dgt.transport.streams import Hop, HopResult
+from dgt.wire import Flags, FrameType
+
+
+class LinkMixin:
+    """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
+
+    async def _run_link(self, link: _Link) -> None:
+        try:
+            with trio.CancelScope() as scope:
+                link.scope = scope
+                if link.error is not None:
+                    return
+                async with trio.open_nursery() as n:
+                    n.start_soon(self._link_task, link, self._reader, link)
+                    n.start_soon(self._link_task, link, link.writer.run)
+        finally:
+            self._fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} ended"))
+
+    async def _link_task(self, link: _Link, fn, *args) -> None:
+        """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
+        try:
+            await fn(*args)
+        except Exception as exc:
+            self._fail_peer(link.rank, exc)
+
+    def _fail_peer(self, rank: int, error: BaseException) -> None:
+        """The peer is gone (or broke the protocol): fail everything pending on it, free its rounds."""
+        link = self._links.get(rank)
+        if link is None or link.error is not None:
+            return
+        if isinstance(error, PeerClosed) and link.said_bye:
+            error = PeerClosed(f"rank {rank} closed its endpoint")
+            error.bye = True  # a peer whose collective failed closes its group: its reason (ABORT) may come late
+        link.error = error
+        link.writer.fail(error)
+        link.chan.close()
+        if link.scope is not None:
+            link.scope.cancel()
+        self.scheduler.drop_peer(rank, error)
+        for key in [k for k in self._recv_waiters if k[0] == rank]:
+            self._recv_waiters.pop(key).fail(error)
+        for key in [k for k in self._sending if k[0] == rank]:
+            track = self._sending[key]
+            track.report.fail(error)
+            if track.detached:
+                del self._sending[key]
+        self._finished(self.receiver.abort(rank, trio.current_time()))
+        self.bulk.abort(rank)
+        # after a goodbye the peer's stream lane stays readable (what it sent before it left may still be unread);
+        # any other failure shuts it down at once, waking a hop blocked on it
+        self.streams.abort(rank, error, graceful=link.said_bye)
+        self._link_ready.pop(rank, None)
+
+    def _fail_pending(self, rank: int, error: BaseException) -> None:
+        """Fail what waits on ``rank`` (receives, drop reports, stream hops) without closing its session link."""
+        for key in [k for k in self._recv_waiters if k[0] == rank]:
+            self._recv_waiters.pop(key).fail(error)
+        for key in [k for k in self._sending if k[0] == rank]:
+            self._sending[key].report.fail(error)
+        self.streams.abort(rank, error)
+
+    def _link(self, peer: int) -> _Link:
+        self._check_open()
+        if self._abort is not None:
+            raise self._abort.with_traceback(None)
+        link = self._links.get(peer)
+        if link is None:
+            raise ValueError(f"rank {self.rank} is not connected to rank {peer}; call connect() first")
+        if link.error is not None:
+            raise link.error.with_traceback(None)
+        return link
+
+    async def _reader(self, link: _Link) -> None:
+        recv = self.receiver
+        rank = link.rank
+
+        def place(h: np.void):
+            if int(h["rank"]) != rank:
+                return None  # a peer may only speak for itself
+            ftype = int(h["ftype"])
+            if ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+                return recv.payload_target(h, 0)
+            if ftype == FrameType.BULK:
+                return self.bulk.target(rank, h, trio.current_time())
+            return KEEP
+
+        def batchable(h: np.ndarray) -> np.ndarray:
+            return (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0) & (h["rank"] == rank)
+
+        budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
+        waits = link.chan.waits
+        while True:
+            staged = link.reader.take_staged(batchable)
+            if staged is not None:  # many small data frames already in memory: one vectorised pass
+                batch = wire.Batch(staged.headers, staged.payload_pos, np.zeros(len(staged), np.int8), staged.buf)
+                events = recv.receive_runs(batch, 0, trio.current_time())
+                if events:
+                    self._handle(events)
+                budget += int(staged.headers["length"].astype(np.int64).sum())
+                self.deadlines.poke()  # cheap (one look at the open rounds); the next read may block
+                continue
+            if budget >= 1 << 20:
+                budget = 0
+                self.deadlines.poke()
+                if link.chan.waits == waits:  # no read waited since the last time: yield to the other tasks
+                    await trio.lowlevel.checkpoint()
+                waits = link.chan.waits
+            rf = await link.reader.next(place)
+            now = trio.current_time()
+            h = rf.header
+            ftype = int(h["ftype"])
+            events = None
+            if int(h["rank"]) != rank:
+                recv.counters.reject("rank-mismatch")
+            elif ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+                events = recv.commit(h, 0, now, rf.landed)
+            elif ftype == FrameType.BULK:
+                done = self.bulk.landed(rank, h, now)
+                if done is not None:
+                    self._bulk_done(done)
+            elif ftype == FrameType.CONTROL:
+                self._on_control(link, rf.frame)
+            else:
+                key = (rank, int(h["bucket"]), int(h["round"]))
+                begin = ftype == FrameType.ROUND_BEGIN
+                if begin:
+                    why = "already closed" if key in recv.closed else None
+                    self._opened[key] = now
+                    while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
+                        self._opened.popitem(last=False)
+                    before = dict(recv.counters.reasons)
+                events = recv.receive_bytes(rf.frame, 0, now)
+                if begin and why is None and key not in recv.rounds and key not in recv.closed:
+                    grew = [r for r, n in recv.counters.reasons.items() if n > before.get(r, 0)]
+                    why = f"refused ({', '.join(grew) or 'rejected'})"  # limits: too many rounds, memory budget
+                if begin and why is not None:  # the sender would wait forever for this round: tell it now
+                    link.writer.push([control.control(self.token, self.rank, control.STALE, bucket=key[1],
+                                                      round=key[2], why=why)], urgent=True)  # fmt: skip
+            if events:
+                self._handle(events)
+            budget += 4096 + int(h["length"])
+            # every path reaches this check (a CONTROL frame right behind a ROUND_END must not skip it): a round whose
+            # deadline just started would otherwise wait for the next frame that happens to leave the buffer empty
+            if rf.idle:
+                budget = 0
+                self.deadlines.poke()
+                await trio.lowlevel.checkpoint()
+
+    def _on_control(self, link: _Link, frame: memoryview) -> None:
+        try:
+            _, msg = control.parse(frame, self.cfg.limits)
+        except ProtocolError:
+            self.receiver.counters.reject("control")
+            return
+        if msg["op"] == control.BYE:
+            link.said_bye = True  # the connection's end follows; pending operations fail as "closed its endpoint"
+        elif msg["op"] == control.ABORT:
+            # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
+            # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
+            error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
+            self._set_abort(error)
+            self._fail_peer(link.rank, error)
+            # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
+            # show them a closed connection instead of its reason); what waits on them fails now, and new
+            # operations raise the mismatch (_link)
+            for rank in list(self._links):
+                self._fail_pending(rank, error)
+        elif msg["op"] == control.STALE:
+            key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
+            track = self._sending.get(key)
+            if track is not None:
+                why = str(msg.get("why", "already closed"))
+                hint = ": round keys must not be reused" if why == "already closed" else ""
+                what = f"round {key[2]} of bucket {key[1]} was {why} at rank {link.rank}{hint}"
+                track.report.fail(ProtocolError(what))
+                for job in track.jobs:
+                    if job in self.scheduler.jobs:
+                        self.scheduler.jobs.remove(job)
+                    job.done.set(job)
+
+    async def _liveness(self) -> None:
+        """Ping idle links; declare a peer gone after peer_timeout without any byte from it."""
+        c = self.cfg
+        beat = c.heartbeat or c.peer_timeout / 4
+        tick = min(beat, c.peer_timeout / 10)
+        while True:
+            await trio.sleep(tick)
+            now = trio.current_time()
+            for link in list(self._links.values()):
+                if link.error is not None:
+                    continue
+                silent = now - link.chan.last_rx
+                if silent >= c.peer_timeout - tick:
+                    why = f"rank {self.rank}: rank {link.rank} silent for {silent:.2f} s (timeout {c.peer_timeout:g} s)"
+                    self._fail_peer(link.rank, PeerTimeout(why))
+                elif now - link.last_ping >= beat:
+                    link.last_ping = now
+                    link.writer.push([control.control(self.token, self.rank, control.PING)], urgent=True)
+
+    async def aborted(self, within: float) -> RankMismatch | None:
+        """The mismatch a peer reported (control ABORT), waiting up to ``within`` s for one; None if none came."""
+        with trio.move_on_after(within):
+            await self._aborted.wait()
+        return self._abort
+
+    def abort_peers(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed for ``why`` (queued, no waiting): their
+        pending operations on this rank fail with :class:`RankMismatch` carrying it, instead of waiting for a round
+        that will never come."""
+        for ln in self._links.values():
+            if ln.error is None:
+                ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why[:2000])])
+
+    def _set_abort(self, error: RankMismatch) -> None:
+        """The session's collectives failed with ``error`` (a peer's ABORT, or a mismatch seen here): remember the
+        first, wake what waits for it, and end stream exchanges under way (a hop or a lane dial would otherwise
+        wait for its own timeout)."""
+        if self._abort is None:
+            self._abort = error
+            self._aborted.set()
+        for scope in self._exchange_scopes:
+            scope.cancel()
+
+    def _stream_conflict(self, key: tuple[int, int, int]) -> RankMismatch:
+        """A session-link message arrived for what this rank exchanges on stream lanes (i22): fail this rank's
+        pending operations and tell every peer, as a control ABORT would."""
+        error = RankMismatch(path_mismatch(key[2]))
+        self._set_abort(error)
+        self.abort_peers(str(error))
+        for rank in list(self._links):
+            self._fail_pending(rank, error)
+        return error
+
+    @one_error
+    async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
+                       ticket: int | None = None) -> list[HopResult]:
+        """Run ``hops`` (see :class:`~dgt.transport.streams.Hop`) in order on stream lanes, off the trio loop: the
+        lossless path of a collective whose every rank knows the same sequence of messages (a ring all-reduce).
+        Exchanges run one at a time, in the order they were called, which must be the same on every rank.
+        ``timeout``: the longest a hop may make no progress (default: peer_timeout). ``family``: the bucket bits
+        that name a message's family; a session-link message from a hop's peer in the same family and round means
+        that peer took the round path for this call (RankMismatch on every rank, see dgt.transport.stream_watch).
+        ``ticket``: a place in that order reserved earlier with ``self.streams.reserve()``, given back here however
+        the call ends."""
+        started = False
+        try:
+            self._check_open()
+            if self._abort is not None:
+                raise self._abort.with_traceback(None)
+        except BaseException:
+            if ticket is not None:
+                self.streams.forfeit(ticket)
+            raise
+        entries, scope = self._stream_watch.watch(hops, family), None
+        try:  # (i22) the peer's message may be in already
+            key = self._stream_watch.first_expected([*self._results, *self.bulk.open, *self.receiver.rounds])
+            if key is not None:
+                raise self._stream_conflict(key)
+            with trio.CancelScope() as scope:  # an abort cancels it (a lane dial to a peer that gave up, too)
+                self._exchange_scopes.add(scope)
+                try:
+                    started = True  # streams.exchange owns the ticket from here, however it ends
+                    return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                except (PeerClosed, trio.MultiError) as exc:
+                    # a peer that aborted may hang up on a lane before its ABORT is read; both neighbours' lanes
+                    # failing at once come as a MultiError of PeerClosed (trio 0.22), which must wait for it too
+                    if not _all_peer_closed(exc):
+                        raise
+                    mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout))
+                    if mismatch is None:
+                        raise
+                    raise mismatch.with_traceback(None) from exc
+            raise self._abort.with_traceback(None)
+        finally:
+            if ticket is not None and not started:
+                self.streams.forfeit(ticket)
+            if scope is not None:
+                self._exchange_scopes.discard(scope)
+            self._stream_watch.unwatch(entries)
+
+
+def _all_peer_closed(exc: BaseException) -> bool:
+    """Whether ``exc`` is a PeerClosed, or a MultiError made only of PeerClosed."""
+    if isinstance(exc, trio.MultiError):
+        return all(_all_peer_closed(e) for e in exc.exceptions)
+    return isinstance(exc, PeerClosed)

@@ -1,0 +1,293 @@
+"""What leaves (part of :class:`dgt.transport.endpoint.Endpoint`): the send APIs, framing a round into reliable
+frames and datagram jobs, pacing and the drop reports that steer it.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+import trio
+
+from dgt import wire
+from dgt.channels.pacing import Pacer
+from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError
+from dgt.layout import BucketLayout
+from dgt.protocol.bulk import bulk_frames
+from dgt.protocol.congestion import Feedback
+from dgt.scheduler.datagrams import DatagramJob, sent_summary
+from dgt.scheduler.slot import Slot
+from dgt.transport.checks import check_classes
+from dgt.transport.handshake import _Link
+from dgt.transport.stats import SendStats
+
+BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
+
+
+@dataclass
+class _SendTrack:
+    """A round on its way to a peer: the drop report slot and the datagram jobs (for the loss estimate)."""
+
+    report: Slot = field(default_factory=Slot)
+    jobs: list[DatagramJob] = field(default_factory=list)
+    detached: bool = False  # send_round returned without waiting for the report
+    t0: float = 0.0  # when the round started (the send budget learns the round's length from its report)
+    cls: np.ndarray | None = None  # lane class per block (per-lane loss accounting)
+
+
+class PendingSend:
+    """A lossless message queued by :meth:`Endpoint.post_send`; the writer task sends it while the caller goes on."""
+
+    __slots__ = ("stats", "_slot", "_t0", "_pacer")
+
+    def __init__(self, stats: SendStats, slot: Slot, t0: float, pacer: Pacer | None) -> None:
+        self.stats = stats
+        self._slot = slot
+        self._t0 = t0
+        self._pacer = pacer
+
+    @property
+    def done(self) -> bool:
+        return self._slot.done
+
+    async def wait(self, timeout: float | None = None) -> SendStats:
+        """Once the kernel took the last byte: the message's stats (``elapsed`` counts to this return). PeerClosed
+        if the connection failed first; PeerTimeout after ``timeout``."""
+        st = self.stats
+        try:
+            with trio.fail_after(timeout) if timeout else nullcontext():
+                await self._slot.wait()
+        except trio.TooSlowError:
+            raise PeerTimeout(f"round {st.round} of bucket {st.bucket} to rank {st.peer}: not sent in "
+                              f"{timeout} s") from None  # fmt: skip
+        st.elapsed = trio.current_time() - self._t0
+        st.pace_rate = None if self._pacer is None else self._pacer.rate
+        return st
+
+
+class OutboundMixin:
+    """The send APIs, drop reports, congestion feedback and the send budget."""
+
+    def _on_drop_report(self, frame: wire.Frame) -> None:
+        """A receiver closed one of our rounds: fold its losses into error feedback, steer pacing, stop sending."""
+        peer = frame.rank
+        link = self._links.get(peer)
+        if link is None:
+            self.receiver.counters.reject("report-from-stranger")
+            return
+        try:
+            info = link.sender.on_drop_report(frame)
+        except WireError:
+            self.receiver.counters.reject("drop-report")
+            return
+        track = self._sending.get((peer, frame.bucket, frame.round))
+        if track is not None:
+            self._account_report(link, track, info)
+            track.report.set(info)
+            if track.detached:
+                del self._sending[(peer, frame.bucket, frame.round)]
+        if info.folded_elems:
+            link.dirty.add(frame.bucket)
+        self.scheduler.poke()
+
+    def _account_report(self, link: _Link, track: _SendTrack, info) -> None:
+        """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
+        if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
+            lanes, counts = np.unique(track.cls[info.lost_mask], return_counts=True)
+            for lane, n in zip(lanes.tolist(), counts.tolist()):
+                self._tx_lost[lane] = self._tx_lost.get(lane, 0) + n
+        if link.pacer is None or link.pacer.cc is None or info.timing is None or not track.jobs:
+            return
+        now = trio.current_time()
+        t = info.timing
+        n, nbytes, first, last = sent_summary(track.jobs)
+        link.pacer.on_feedback(Feedback(n, nbytes, t.datagrams, t.nbytes, first, last, t.first, t.last, t.wait), now)
+        link.window.observe(now - track.t0, t.wait)
+
+    def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
+        link = self._links.get(peer)
+        return link is None or link.error is not None or link.sender.closed(bucket, round)
+
+    def _pacer_of(self, peer: int) -> Pacer | None:
+        link = self._links.get(peer)
+        return None if link is None else link.pacer
+
+    def _layout(self, numel: int) -> BucketLayout:
+        lay = self._layouts.get(numel)
+        if lay is None:
+            if len(self._layouts) > 256:
+                self._layouts.clear()
+            lay = self._layouts[numel] = BucketLayout.flat(numel, self.cfg.block)
+        return lay
+
+    async def send_round(
+        self,
+        peer: int,
+        bucket: int,
+        round: int,
+        flat: torch.Tensor,
+        layout: BucketLayout | None = None,
+        cls: torch.Tensor | int = 0,
+        order: torch.Tensor | None = None,
+        *,
+        wait: bool = True,
+        timeout: float | None = None,
+        codec: int = 0,
+    ) -> SendStats:
+        """Send one round of ``bucket`` to ``peer``: blocks of class 0 over TCP (with the round's opening and
+        closing frames), class k >= 1 over UDP lane k in ``order`` (most important first). ``cls=0`` sends
+        everything reliably (lossless). With ``wait`` (default) returns once the receiver's drop report is in,
+        so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
+        was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
+        frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``."""
+        if not 0 <= bucket < BYTES_BUCKET:
+            raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
+        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec)
+
+    @staticmethod
+    async def _jobs_done(track: _SendTrack) -> None:
+        for job in track.jobs:
+            try:
+                await job.done.wait()
+            except OSError:
+                pass  # the lane could not send: those datagrams are lost, the deadline covers them
+
+    async def _jobs_until_report(self, track: _SendTrack) -> None:
+        """Wait for the round's datagrams, or for its drop report, whichever comes first: once the receiver has
+        closed the round the datagrams still queued (a pacer slowed by loss) are abandoned, not waited for. Waiting
+        for them outlived a receiver that had reported and closed its endpoint (PeerClosed on a finished round)."""
+        async with trio.open_nursery() as nursery:
+            async def on_report() -> None:
+                try:
+                    await track.report.wait()
+                finally:
+                    nursery.cancel_scope.cancel()
+
+            nursery.start_soon(on_report)
+            await self._jobs_done(track)
+            nursery.cancel_scope.cancel()
+
+    async def _send(self, peer, bucket, round, flat, layout, cls, order, wait, timeout, codec=0) -> SendStats:
+        link = self._link(peer)
+        t0 = trio.current_time()
+        flat = flat.detach().reshape(-1)
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            flat = flat.to("cpu").contiguous()
+        layout = layout or self._layout(flat.numel())
+        if layout.block != self.cfg.block:
+            raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
+        if flat.numel() != layout.numel:
+            raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
+        check_classes(cls, order, layout)
+        key = (peer, bucket, round)
+        if key in self._sending and not self._sending[key].detached:
+            raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
+        lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
+        if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
+            return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
+        # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
+        copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
+        link.dirty.discard(bucket)
+        data = link.sender.prepare(bucket, flat) if copy else flat
+        quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
+        budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
+        if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
+            budget = link.window.budget(link.pacer.rate)
+        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
+                                codec=codec)
+        stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
+                          len(plan.reliable), plan.reliable_bytes, copied=copy,
+                          unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
+        for lane, n in plan.unsent_lanes.items():
+            self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
+        if plan.unsent_blocks and self.cfg.error_feedback:
+            link.dirty.add(bucket)  # the blocks kept back are in the residual: the next round adds it
+        track = self._sending[key] = _SendTrack(t0=t0, cls=plan.cls)
+        finished = False
+        try:
+            with trio.fail_after(timeout) if timeout else nullcontext():
+                begin = link.writer.push_frames(plan.reliable[:1], urgent=True)
+                rest = link.writer.push_frames(plan.reliable[1:])
+                await begin.wait()  # datagrams only after the round's opening frame is on the wire
+                for lane in sorted(set(plan.datagrams) | set(plan.odd)):
+                    rows = plan.datagrams.get(lane, np.zeros((0, 1), np.uint8))
+                    job = DatagramJob(peer, lane, bucket, round, rows, plan.odd.get(lane, []), link.udp_addrs[lane - 1])
+                    track.jobs.append(job)
+                    self.scheduler.submit(job)
+                await rest.wait()
+                if wait:
+                    await self._jobs_until_report(track)
+                else:
+                    await self._jobs_done(track)
+                if wait:
+                    info = await track.report.wait()
+                    stats.report = True
+                    stats.lost_blocks, stats.folded_elems = info.missing_blocks, info.folded_elems
+            finished = True
+        except trio.TooSlowError:
+            raise PeerTimeout(f"round {round} of bucket {bucket} to rank {peer}: not done in {timeout} s") from None
+        finally:
+            for job in track.jobs:
+                lane = job.lane
+                stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
+                stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
+                stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
+                self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
+                if not job.done.done:  # cancelled mid-round: stop its datagrams
+                    if job in self.scheduler.jobs:
+                        self.scheduler.jobs.remove(job)
+                    job.done.fail(PeerClosed("send cancelled"))
+            if wait or not finished or track.report.done or quiet:
+                if self._sending.get(key) is track:
+                    del self._sending[key]
+            else:
+                track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
+        self._stats.rounds_sent += 1
+        stats.elapsed = trio.current_time() - t0
+        stats.pace_rate = None if link.pacer is None else link.pacer.rate
+        return stats
+
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
+        """Queue round ``round`` of ``bucket`` to ``peer`` losslessly, without waiting: it goes out as BULK frames
+        (see dgt.protocol.bulk) behind whatever the connection's writer already holds, and lands on the peer like a
+        complete round (``recv_round``). ``flat`` is sent from in place: leave it unchanged until
+        :meth:`PendingSend.wait` returned. A bucket whose residual holds folded losses is sent with that residual
+        added (from a copy), as ``send_round`` would. Nothing here awaits, so a caller can start a send and a
+        receive from one task (a ring hop) without spawning one."""
+        if not 0 <= bucket < BYTES_BUCKET:
+            raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
+        link = self._link(peer)
+        t0 = trio.current_time()
+        flat = flat.detach().reshape(-1)
+        if flat.device.type != "cpu" or not flat.is_contiguous():
+            flat = flat.to("cpu").contiguous()
+        copied = self.cfg.error_feedback and bucket in link.dirty
+        if copied:
+            flat = link.sender.prepare(bucket, flat)
+            link.dirty.discard(bucket)
+        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, codec)
+        nblocks = -(-flat.numel() // self.cfg.block)
+        stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
+                          flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
+        slot = link.writer.push_frames(frames)
+        self._stats.rounds_sent += 1
+        return PendingSend(stats, slot, t0, link.pacer)
+
+    async def send_bytes(self, peer: int, data: bytes | bytearray | memoryview, tag: int = 0) -> None:
+        """Send a message losslessly (all TCP); messages with the same tag arrive in order at recv_bytes."""
+        if not 0 <= tag < 1 << 16:
+            raise ValueError("tag must be in [0, 65536)")
+        seq = self._bytes_tx.get((peer, tag), 0)
+        self._bytes_tx[(peer, tag)] = seq + 1
+        buf = bytearray(data)
+        t = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.zeros(0, dtype=torch.uint8)
+        await self._send(peer, BYTES_BUCKET | tag, seq & 0xFFFFFFFF, t, None, 0, None, True, None)
+
+    async def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
+        """Lossless send of a small tensor with its shape and dtype (e.g. a model broadcast)."""
+        meta = f"{wire.wire_dtype(tensor.dtype).value}:{','.join(map(str, tensor.shape))}".encode()
+        await self.send_bytes(peer, meta, tag)
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        await self.send_bytes(peer, flat.view(torch.uint8).numpy().tobytes(), tag)
