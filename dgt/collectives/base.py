@@ -34,27 +34,31 @@ def tells_peers(fn: F) -> F:
             ep = self.group.endpoint
             if exc.remote is None and ep is not None:
                 ep.abort_peers(str(exc))
+                self.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
             raise
-        except PeerClosed as exc:
-            if not (getattr(exc, "mid_hop", False) or getattr(exc, "bye", False)):
-                raise
-            # a peer that saw a mismatch in a stream hop shuts its stream lanes as it raises; its ABORT (on the
-            # session link) may trail that by a moment, and a rank that got another peer's ABORT closes its group
-            # (a goodbye) before that ABORT reaches us: report the mismatch, the cause, when it comes within a second
-            mismatch = await self.group.endpoint.aborted(min(1.0, self.group.endpoint.cfg.peer_timeout))
-            if mismatch is None:
-                raise
-            raise mismatch from exc
-        except ConnectionError as exc:
-            # the group could not connect a peer (another call's attempt failed): a peer that saw a mismatch aborts
-            # and hangs up, so its ABORT, if one comes within a second, is the reason to report
-            ep = self.group.endpoint
-            mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout)) if ep is not None else None
+        except (PeerClosed, ConnectionError) as exc:
+            mismatch = await _peer_abort(self, exc)
             if mismatch is None:
                 raise
             raise mismatch from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | None:
+    """The mismatch behind a closed peer, if there is one. A peer that saw a mismatch in a stream hop shuts its
+    stream lanes as it raises, and its ABORT (on the session link) may trail that by a moment; a rank that got another
+    peer's ABORT closes its group (a goodbye) before that ABORT reaches us; a failed connect (ConnectionError) may be a
+    peer that aborted: wait up to a second for the ABORT in those cases. A peer that aborted before this rank connected
+    to it (it hung up on our hello) can only have left its reason in the store."""
+    ep = coll.group.endpoint
+    if ep is not None and (isinstance(exc, ConnectionError) or getattr(exc, "mid_hop", False)
+                           or getattr(exc, "bye", False)):
+        mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout))
+        if mismatch is not None:
+            return mismatch
+    why = coll.group.published_abort()
+    return RankMismatch(why) if why else None
 
 
 class Collective:

@@ -90,6 +90,15 @@ class Group:
         """Peers this rank has a live connection to (opened by it or by the peer)."""
         return sorted(self.endpoint.peers)
 
+    def publish_abort(self, why: str) -> None:
+        """Tell ranks not connected to this one why the session's collectives failed (via the store)."""
+        if self.rendezvous is not None:
+            self.rendezvous.publish_abort(why)
+
+    def published_abort(self) -> str | None:
+        """A mismatch another rank published (None: none, or no rendezvous)."""
+        return self.rendezvous.published_abort() if self.rendezvous is not None else None
+
     async def links(self, peers: Iterable[int]) -> None:
         """Make sure this rank is connected to ``peers`` (both sides of a pair ask; the lower rank dials). Once they
         are connected this returns without yielding, so a collective that takes a stream ticket right after it

@@ -86,6 +86,20 @@ class Rendezvous:
                 f"({len(missing)} of {self.world} missing)"
             )
 
+    def publish_abort(self, why: str) -> None:
+        """Leave why a collective of this session failed (a mismatch) where ranks that have no connection to this
+        one yet find it (connections are lazy: an ABORT reaches only connected peers). The store is trusted as far
+        as the rendezvous is (docs/security.md): a forged entry can only make a failing call name another reason."""
+        self.ops += 1
+        self._st.set("abort", why[:2000])
+
+    def published_abort(self) -> str | None:
+        """The reason :meth:`publish_abort` left, if any (one check, no waiting)."""
+        self.ops += 1
+        if not self._st.check(["abort"]):
+            return None
+        return bytes(self._st.get("abort")).decode("utf-8", errors="replace")
+
     def missing(self) -> list[int]:
         """Ranks whose address is not in the store (O(W) checks: for the error message only)."""
         return [r for r in range(self.world) if not self._st.check([f"addr/{r}"])]
