@@ -16,6 +16,11 @@ from dgt.transport.handshake import _Link
 from dgt.transport.streams import Hop, HopResult
 from dgt.wire import Flags, FrameType
 
+try:
+    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
+except NameError:  # Python 3.10: the backport trio itself depends on
+    from exceptiongroup import BaseExceptionGroup
+
 
 class LinkMixin:
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
@@ -277,9 +282,9 @@ class LinkMixin:
                 try:
                     started = True  # streams.exchange owns the ticket from here, however it ends
                     return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
-                except (PeerClosed, trio.MultiError) as exc:
+                except (PeerClosed, BaseExceptionGroup) as exc:
                     # a peer that aborted may hang up on a lane before its ABORT is read; both neighbours' lanes
-                    # failing at once come as a MultiError of PeerClosed (trio 0.22), which must wait for it too
+                    # failing at once come as a group of PeerClosed (trio's MultiError), which must wait for it too
                     if not _all_peer_closed(exc):
                         raise
                     mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout))
@@ -296,7 +301,7 @@ class LinkMixin:
 
 
 def _all_peer_closed(exc: BaseException) -> bool:
-    """Whether ``exc`` is a PeerClosed, or a MultiError made only of PeerClosed."""
-    if isinstance(exc, trio.MultiError):
+    """Whether ``exc`` is a PeerClosed, or an exception group made only of PeerClosed."""
+    if isinstance(exc, BaseExceptionGroup):
         return all(_all_peer_closed(e) for e in exc.exceptions)
     return isinstance(exc, PeerClosed)
