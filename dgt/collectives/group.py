@@ -97,7 +97,12 @@ class Group:
 
     def published_abort(self) -> str | None:
         """A mismatch another rank published (None: none, or no rendezvous)."""
-        return self.rendezvous.published_abort() if self.rendezvous is not None else None
+        if self.rendezvous is None:
+            return None
+        try:
+            return self.rendezvous.published_abort()
+        except Exception:  # the store is gone too (its host died): the caller's own error stands
+            return None
 
     async def links(self, peers: Iterable[int]) -> None:
         """Make sure this rank is connected to ``peers`` (both sides of a pair ask; the lower rank dials). Once they
