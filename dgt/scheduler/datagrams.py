@@ -78,6 +78,22 @@ class DatagramScheduler:
         self._wake.set()
         return job.done
 
+    def cancel(self, job: DatagramJob, error: BaseException | None = None) -> None:
+        """Take ``job`` off the queue (if it is still there) and complete its slot: with the job itself, or with
+        ``error`` for its waiters."""
+        if job in self.jobs:
+            self.jobs.remove(job)
+        if error is None:
+            job.done.set(job)
+        else:
+            job.done.fail(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The endpoint is closing: every queued job's waiters get ``error``."""
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job.done.fail(error)
+
     def drop_peer(self, peer: int, error: BaseException) -> None:
         """Forget a failed peer's jobs; their waiters get ``error``."""
         for job in [j for j in self.jobs if j.peer == peer]:

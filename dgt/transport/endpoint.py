@@ -90,7 +90,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._stats = TransportStats(self.rank, [])
         self._lane_delivered: dict[int, list[int]] = {}
         self.scheduler = DatagramScheduler(self.udp, self._round_closed, self._pacer_of)
-        self.deadlines = DeadlineTimer(self.receiver, self._finished)
+        self.deadlines = DeadlineTimer(self.receiver, self._handle)
         self._nursery: trio.Nursery | None = None
         self._stop = trio.Event()
         self._stopped = trio.Event()
@@ -199,9 +199,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
             slot.fail(error)
         for track in list(self._sending.values()):
             track.report.fail(error)
-        for job in list(self.scheduler.jobs):
-            job.done.fail(error)
-        self.scheduler.jobs.clear()
+        self.scheduler.fail_all(error)
         self.streams.close(error)
         self._close_sockets()
 

@@ -236,9 +236,7 @@ class OutboundMixin:
                 stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
                 self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
                 if not job.done.done:  # cancelled mid-round: stop its datagrams
-                    if job in self.scheduler.jobs:
-                        self.scheduler.jobs.remove(job)
-                    job.done.fail(PeerClosed("send cancelled"))
+                    self.scheduler.cancel(job, PeerClosed("send cancelled"))
             if wait or not finished or track.report.done or quiet:
                 if self._sending.get(key) is track:
                     del self._sending[key]
