@@ -18,6 +18,7 @@ import torch
 
 from dgt import wire
 from dgt.errors import WireError
+from dgt.layout import BucketLayout
 from dgt.protocol.closing import finalise
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
@@ -31,7 +32,6 @@ from dgt.protocol.round_state import (
     dense_wait,
     first_of,
     group_by_round,
-    layout_of,
     zeroed,
 )
 from dgt.protocol.stats import ReceiverCounters
@@ -111,7 +111,7 @@ class RoundReceiver:
     def _open(self, f: wire.Frame, now: float) -> list[Event]:
         key = (f.rank, f.bucket, f.round)
         numel, block, frag, sizes = wire.decode_round_begin(f.payload, self.limits)
-        layout = layout_of(tuple(sizes), block)
+        layout = BucketLayout.of(sizes, block)  # shared: a bucket keeps its shape round after round
         if key in self.closed:
             self.counters.late += 1
             return [RoundRefused(key, ALREADY_CLOSED)]

@@ -49,11 +49,6 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-def layout_of(sizes: tuple[int, ...], block: int) -> BucketLayout:
-    """Layouts by geometry: a bucket keeps its shape round after round (bounded: sizes come off the wire)."""
-    return BucketLayout(list(sizes), block)
-
-
 def _field_bytes(*names: str) -> slice:
     """The byte range of adjacent header fields, from :data:`dgt.wire.HEADER_DTYPE` (no offsets written out here)."""
     fields = wire.HEADER_DTYPE.fields
@@ -103,7 +98,7 @@ class OpenRound:
     ) -> None:
         self.key = key
         self.layout = layout
-        self.geom = Geometry(layout, frag)
+        self.geom = Geometry.of(layout, frag)
         self.dtype = dtype
         self.codec = codec
         self.want_report = True

@@ -26,7 +26,6 @@ from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, RankMismatch
-from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import RoundReceiver
@@ -79,7 +78,6 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
         self._sending: dict[tuple[int, int, int], _SendTrack] = {}
-        self._layouts: dict[int, BucketLayout] = {}
         self._bytes_tx: dict[tuple[int, int], int] = {}
         self._bytes_rx: dict[tuple[int, int], int] = {}
         self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None

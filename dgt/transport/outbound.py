@@ -115,12 +115,7 @@ class OutboundMixin:
         return None if link is None else link.pacer
 
     def _layout(self, numel: int) -> BucketLayout:
-        lay = self._layouts.get(numel)
-        if lay is None:
-            if len(self._layouts) > 256:
-                self._layouts.clear()
-            lay = self._layouts[numel] = BucketLayout.flat(numel, self.cfg.block)
-        return lay
+        return BucketLayout.flat(numel, self.cfg.block)  # the shared instance (BucketLayout.of)
 
     async def send_round(
         self,
@@ -266,7 +261,7 @@ class OutboundMixin:
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
         frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, codec)
-        nblocks = -(-flat.numel() // self.cfg.block)
+        nblocks = self._layout(flat.numel()).nblocks
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
         slot = link.writer.push_frames(frames)
