@@ -22,18 +22,18 @@ import torch
 import trio
 
 from dgt.channels.ports import bind_in_range
+from dgt.channels.slot import Slot
 from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
 from dgt.channels.udp import UdpChannel
+from dgt.channels.udp_scheduler import DatagramScheduler
 from dgt.errors import PeerClosed, RankMismatch
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import RoundReceiver
-from dgt.scheduler.datagrams import DatagramScheduler
-from dgt.scheduler.slot import Slot
-from dgt.scheduler.timer import DeadlineTimer
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress, TransportConfig
+from dgt.transport.deadline_timer import DeadlineTimer
 from dgt.transport.handshake import HandshakeMixin, _Link
 from dgt.transport.inbound import InboundMixin
 from dgt.transport.links import LinkMixin

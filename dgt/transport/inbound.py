@@ -10,11 +10,11 @@ import torch
 import trio
 
 from dgt import wire
+from dgt.channels.slot import Slot
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
 from dgt.protocol.events import BulkDone, DropReportIn, Event, RoundDone, RoundRefused
 from dgt.protocol.stats import RoundLaneStats, RoundStats
-from dgt.scheduler.slot import Slot
 from dgt.transport import control
 from dgt.transport.outbound import BYTES_BUCKET
 from dgt.transport.stats import RoundResult

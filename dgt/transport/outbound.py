@@ -12,13 +12,13 @@ import torch
 import trio
 
 from dgt import wire
-from dgt.channels.pacing import Pacer
+from dgt.channels.slot import Slot
+from dgt.channels.udp_scheduler import DatagramJob, sent_summary
 from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import Feedback
-from dgt.scheduler.datagrams import DatagramJob, sent_summary
-from dgt.scheduler.slot import Slot
+from dgt.protocol.pacing import Pacer
 from dgt.transport.checks import check_classes
 from dgt.transport.handshake import _Link
 from dgt.transport.stats import SendStats

@@ -1,6 +1,7 @@
 """Send order on the unreliable lanes: one task interleaves every round's datagram jobs, most important lane class
 first, first-in first-out within a class, paced per peer, and drops a job the moment the receiver has closed its
-round, so a newer round never waits behind a stale round's unimportant blocks."""
+round, so a newer round never waits behind a stale round's unimportant blocks. The pacing it applies is the sans-IO
+token bucket of :mod:`dgt.protocol.pacing`, fed trio's clock here."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from dgt.channels.pacing import Pacer
+from dgt.channels.slot import Slot
 from dgt.channels.udp import UdpChannel
-from dgt.scheduler.slot import Slot
+from dgt.protocol.pacing import Pacer
 
 
 @dataclass
