@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
@@ -21,7 +21,11 @@ def _abs_sum(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
 class BucketLayout:
     """Block geometry of a flat bucket: tensor k of ``sizes[k]`` elements gets ceil(size/n) blocks, the last partial.
 
-    Everything is precomputed once per layout as index tensors, so per-round work is whole-tensor ops.
+    Everything is precomputed once per layout as index tensors, so per-round work is whole-tensor ops. This is the one
+    geometry object of the package: codecs' parts (``Part.layout``), chunkings, the transport's rounds and the
+    protocol's fragment split (:class:`dgt.protocol.geometry.Geometry`) all take it; :meth:`of` hands out one
+    shared instance per geometry, so it is built once and passed down instead of being re-derived by each layer.
+    A layout is never modified after it is built.
     """
 
     def __init__(self, sizes: Sequence[int], block: int = DEFAULT_BLOCK) -> None:
@@ -57,8 +61,13 @@ class BucketLayout:
         self.blocks_per_tensor = torch.tensor([-(-s // self.block) for s in self.sizes], dtype=torch.int64)
 
     @classmethod
+    def of(cls, sizes: Sequence[int], block: int = DEFAULT_BLOCK) -> BucketLayout:
+        """The shared layout of ``sizes`` cut in ``block``-element blocks (one instance per geometry, cached)."""
+        return _shared(tuple(int(s) for s in sizes), int(block))
+
+    @classmethod
     def flat(cls, numel: int, block: int = DEFAULT_BLOCK) -> BucketLayout:
-        return cls([numel], block)
+        return cls.of((numel,), block)
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, BucketLayout) and self.sizes == other.sizes and self.block == other.block
@@ -99,6 +108,22 @@ class BucketLayout:
         lens = self.block_len.to(block_mask.device)
         return torch.repeat_interleave(block_mask, lens, output_size=self.numel)
 
+    def whole_blocks(self, mask: torch.Tensor, of: BucketLayout) -> torch.Tensor:
+        """Per block of this layout: True when every one of its elements arrived, given ``mask`` per block of ``of``
+        (the same elements cut in other blocks: a transport's drop mask read in a codec's blocks). Vectorised."""
+        if bool(mask.all()):
+            return torch.ones(self.nblocks, dtype=torch.bool)
+        if of == self:
+            return mask.clone()
+        lost = torch.zeros(of.numel + 1, dtype=torch.int64)
+        torch.cumsum((~of.expand(mask)).to(torch.int64), 0, out=lost[1:])
+        return lost[self.block_start + self.block_len] == lost[self.block_start]
+
     def blocks_of_tensor(self, k: int) -> slice:
         first = self.tensor_first_block[k]
         return slice(first, first + int(self.blocks_per_tensor[k]))
+
+
+@lru_cache(maxsize=128)  # bounded: layouts also come off the wire (ROUND_BEGIN)
+def _shared(sizes: tuple[int, ...], block: int) -> BucketLayout:
+    return BucketLayout(sizes, block)

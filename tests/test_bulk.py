@@ -29,9 +29,7 @@ def _deliver(rx: BulkReceiver, frames, rank: int = 3, now: float = 0.0):
         target = rx.target(rank, h, now)
         assert len(target) == len(payload)
         target[:] = payload
-        d = rx.landed(rank, h, now + 1.0)
-        if d is not None:
-            done.append(d)
+        done += rx.landed(rank, h, now + 1.0)
     return done
 
 

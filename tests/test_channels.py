@@ -11,19 +11,19 @@ import trio
 from dgt import wire
 from dgt.channels.framing import KEEP, FrameReader
 from dgt.channels.lanes import LaneSpec, default_lanes, three_lanes, validate_lanes
-from dgt.channels.pacing import Pacer, TokenBucket
 from dgt.channels.sockopts import default_priority, get_dscp, parse_dscp, set_dscp
 from dgt.channels.tcp import TcpChannel, TcpListener, dial
+from dgt.channels.tcp_writer import ReliableWriter
 from dgt.channels.udp import UdpChannel
+from dgt.channels.udp_scheduler import DatagramJob, DatagramScheduler
 from dgt.errors import PeerClosed, PeerTimeout, WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.congestion import Feedback, LedbatRate
 from dgt.protocol.deadline import FixedGrace
+from dgt.protocol.pacing import Pacer, TokenBucket
 from dgt.protocol.receiver import RoundReceiver
 from dgt.protocol.sender import RoundSender
-from dgt.scheduler.datagrams import DatagramJob, DatagramScheduler
-from dgt.scheduler.reliable import ReliableWriter
-from dgt.scheduler.timer import DeadlineTimer
+from dgt.transport.deadline_timer import DeadlineTimer
 
 TOKEN = 77
 UDP = LaneSpec("bulk", "udp", 1)

@@ -12,7 +12,7 @@ import torch
 from dgt.codecs.base import BucketState
 from dgt.codecs.slimdp import HEADER_BYTES, SlimDPCodec
 from dgt.collectives.launch import run_ranks
-from dgt.collectives.model_server import ModelServer, codec_block_mask
+from dgt.collectives.model_server import ModelServer
 from dgt.harness.simulate import MLP, Shards, digits, train_ps
 from dgt.layout import BucketLayout
 from dgt.wire import HEADER_SIZE
@@ -102,16 +102,16 @@ def test_wire_parts_describe_every_message_from_its_header(spec, dtype):
             assert q.lane_class == p.lane_class
 
 
-def test_codec_block_mask_maps_transport_loss_to_codec_blocks():
+def test_whole_blocks_maps_transport_loss_to_codec_blocks():
     t = BucketLayout([5000], 1024)  # 5 transport blocks
     c = BucketLayout([5000], 6 * 128)  # 7 codec blocks
     m = torch.tensor([True, False, True, True, True])
-    got = codec_block_mask(m, t, c)
+    got = c.whole_blocks(m, t)
     elem_ok = t.expand(m)
     want = torch.stack([elem_ok[s : s + n].all() for s, n in zip(c.block_start.tolist(), c.block_len.tolist())])
     assert torch.equal(got, want) and not bool(got.all())
-    assert bool(codec_block_mask(torch.ones(5, dtype=torch.bool), t, c).all())
-    assert torch.equal(codec_block_mask(m, t, BucketLayout([5000], 1024)), m)
+    assert bool(c.whole_blocks(torch.ones(5, dtype=torch.bool), t).all())
+    assert torch.equal(BucketLayout([5000], 1024).whole_blocks(m, t), m)
 
 
 def test_slimdp_refuses_transport_error_feedback():

@@ -20,8 +20,10 @@ from dgt.channels.tcp import TcpChannel
 from dgt.errors import WireError
 
 KEEP = object()  # placement answer: deliver the whole frame (header + payload) to the caller
-_LENGTH = struct.Struct(">I")  # the header's last field
-_LENGTH_AT = wire.HEADER_SIZE - 4
+_LENGTH_DTYPE, _LENGTH_AT = wire.HEADER_DTYPE.fields["length"][:2]  # the payload length field and its offset
+_LENGTH = struct.Struct(">I")  # that field (checked below) read on its own, without numpy's per-call cost
+if _LENGTH_DTYPE != np.dtype(">u4"):
+    raise AssertionError("the header's length field is no longer a big-endian u32")
 LARGE = 64 << 10  # payloads at least this long are worth a header-only read before them
 
 

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from dgt.layout import BucketLayout
+
 RELIABLE = 0
 """Lane class of data that must arrive (TCP, DSCP EF)."""
 DROPPABLE = 1
@@ -83,6 +85,11 @@ class Part:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    @property
+    def layout(self) -> BucketLayout:
+        """The part's block geometry (the shared instance: see :meth:`dgt.layout.BucketLayout.of`)."""
+        return BucketLayout.of(self.segments or [self.data.numel()], self.block_elems)
+
 
 @dataclass
 class Received:
@@ -100,12 +107,14 @@ class Received:
             return self
         return replace(self, data=self.data.to(device), block_mask=self.block_mask.to(device))
 
+    @property
+    def layout(self) -> BucketLayout:
+        """The part's block geometry (the shared instance: see :meth:`dgt.layout.BucketLayout.of`)."""
+        return BucketLayout.of(self.segments or [self.data.numel()], self.block_elems)
+
     def element_mask(self) -> torch.Tensor:
         """Expand the per-block mask to one bool per element (vectorised)."""
-        from dgt.layout import BucketLayout
-
-        layout = BucketLayout(self.segments or [self.data.numel()], self.block_elems)
-        return layout.expand(self.block_mask)
+        return self.layout.expand(self.block_mask)
 
 
 @dataclass

@@ -41,18 +41,13 @@ def received_from_parts(parts: Sequence[Part], masks: Sequence[torch.Tensor | No
 
     Lossless parts share the sender's tensors (decoders never write into received data); lossy ones are copied.
     """
-    from dgt.layout import BucketLayout
 
     out = []
     for i, p in enumerate(parts):
         data = p.data.reshape(-1)
         mask = None if masks is None else masks[i]
         if mask is None:
-            if p.segments is None:
-                nblocks = -(-data.numel() // p.block_elems)
-            else:
-                nblocks = BucketLayout(p.segments, p.block_elems).nblocks
-            mask = torch.ones(nblocks, dtype=torch.bool, device=data.device)
+            mask = torch.ones(p.layout.nblocks, dtype=torch.bool, device=data.device)
             out.append(Received(data, mask, p.block_elems, p.segments))
             continue
         mask = mask.to(device=data.device, dtype=torch.bool)

@@ -56,7 +56,7 @@ class DGTCodec(Codec):
         flat = bucket.reshape(-1)
         est = state.values.get("estimator")
         if est is None:
-            layout = BucketLayout(state.segments or [flat.numel()], self.block)
+            layout = BucketLayout.of(state.segments or [flat.numel()], self.block)
             est = ContributionEstimator(layout, self.alpha, self.classes)
             state.values["estimator"] = est
         means = est.layout.block_abs_mean(flat)

@@ -16,6 +16,7 @@ from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import OPS, CodecMismatch, InputRejected, PeerClosed, RankMismatch
+from dgt.layout import BucketLayout
 from dgt.transport.streams import streamable
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -182,5 +183,5 @@ class Collective:
         if ch is None:
             if len(cache) >= 64:
                 cache.clear()
-            ch = cache[key] = Chunking(list(segments), block, k)
+            ch = cache[key] = Chunking(BucketLayout.of(segments, block), k)
         return ch

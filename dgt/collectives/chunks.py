@@ -11,8 +11,9 @@ class Chunking:
     """Splits a bucket of ``segments`` tensors into ``k`` contiguous chunks whose edges are block starts, so every
     chunk keeps the bucket's sub-blocks intact (DGT scores and drop masks stay per block)."""
 
-    def __init__(self, segments: list[int], block: int, k: int) -> None:
-        self.layout = BucketLayout(segments, block)
+    def __init__(self, layout: BucketLayout, k: int) -> None:
+        self.layout = layout
+        segments = layout.sizes
         n = self.layout.numel
         starts = self.layout.block_start
         if len(starts) == 0:

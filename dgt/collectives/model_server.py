@@ -31,10 +31,9 @@ from dgt.codecs.bucketinfo import set_segments
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import as_received, codec_block_mask, send_parts, transport_key, transport_part
+from dgt.collectives.parts import as_received, send_parts, transport_key, transport_part
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
-from dgt.layout import BucketLayout
 from dgt.wire import HEADER_SIZE
 
 
@@ -267,8 +266,8 @@ class ModelServer(Collective):
                 part = Part(res.data, part.lane_class, part.block_elems, part.name, [n])
             elif n != part.data.numel():
                 raise ValueError(f"part {part.name!r} from rank {peer}: {n} elements, expected {part.data.numel()}")
-            clayout = BucketLayout(part.segments or [n], part.block_elems)
-            mask = codec_block_mask(res.mask, res.layout, clayout)
+            clayout = part.layout
+            mask = clayout.whole_blocks(res.mask, res.layout)
             lost = clayout.block_len[~mask]
             stats.lost_blocks[part.name] = stats.lost_blocks.get(part.name, 0) + lost.numel()
             stats.lost_elems[part.name] = stats.lost_elems.get(part.name, 0) + int(lost.sum())

@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import torch
 import trio
 
 from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import RankMismatch, op_mismatch
-from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
 # the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
@@ -48,15 +45,6 @@ def state_key(role: str, bucket: int, *index: int) -> tuple:
     return (role, bucket, *index)
 
 
-@lru_cache(maxsize=256)
-def _layout(segments: tuple[int, ...], block: int) -> BucketLayout:
-    return BucketLayout(list(segments), block)
-
-
-def layout_of(part: Part) -> BucketLayout:
-    return _layout(tuple(part.segments or [part.data.numel()]), part.block_elems)
-
-
 def host(t: torch.Tensor) -> torch.Tensor:
     """The contiguous CPU tensor the transport packs from (device buckets cross to pinned host memory once)."""
     if t.device.type == "cpu":
@@ -78,18 +66,6 @@ def transport_part(part: Part, block: int) -> Part:
     return Part(part.data, part.lane_class, block, part.name)
 
 
-def codec_block_mask(transport_mask: torch.Tensor, transport: BucketLayout, codec: BucketLayout) -> torch.Tensor:
-    """Per codec block: True when every one of its elements arrived (vectorised over blocks)."""
-    if bool(transport_mask.all()):
-        return torch.ones(codec.nblocks, dtype=torch.bool)
-    if transport == codec:
-        return transport_mask.clone()
-    lost = torch.zeros(transport.numel + 1, dtype=torch.int64)
-    torch.cumsum((~transport.expand(transport_mask)).to(torch.int64), 0, out=lost[1:])
-    start = codec.block_start
-    return lost[start + codec.block_len] == lost[start]
-
-
 async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
                      stats: CollectiveStats, reliable: bool = False, wait_report: bool = True, op: int = 0) -> None:
     """Send every part to ``peer`` concurrently. ``reliable`` forces all blocks onto the reliable lane. ``op``: the
@@ -103,7 +79,7 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         if isinstance(cls, torch.Tensor):
             cls = cls.detach().to("cpu")
         order = None if part.order is None else part.order.detach().to("cpu")
-        jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), layout_of(part), cls,
+        jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), part.layout, cls,
                      order, wait_report, op))
         _count_sent(stats, part, cls)
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
@@ -118,7 +94,7 @@ def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
     if isinstance(cls, int):
         stats.add_sent(min(cls, 1), part.nbytes)
         return
-    lay = layout_of(part)
+    lay = part.layout
     isz = part.data.element_size()
     rel = int(lay.block_len[cls == 0].sum()) * isz
     stats.add_sent(0, rel)
@@ -152,7 +128,7 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         res = await ep.recv_round(peer, transport_key(bucket, phase, step, i), rnd, out=dst)
         stats.add_round(res.stats)
         check_op(op, res.codec, rnd)
-        want = layout_of(part).numel
+        want = part.layout.numel
         # parts of summable codecs hold one element per element and must match exactly; those of other codecs
         # (QSGD records, sparse payloads) may differ in size from rank to rank
         if exact and (res.data.numel() != want or res.data.dtype != part.data.dtype):
@@ -161,9 +137,9 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
                                f"the collective with different sizes or dtypes")
         # a BULK message is lossless and knows no segments: every block of our geometry arrived
         if res.bulk:
-            mask = torch.ones(layout_of(part).nblocks, dtype=torch.bool)
+            mask = torch.ones(part.layout.nblocks, dtype=torch.bool)
         elif res.layout.block != part.block_elems:  # sent cut in the transport's blocks: back to the codec's
-            mask = codec_block_mask(res.mask, res.layout, layout_of(part))
+            mask = part.layout.whole_blocks(res.mask, res.layout)
         else:
             mask = res.mask
         got = Received(res.data, mask, part.block_elems, part.segments)
@@ -196,5 +172,5 @@ def like_parts(template: list[Part], segments: list[int], codec, data: torch.Ten
 
 def as_received(part: Part) -> Received:
     """A part as if it arrived whole (to decode locally exactly what peers will decode)."""
-    n = layout_of(part).nblocks
+    n = part.layout.nblocks
     return Received(part.data, torch.ones(n, dtype=torch.bool), part.block_elems, part.segments)

@@ -148,7 +148,7 @@ class Wire:
             if not droppable:
                 masks.append(None)
                 continue
-            nb = -(-p.data.numel() // p.block_elems)
+            nb = p.layout.nblocks
             m = torch.rand(nb, generator=self.gen) >= self.drop
             self.blocks_lost += int((~m).sum())
             masks.append(m)

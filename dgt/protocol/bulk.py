@@ -17,10 +17,9 @@ import torch
 
 from dgt import wire
 from dgt.errors import ProtocolError
+from dgt.protocol.events import BulkDone, Event, Key
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
-
-Key = tuple[int, int, int]  # (sender rank, bucket, round)
 
 
 def bulk_frames(token: int, rank: int, bucket: int, round: int, flat: torch.Tensor,
@@ -57,18 +56,6 @@ class BulkMessage:
     @property
     def total(self) -> int:
         return self.data.numel()
-
-
-@dataclass
-class BulkDone:
-    """A complete message."""
-
-    key: Key
-    data: torch.Tensor
-    frames: int
-    nbytes: int  # payload + headers
-    elapsed: float
-    codec: int = 0
 
 
 class BulkReceiver:
@@ -113,18 +100,26 @@ class BulkReceiver:
         isz = msg.data.element_size()
         return msg.buf[offset * isz : (offset + count) * isz]
 
-    def landed(self, rank: int, h: np.void, now: float) -> BulkDone | None:
-        """The payload of ``h`` is in place (after :meth:`target`); the message if that completed it."""
+    def landed(self, rank: int, h: np.void, now: float) -> list[Event]:
+        """The payload of ``h`` is in place (after :meth:`target`); the message (:class:`BulkDone`) if that
+        completed it."""
         key = (rank, int(h["bucket"]), int(h["round"]))
         msg = self.open[key]
         msg.got += int(h["count"])
         msg.frames += 1
         if msg.got < msg.total:
-            return None
+            return []
         del self.open[key]
         self._release(msg)
         nbytes = msg.data.numel() * msg.data.element_size() + msg.frames * wire.HEADER_SIZE
-        return BulkDone(key, msg.data, msg.frames, nbytes, max(now - msg.opened, 0.0), msg.codec)
+        return [BulkDone(key, msg.data, msg.frames, nbytes, max(now - msg.opened, 0.0), msg.codec)]
+
+    def is_open(self, key: Key) -> bool:
+        """Whether a message under ``key`` is being received."""
+        return key in self.open
+
+    def open_keys(self) -> list[Key]:
+        return list(self.open)
 
     def abort(self, rank: int) -> None:
         """The peer is gone: forget its partial messages."""

@@ -3,35 +3,18 @@ statistics, teach the deadline policy, and build the DROP_REPORT frame (bitmap a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
 import torch
 
 from dgt import wire
-from dgt.layout import BucketLayout
 from dgt.protocol.deadline import DeadlinePolicy
+from dgt.protocol.events import RoundDone
 from dgt.protocol.report import Timing, encode_timing
 from dgt.protocol.round_state import OpenRound
 from dgt.protocol.stats import RoundStats
 from dgt.wire import Flags, FrameType
-
-
-@dataclass
-class RoundDone:
-    """A finalised round: the tensor (zeros where blocks were lost), the per-block received mask, the statistics,
-    and the DROP_REPORT frame to send back to the sender on the reliable lane."""
-
-    sender: int
-    bucket: int
-    round: int
-    data: torch.Tensor
-    mask: torch.Tensor
-    stats: RoundStats
-    report: bytes | None  # the DROP_REPORT frame for the sender; None when the sender asked for none
-    layout: BucketLayout
-    codec: int = 0  # the ROUND_BEGIN header's codec byte (a collective's call code: its op)
 
 
 @lru_cache(maxsize=64)

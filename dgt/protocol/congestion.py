@@ -20,7 +20,7 @@ as in LEDBAT the offset cancels against the *base delay*, the minimum sample ove
 * until the first decrease (*slow start*) a report with no loss and a queuing delay under half the target doubles
   the rate, so a fast idle path is found in a few rounds instead of dozens.
 
-The endpoint applies the rate with a token bucket (:class:`dgt.channels.pacing.Pacer`) and derives the send budget
+The endpoint applies the rate with a token bucket (:class:`dgt.protocol.pacing.Pacer`) and derives the send budget
 of a round from it (:mod:`dgt.protocol.budget`). Nothing here reads a clock: every time is passed in.
 """
 

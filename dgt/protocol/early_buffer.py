@@ -12,7 +12,7 @@ from typing import NamedTuple
 import numpy as np
 
 from dgt import wire
-from dgt.protocol.round_state import Key
+from dgt.protocol.events import Key
 from dgt.protocol.stats import ReceiverCounters
 from dgt.wire import Flags
 

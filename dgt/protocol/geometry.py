@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import numpy as np
 
@@ -27,7 +27,13 @@ def fragment_elems(block: int, itemsize: int, datagram_payload: int) -> int:
 
 
 class Geometry:
-    """numpy views of a layout's blocks plus the fragment split, cached per (layout, fragment size)."""
+    """numpy views of a layout's blocks plus the fragment split. :meth:`of` hands out one shared instance per
+    (layout, fragment size), so the sender's plan and the receiver's open round use the same one; never modified."""
+
+    @staticmethod
+    def of(layout: BucketLayout, frag: int) -> Geometry:
+        """The shared geometry of ``layout`` split in ``frag``-element fragments (cached)."""
+        return _shared(layout, frag)
 
     def __init__(self, layout: BucketLayout, frag: int) -> None:
         if not 0 < frag <= layout.block:
@@ -39,6 +45,8 @@ class Geometry:
         self.block_end = self.block_start + self.block_len
         self.frags_needed = -(-self.block_len // frag)  # per block
         self.frags_per_block = -(-layout.block // frag)
+        for a in (self.block_start, self.block_len, self.block_end, self.frags_needed):
+            a.setflags(write=False)
 
     @property
     def nblocks(self) -> int:
@@ -57,3 +65,8 @@ class Geometry:
         off = self.block_start[blk] + fidx * self.frag
         cnt = np.minimum(self.frag, self.block_end[blk] - off)
         return blk, off, cnt
+
+
+@lru_cache(maxsize=128)  # bounded: layouts also come off the wire (ROUND_BEGIN)
+def _shared(layout: BucketLayout, frag: int) -> Geometry:
+    return Geometry(layout, frag)

@@ -12,27 +12,26 @@ a round and its drop report in :mod:`dgt.protocol.closing`; the names callers im
 from __future__ import annotations
 
 from collections import OrderedDict
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from dgt import wire
 from dgt.errors import WireError
-from dgt.protocol.closing import RoundDone, finalise
+from dgt.layout import BucketLayout
+from dgt.protocol.closing import finalise
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.early_buffer import EarlyBuffer, datagram_sizes, pack_datagrams, reencode
+from dgt.protocol.events import ALREADY_CLOSED, DropReportIn, Event, Key, RoundDone, RoundRefused
 from dgt.protocol.landing import land_fragments, land_runs, mark_run
 from dgt.protocol.round_state import (
     HUGE_BYTES,
     Allocator,
-    Key,
     OpenRound,
     dense_wait,
     first_of,
     group_by_round,
-    layout_of,
     zeroed,
 )
 from dgt.protocol.stats import ReceiverCounters
@@ -40,17 +39,8 @@ from dgt.wire import Flags, FrameType
 
 # names callers import from this module (tests take the batch helper and the buffer maker from here)
 _first_of = first_of
-__all__ = ["HUGE_BYTES", "Allocator", "DropReportIn", "Event", "Key", "RoundDone", "RoundReceiver", "zeroed"]
-
-
-@dataclass
-class DropReportIn:
-    """A drop report from a peer, for this endpoint's sender."""
-
-    frame: wire.Frame
-
-
-Event = RoundDone | DropReportIn  # what the receive methods return
+__all__ = ["HUGE_BYTES", "Allocator", "DropReportIn", "Event", "Key", "RoundDone", "RoundReceiver", "RoundRefused",
+           "zeroed"]
 
 
 class RoundReceiver:
@@ -110,26 +100,32 @@ class RoundReceiver:
     def open_rounds(self) -> list[Key]:
         return list(self.rounds)
 
+    def is_open(self, key: Key) -> bool:
+        """Whether round ``key`` is open (its ROUND_BEGIN was accepted, it has not closed yet)."""
+        return key in self.rounds
+
+    def is_closed(self, key: Key) -> bool:
+        """Whether round ``key`` closed recently (the closed-round memory is bounded)."""
+        return key in self.closed
+
     def _open(self, f: wire.Frame, now: float) -> list[Event]:
         key = (f.rank, f.bucket, f.round)
         numel, block, frag, sizes = wire.decode_round_begin(f.payload, self.limits)
-        layout = layout_of(tuple(sizes), block)
+        layout = BucketLayout.of(sizes, block)  # shared: a bucket keeps its shape round after round
         if key in self.closed:
             self.counters.late += 1
-            return []
-        if key in self.rounds:
+            return [RoundRefused(key, ALREADY_CLOSED)]
+        if key in self.rounds:  # a repeated ROUND_BEGIN: the round stays open as it was
             r = self.rounds[key]
             if r.layout != layout or r.geom.frag != frag or r.dtype != f.dtype:
                 self.counters.reject("begin-mismatch")
             return []
         if sum(1 for k in self.rounds if k[0] == f.rank) >= self.limits.max_open_rounds:  # per sender (#23)
-            self.counters.reject("too-many-rounds")
-            return []
+            return self._refuse(key, "too-many-rounds")
         self._senders.add(f.rank)
         need = numel * int(wire.ITEMSIZE[f.dtype]) + layout.nblocks * -(-block // frag)
         if sum(r.nbytes for r in self.rounds.values()) + need > self.max_open_bytes:
-            self.counters.reject("memory-budget")
-            return []
+            return self._refuse(key, "memory-budget")
         self.rounds[key] = r = OpenRound(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
         r.opened_at = now
         r.want_report = not f.flags & Flags.NO_REPORT
@@ -141,6 +137,11 @@ class RoundReceiver:
                 batch = wire.decode_datagrams(e.data, e.sizes, self.limits, self.token)
                 events += self.receive_datagrams(batch, e.lane, now)
         return events
+
+    def _refuse(self, key: Key, reason: str) -> list[Event]:
+        """Count a refused ROUND_BEGIN and say so (its sender would otherwise wait for the round forever)."""
+        self.counters.reject(reason)
+        return [RoundRefused(key, reason)]
 
     def _buffer(self, key: Key, numel: int, dtype: wire.WireDType) -> torch.Tensor | None:
         """The allocator's buffer for a new round if it fits exactly (contiguous CPU, same size and dtype)."""
@@ -169,17 +170,19 @@ class RoundReceiver:
         return events
 
     def receive_frame(self, f: wire.Frame, lane: int, now: float) -> list[Event]:
+        """One decoded frame; a ROUND_BEGIN that does not open its round answers :class:`RoundRefused`."""
         if f.token != self.token:
             self.counters.reject("token")
-            return []
+            return [RoundRefused((f.rank, f.bucket, f.round), "token")] if f.ftype == FrameType.ROUND_BEGIN else []
         if f.ftype == FrameType.DATA:
             return self._data_frame(f, lane, now)
         if f.ftype == FrameType.ROUND_BEGIN:
             try:
                 return self._open(f, now)
             except WireError as exc:
+                key = (f.rank, f.bucket, f.round)
                 self.counters.reject(str(exc))
-                return []
+                return [RoundRefused(key, ALREADY_CLOSED if key in self.closed else str(exc))]
         if f.ftype == FrameType.ROUND_END:
             return self._end(f, now)
         if f.ftype == FrameType.DROP_REPORT:
@@ -346,19 +349,19 @@ class RoundReceiver:
         ds = [d for d in (self._deadline_of(r) for r in self.rounds.values()) if d is not None]
         return min(ds) if ds else None
 
-    def on_time(self, now: float) -> list[RoundDone]:
+    def on_time(self, now: float) -> list[Event]:
         """Finalise every round whose important blocks are in and whose deadline has passed."""
-        out = []
+        out: list[Event] = []
         for r in list(self.rounds.values()):
             d = self._deadline_of(r)
             if d is not None and now >= d:
                 out.append(self._finalise(r, now, "deadline"))
         return out
 
-    def abort(self, sender: int, now: float) -> list[RoundDone]:
+    def abort(self, sender: int, now: float) -> list[Event]:
         """Finalise every open round of ``sender`` as it stands (the peer is gone). A round whose important blocks
         were all in is as good as one closed by its deadline and closes as "sender-gone"; the others as "aborted"."""
-        out = []
+        out: list[Event] = []
         for k, r in list(self.rounds.items()):
             if k[0] == sender:
                 out.append(self._finalise(r, now, "sender-gone" if r.imp_done_at is not None else "aborted"))

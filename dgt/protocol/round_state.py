@@ -15,10 +15,10 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
+from dgt.protocol.events import Key
 from dgt.protocol.geometry import Geometry
 from dgt.protocol.stats import RoundStats
 
-Key = tuple[int, int, int]  # (sender rank, bucket, round)
 # (key, numel, dtype) -> a caller-owned contiguous CPU tensor to reassemble into, or None for a fresh one
 Allocator = Callable[[Key, int, torch.dtype], "torch.Tensor | None"]
 
@@ -49,12 +49,18 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
-def layout_of(sizes: tuple[int, ...], block: int) -> BucketLayout:
-    """Layouts by geometry: a bucket keeps its shape round after round (bounded: sizes come off the wire)."""
-    return BucketLayout(list(sizes), block)
+def _field_bytes(*names: str) -> slice:
+    """The byte range of adjacent header fields, from :data:`dgt.wire.HEADER_DTYPE` (no offsets written out here)."""
+    fields = wire.HEADER_DTYPE.fields
+    assert fields is not None
+    spans = sorted((fields[n][1], fields[n][0].itemsize) for n in names)
+    first, last = spans[0][0], spans[-1][0] + spans[-1][1]
+    if last - first != sum(size for _, size in spans):
+        raise AssertionError(f"header fields {names} are not adjacent")
+    return slice(first, last)
 
 
-_KEY_BYTES = slice(16, 28)  # rank, round, bucket: adjacent in the header (docs/protocol.md)
+_KEY_BYTES = _field_bytes("rank", "round", "bucket")  # the round key: one comparison of 12 adjacent bytes
 
 
 def group_by_round(h: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -92,7 +98,7 @@ class OpenRound:
     ) -> None:
         self.key = key
         self.layout = layout
-        self.geom = Geometry(layout, frag)
+        self.geom = Geometry.of(layout, frag)
         self.dtype = dtype
         self.codec = codec
         self.want_report = True

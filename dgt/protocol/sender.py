@@ -122,7 +122,6 @@ class RoundSender:
         self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
             OrderedDict()
         self._closed: OrderedDict[tuple[int, int], None] = OrderedDict()
-        self._geom: dict[tuple[BucketLayout, int], Geometry] = {}
         self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
 
     # -- error feedback
@@ -187,11 +186,7 @@ class RoundSender:
     # -- framing
     def geometry(self, layout: BucketLayout, itemsize: int) -> Geometry:
         room = self.datagram_payload - (0 if self.mac is None else wire.MAC_TAG)  # the tag rides in the payload's room
-        frag = fragment_elems(layout.block, itemsize, room)
-        key = (layout, frag)
-        if key not in self._geom:
-            self._geom[key] = Geometry(layout, frag)
-        return self._geom[key]
+        return Geometry.of(layout, fragment_elems(layout.block, itemsize, room))
 
     def plan(
         self,

@@ -22,19 +22,18 @@ import torch
 import trio
 
 from dgt.channels.ports import bind_in_range
+from dgt.channels.slot import Slot
 from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
 from dgt.channels.udp import UdpChannel
+from dgt.channels.udp_scheduler import DatagramScheduler
 from dgt.errors import PeerClosed, RankMismatch
-from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import RoundReceiver
-from dgt.scheduler.datagrams import DatagramScheduler
-from dgt.scheduler.slot import Slot
-from dgt.scheduler.timer import DeadlineTimer
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress, TransportConfig
+from dgt.transport.deadline_timer import DeadlineTimer
 from dgt.transport.handshake import HandshakeMixin, _Link
 from dgt.transport.inbound import InboundMixin
 from dgt.transport.links import LinkMixin
@@ -79,7 +78,6 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
         self._sending: dict[tuple[int, int, int], _SendTrack] = {}
-        self._layouts: dict[int, BucketLayout] = {}
         self._bytes_tx: dict[tuple[int, int], int] = {}
         self._bytes_rx: dict[tuple[int, int], int] = {}
         self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
@@ -90,7 +88,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._stats = TransportStats(self.rank, [])
         self._lane_delivered: dict[int, list[int]] = {}
         self.scheduler = DatagramScheduler(self.udp, self._round_closed, self._pacer_of)
-        self.deadlines = DeadlineTimer(self.receiver, self._finished)
+        self.deadlines = DeadlineTimer(self.receiver, self._handle)
         self._nursery: trio.Nursery | None = None
         self._stop = trio.Event()
         self._stopped = trio.Event()
@@ -199,9 +197,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
             slot.fail(error)
         for track in list(self._sending.values()):
             track.report.fail(error)
-        for job in list(self.scheduler.jobs):
-            job.done.fail(error)
-        self.scheduler.jobs.clear()
+        self.scheduler.fail_all(error)
         self.streams.close(error)
         self._close_sockets()
 

@@ -14,15 +14,15 @@ import trio
 
 from dgt import wire
 from dgt.channels.framing import KEEP, FrameReader
-from dgt.channels.pacing import Pacer
+from dgt.channels.slot import Slot
 from dgt.channels.sockopts import canonical_host
 from dgt.channels.tcp import TcpChannel, dial
+from dgt.channels.tcp_writer import ReliableWriter
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error
 from dgt.protocol.budget import RoundWindow
 from dgt.protocol.congestion import LedbatRate
+from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import RoundSender
-from dgt.scheduler.reliable import ReliableWriter
-from dgt.scheduler.slot import Slot
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
 

@@ -10,12 +10,12 @@ import torch
 import trio
 
 from dgt import wire
+from dgt.channels.slot import Slot
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
-from dgt.protocol.bulk import BulkDone
-from dgt.protocol.receiver import DropReportIn, RoundDone
+from dgt.protocol.events import BulkDone, DropReportIn, Event, RoundDone, RoundRefused
 from dgt.protocol.stats import RoundLaneStats, RoundStats
-from dgt.scheduler.slot import Slot
+from dgt.transport import control
 from dgt.transport.outbound import BYTES_BUCKET
 from dgt.transport.stats import RoundResult
 
@@ -52,15 +52,28 @@ class InboundMixin:
             return out.view(-1)
         return None
 
-    def _handle(self, events: list) -> None:
+    def _handle(self, events: list[Event]) -> None:
+        """What the receivers said (dgt.protocol.events), dispatched by kind."""
         done = []
         for ev in events:
             if isinstance(ev, RoundDone):
                 done.append(ev)
             elif isinstance(ev, DropReportIn):
                 self._on_drop_report(ev.frame)
+            elif isinstance(ev, BulkDone):
+                self._bulk_done(ev)
+            elif isinstance(ev, RoundRefused):
+                self._refused(ev)
         if done:
             self._finished(done)
+
+    def _refused(self, ev: RoundRefused) -> None:
+        """A ROUND_BEGIN the receiver did not open: its sender would wait forever for the round; tell it now."""
+        link = self._links.get(ev.key[0])
+        if link is not None and link.error is None:
+            _, bucket, round = ev.key
+            msg = control.control(self.token, self.rank, control.STALE, bucket=bucket, round=round, why=ev.why)
+            link.writer.push([msg], urgent=True)
 
     def _finished(self, done: list[RoundDone]) -> None:
         """Rounds the receiver closed: report back to their senders, account, deliver or buffer the results."""
@@ -137,7 +150,7 @@ class InboundMixin:
         if out is None:
             self._out.pop(key, None)
             return
-        if key in self._results or key in self.receiver.rounds or key in self.receiver.closed or key in self.bulk.open:
+        if key in self._results or self.receiver.is_open(key) or self.receiver.is_closed(key) or self.bulk.is_open(key):
             return  # already open or done: too late to land in place
         self._out[key] = out
         while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
@@ -164,7 +177,7 @@ class InboundMixin:
             if key in self._recv_waiters:
                 raise ValueError(f"round {round} of bucket {bucket} from rank {peer} is already awaited")
             slot = self._recv_waiters[key] = Slot()
-            if out is not None and key not in self.receiver.rounds and key not in self.bulk.open:
+            if out is not None and not self.receiver.is_open(key) and not self.bulk.is_open(key):
                 self._out[key] = out
             try:
                 timeout = timeout or self.cfg.round_timeout

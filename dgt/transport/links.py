@@ -65,7 +65,7 @@ class LinkMixin:
             track.report.fail(error)
             if track.detached:
                 del self._sending[key]
-        self._finished(self.receiver.abort(rank, trio.current_time()))
+        self._handle(self.receiver.abort(rank, trio.current_time()))
         self.bulk.abort(rank)
         # after a goodbye the peer's stream lane stays readable (what it sent before it left may still be unread);
         # any other failure shuts it down at once, waking a hop blocked on it
@@ -130,33 +130,21 @@ class LinkMixin:
             now = trio.current_time()
             h = rf.header
             ftype = int(h["ftype"])
-            events = None
+            events = []
             if int(h["rank"]) != rank:
                 recv.counters.reject("rank-mismatch")
             elif ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
                 events = recv.commit(h, 0, now, rf.landed)
             elif ftype == FrameType.BULK:
-                done = self.bulk.landed(rank, h, now)
-                if done is not None:
-                    self._bulk_done(done)
+                events = self.bulk.landed(rank, h, now)
             elif ftype == FrameType.CONTROL:
                 self._on_control(link, rf.frame)
             else:
-                key = (rank, int(h["bucket"]), int(h["round"]))
-                begin = ftype == FrameType.ROUND_BEGIN
-                if begin:
-                    why = "already closed" if key in recv.closed else None
-                    self._opened[key] = now
+                if ftype == FrameType.ROUND_BEGIN:
+                    self._opened[(rank, int(h["bucket"]), int(h["round"]))] = now
                     while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
-                    before = dict(recv.counters.reasons)
-                events = recv.receive_bytes(rf.frame, 0, now)
-                if begin and why is None and key not in recv.rounds and key not in recv.closed:
-                    grew = [r for r, n in recv.counters.reasons.items() if n > before.get(r, 0)]
-                    why = f"refused ({', '.join(grew) or 'rejected'})"  # limits: too many rounds, memory budget
-                if begin and why is not None:  # the sender would wait forever for this round: tell it now
-                    link.writer.push([control.control(self.token, self.rank, control.STALE, bucket=key[1],
-                                                      round=key[2], why=why)], urgent=True)  # fmt: skip
+                events = recv.receive_bytes(rf.frame, 0, now)  # a refused ROUND_BEGIN: RoundRefused (_handle)
             if events:
                 self._handle(events)
             budget += 4096 + int(h["length"])
@@ -195,9 +183,7 @@ class LinkMixin:
                 what = f"round {key[2]} of bucket {key[1]} was {why} at rank {link.rank}{hint}"
                 track.report.fail(ProtocolError(what))
                 for job in track.jobs:
-                    if job in self.scheduler.jobs:
-                        self.scheduler.jobs.remove(job)
-                    job.done.set(job)
+                    self.scheduler.cancel(job)
 
     async def _liveness(self) -> None:
         """Ping idle links; declare a peer gone after peer_timeout without any byte from it."""
@@ -274,7 +260,8 @@ class LinkMixin:
             raise
         entries, scope = self._stream_watch.watch(hops, family), None
         try:  # (i22) the peer's message may be in already
-            key = self._stream_watch.first_expected([*self._results, *self.bulk.open, *self.receiver.rounds])
+            key = self._stream_watch.first_expected([*self._results, *self.bulk.open_keys(),
+                                                     *self.receiver.open_rounds()])
             if key is not None:
                 raise self._stream_conflict(key)
             with trio.CancelScope() as scope:  # an abort cancels it (a lane dial to a peer that gave up, too)

@@ -12,13 +12,13 @@ import torch
 import trio
 
 from dgt import wire
-from dgt.channels.pacing import Pacer
+from dgt.channels.slot import Slot
+from dgt.channels.udp_scheduler import DatagramJob, sent_summary
 from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import Feedback
-from dgt.scheduler.datagrams import DatagramJob, sent_summary
-from dgt.scheduler.slot import Slot
+from dgt.protocol.pacing import Pacer
 from dgt.transport.checks import check_classes
 from dgt.transport.handshake import _Link
 from dgt.transport.stats import SendStats
@@ -115,12 +115,7 @@ class OutboundMixin:
         return None if link is None else link.pacer
 
     def _layout(self, numel: int) -> BucketLayout:
-        lay = self._layouts.get(numel)
-        if lay is None:
-            if len(self._layouts) > 256:
-                self._layouts.clear()
-            lay = self._layouts[numel] = BucketLayout.flat(numel, self.cfg.block)
-        return lay
+        return BucketLayout.flat(numel, self.cfg.block)  # the shared instance (BucketLayout.of)
 
     async def send_round(
         self,
@@ -244,9 +239,7 @@ class OutboundMixin:
                 stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
                 self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
                 if not job.done.done:  # cancelled mid-round: stop its datagrams
-                    if job in self.scheduler.jobs:
-                        self.scheduler.jobs.remove(job)
-                    job.done.fail(PeerClosed("send cancelled"))
+                    self.scheduler.cancel(job, PeerClosed("send cancelled"))
             if wait or not finished or track.report.done or quiet:
                 if self._sending.get(key) is track:
                     del self._sending[key]
@@ -276,7 +269,7 @@ class OutboundMixin:
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
         frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, codec)
-        nblocks = -(-flat.numel() // self.cfg.block)
+        nblocks = self._layout(flat.numel()).nblocks
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
         slot = link.writer.push_frames(frames)

@@ -33,10 +33,10 @@ import trio
 
 from dgt import wire
 from dgt.channels.duplex import NATIVE, SCRATCH_BYTES, HopCancelled, duplex
+from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
 from dgt.errors import PeerClosed, PeerTimeout, single_error
 from dgt.protocol.sender import raw_bytes
-from dgt.scheduler.slot import Slot
 from dgt.wire import FrameType
 
 

@@ -1,4 +1,7 @@
-"""A one-shot result that tasks can wait on: set once with a value or an exception (a trio Event plus payload)."""
+"""A one-shot result that tasks can wait on: set once with a value or an exception (a trio Event plus payload).
+
+The channel writers complete one per queued send (:mod:`dgt.channels.tcp_writer`, :mod:`dgt.channels.udp_scheduler`)
+and the transport hands them to whoever waits on a round or a peer."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
 """Pacing of the unreliable lanes: a token bucket at a rate that is either fixed or set by the sans-IO congestion
-controller (dgt.protocol.congestion.LedbatRate) from the drop reports (UDP has no congestion control of its own)."""
+controller (dgt.protocol.congestion.LedbatRate) from the drop reports (UDP has no congestion control of its own).
+Sans-IO: time is passed in; the datagram scheduler (:mod:`dgt.channels.udp_scheduler`) feeds trio's clock."""
 
 from __future__ import annotations
 

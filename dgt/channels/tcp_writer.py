@@ -1,5 +1,5 @@
-"""Send order on the reliable lane: one writer task per connection, urgent frames (round openings, drop reports,
-control) ahead of bulk data, bulk data first-in first-out at frame granularity."""
+"""Send order on the reliable lane (the TCP channel's writer): one writer task per connection, urgent frames
+(round openings, drop reports, control) ahead of bulk data, bulk data first-in first-out at frame granularity."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from collections import deque
 
 import trio
 
+from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
 from dgt.errors import PeerClosed
-from dgt.scheduler.slot import Slot
 
 
 class ReliableWriter:

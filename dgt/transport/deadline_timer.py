@@ -9,13 +9,14 @@ from collections.abc import Callable
 
 import trio
 
-from dgt.protocol.receiver import RoundDone, RoundReceiver
+from dgt.protocol.events import Event
+from dgt.protocol.receiver import RoundReceiver
 
 
 class DeadlineTimer:
     """Calls ``receiver.on_time(now)`` at the receiver's next deadline and hands the finished rounds on."""
 
-    def __init__(self, receiver: RoundReceiver, on_done: Callable[[list[RoundDone]], None]) -> None:
+    def __init__(self, receiver: RoundReceiver, on_done: Callable[[list[Event]], None]) -> None:
         self.receiver = receiver
         self.on_done = on_done
         self._wake = trio.Event()

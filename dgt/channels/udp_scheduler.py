@@ -1,6 +1,7 @@
 """Send order on the unreliable lanes: one task interleaves every round's datagram jobs, most important lane class
 first, first-in first-out within a class, paced per peer, and drops a job the moment the receiver has closed its
-round, so a newer round never waits behind a stale round's unimportant blocks."""
+round, so a newer round never waits behind a stale round's unimportant blocks. The pacing it applies is the sans-IO
+token bucket of :mod:`dgt.protocol.pacing`, fed trio's clock here."""
 
 from __future__ import annotations
 
@@ -11,9 +12,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import trio
 
-from dgt.channels.pacing import Pacer
+from dgt.channels.slot import Slot
 from dgt.channels.udp import UdpChannel
-from dgt.scheduler.slot import Slot
+from dgt.protocol.pacing import Pacer
 
 
 @dataclass
@@ -77,6 +78,22 @@ class DatagramScheduler:
         self.jobs.sort(key=lambda j: (j.lane, j.seq))
         self._wake.set()
         return job.done
+
+    def cancel(self, job: DatagramJob, error: BaseException | None = None) -> None:
+        """Take ``job`` off the queue (if it is still there) and complete its slot: with the job itself, or with
+        ``error`` for its waiters."""
+        if job in self.jobs:
+            self.jobs.remove(job)
+        if error is None:
+            job.done.set(job)
+        else:
+            job.done.fail(error)
+
+    def fail_all(self, error: BaseException) -> None:
+        """The endpoint is closing: every queued job's waiters get ``error``."""
+        jobs, self.jobs = self.jobs, []
+        for job in jobs:
+            job.done.fail(error)
 
     def drop_peer(self, peer: int, error: BaseException) -> None:
         """Forget a failed peer's jobs; their waiters get ``error``."""

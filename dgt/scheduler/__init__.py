@@ -1,1 +1,0 @@
-"""Send order, lane priorities, per-round deadlines and loss accounting between rounds."""
