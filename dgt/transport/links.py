@@ -252,6 +252,14 @@ class LinkMixin:
             self._fail_pending(rank, error)
         return error
 
+    def reserve_exchange(self) -> int:
+        """A place in the order of stream exchanges for an :meth:`exchange` started later (its ``ticket``)."""
+        return self.streams.reserve()
+
+    def forfeit_exchange(self, ticket: int) -> None:
+        """Give back a place from :meth:`reserve_exchange` whose exchange will never run (later ones go on)."""
+        self.streams.forfeit(ticket)
+
     @one_error
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]:
@@ -261,7 +269,7 @@ class LinkMixin:
         ``timeout``: the longest a hop may make no progress (default: peer_timeout). ``family``: the bucket bits
         that name a message's family; a session-link message from a hop's peer in the same family and round means
         that peer took the round path for this call (RankMismatch on every rank, see dgt.transport.stream_watch).
-        ``ticket``: a place in that order reserved earlier with ``self.streams.reserve()``, given back here however
+        ``ticket``: a place in that order reserved earlier with :meth:`reserve_exchange`, given back here however
         the call ends."""
         started = False
         try:
