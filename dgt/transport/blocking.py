@@ -11,7 +11,6 @@ import torch
 import trio
 
 from dgt.errors import PeerClosed
-from dgt.layout import BucketLayout
 from dgt.transport.bridge import TrioThread
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.endpoint import Endpoint

@@ -5,6 +5,9 @@ stream-watch conflict of issue 22) with the stream exchanges it ends.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
 import numpy as np
 import trio
 
@@ -13,16 +16,15 @@ from dgt.channels.framing import KEEP
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, RankMismatch, one_error, path_mismatch
 from dgt.transport import control
 from dgt.transport.handshake import _Link
+from dgt.transport.session import EndpointState
 from dgt.transport.streams import Hop, HopResult
 from dgt.wire import Flags, FrameType
 
-try:
-    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
-except NameError:  # Python 3.10: the backport trio itself depends on
+if sys.version_info < (3, 11):  # Python 3.10: the backport trio itself depends on (a builtin from 3.11)
     from exceptiongroup import BaseExceptionGroup
 
 
-class LinkMixin:
+class LinkMixin(EndpointState):
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
 
     async def _run_link(self, link: _Link) -> None:
@@ -37,7 +39,7 @@ class LinkMixin:
         finally:
             self._fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} ended"))
 
-    async def _link_task(self, link: _Link, fn, *args) -> None:
+    async def _link_task(self, link: _Link, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
         try:
             await fn(*args)
@@ -95,7 +97,7 @@ class LinkMixin:
         recv = self.receiver
         rank = link.rank
 
-        def place(h: np.void):
+        def place(h: np.void) -> memoryview | object | None:
             if int(h["rank"]) != rank:
                 return None  # a peer may only speak for itself
             ftype = int(h["ftype"])
@@ -106,9 +108,12 @@ class LinkMixin:
             return KEEP
 
         def batchable(h: np.ndarray) -> np.ndarray:
-            return (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0) & (h["rank"] == rank)
+            mask: np.ndarray = ((h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0)
+                                & (h["rank"] == rank))
+            return mask
 
         budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
+        events: Sequence[object] | None
         waits = link.chan.waits
         while True:
             staged = link.reader.take_staged(batchable)
@@ -150,6 +155,7 @@ class LinkMixin:
                     while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
                     before = dict(recv.counters.reasons)
+                assert rf.frame is not None  # place() keeps every frame that reaches this branch
                 events = recv.receive_bytes(rf.frame, 0, now)
                 if begin and why is None and key not in recv.rounds and key not in recv.closed:
                     grew = [r for r, n in recv.counters.reasons.items() if n > before.get(r, 0)]
@@ -167,7 +173,7 @@ class LinkMixin:
                 self.deadlines.poke()
                 await trio.lowlevel.checkpoint()
 
-    def _on_control(self, link: _Link, frame: memoryview) -> None:
+    def _on_control(self, link: _Link, frame: memoryview | None) -> None:
         try:
             _, msg = control.parse(frame, self.cfg.limits)
         except ProtocolError:
