@@ -38,3 +38,27 @@ def test_a_hop_with_a_peer_but_no_tensor_is_refused(hop):
 def test_peer_closed_declares_why_it_may_hide_an_abort():
     exc = PeerClosed("x")
     assert exc.bye is False and exc.mid_hop is False
+
+
+async def test_a_round_reported_before_the_peer_said_goodbye_is_complete():
+    """The drop report and the peer's goodbye read in one pass: the goodbye fails the datagrams still queued
+    (PeerClosed) before the sender runs again. The round was reported, so the send is complete; without a report
+    the PeerClosed stands."""
+    from types import SimpleNamespace
+
+    from dgt.scheduler.slot import Slot
+    from dgt.transport.outbound import OutboundMixin, _SendTrack
+
+    out = OutboundMixin.__new__(OutboundMixin)
+    for reported in (True, False):
+        job = SimpleNamespace(done=Slot())
+        track = _SendTrack(jobs=[job])
+        if reported:
+            track.report.set("info")
+        job.done.fail(PeerClosed("rank 1 closed its endpoint"))
+        if reported:
+            await out._jobs_until_report(track)
+            assert await track.report.wait() == "info"
+        else:
+            with pytest.raises(PeerClosed, match="closed its endpoint"):
+                await out._jobs_until_report(track)

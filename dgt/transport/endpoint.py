@@ -124,7 +124,10 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         nursery: trio.Nursery | None = None,
     ) -> Endpoint:
         """Bind the TCP listener and one UDP socket per unreliable lane (port 0) and start the background tasks
-        (in ``nursery`` if given, else as a trio system task that ends with the run)."""
+        in ``nursery``. The thread bridge's owners pass theirs (dgt.transport.bridge; through
+        ``Group.create(nursery=...)``); without one (a caller running its own ``trio.run``: benches, experiment
+        workers, tests) they run as a trio system task that ends with the run (the service tasks catch their own
+        errors, which would otherwise end the run)."""
         ep = cls(rank, token, cfg, host)
         started = trio.Event()
         if nursery is None:
