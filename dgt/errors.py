@@ -4,13 +4,12 @@ nursery: as the one error that ended an operation, not as an exception group of 
 from __future__ import annotations
 
 import functools
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
-try:
-    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
-except NameError:  # Python 3.10: the backport trio itself depends on
+if sys.version_info < (3, 11):  # Python 3.10: the backport trio itself depends on (a builtin from 3.11)
     from exceptiongroup import BaseExceptionGroup
 
 
@@ -32,6 +31,11 @@ class PeerTimeout(DgtError):
 
 class PeerClosed(DgtError):
     """A peer closed its connection while an operation was pending."""
+
+    bye: bool = False
+    """The peer said goodbye first (closed its endpoint): a reason it sent (ABORT) may still be on its way."""
+    mid_hop: bool = False
+    """A stream lane closed in the middle of a hop's message: the peer may have aborted the call."""
 
 
 class RendezvousTimeout(DgtError):

@@ -99,10 +99,12 @@ async def test_gossip_neighbours_and_connect_all():
 
 
 class _FakeEndpoint:
-    """Connections complete when the test says so (per peer)."""
+    """Connections complete when the test says so (per peer); the Transport members Group uses to connect."""
 
     def __init__(self):
-        self.peers, self.udp, self.release = [], {1: None}, {}
+        from dgt.transport import TransportConfig
+
+        self.peers, self.cfg, self.release = [], TransportConfig(), {}  # default lanes: TCP + one UDP lane
 
     async def connect(self, wanted, timeout=None):
         for r in wanted:

@@ -10,7 +10,7 @@ import torch
 
 import dgt.codecs.lgc  # noqa: F401  (registers "lgc")
 from dgt.codecs.base import Received
-from dgt.codecs.lgc import LGCCodec, LGCRunner, LocalGroup, run_ranks
+from dgt.codecs.lgc import LGCCodec, LGCRunner
 from dgt.codecs.lgc.autoencoder import (
     Decoder,
     Encoder,
@@ -33,6 +33,7 @@ from dgt.codecs.lgc.wire import (
     unpack,
 )
 from dgt.codecs.registry import _REGISTRY, parse_spec
+from dgt.harness.local_comm import LocalGroup, run_threads
 
 torch.set_num_threads(1)
 
@@ -76,7 +77,7 @@ def test_local_comm_allreduce_sum_and_bytes(world, n):
         t = torch.arange(n, dtype=torch.float32) * (comm.rank + 1)
         return comm.allreduce_sum(t, tag="x"), comm.stats.sent["x"]
 
-    res = run_ranks(world, body)
+    res = run_threads(body, world)
     expect = torch.arange(n, dtype=torch.float32) * sum(range(1, world + 1))
     for out, _ in res:
         assert torch.equal(out, expect)
@@ -95,7 +96,7 @@ def test_local_comm_other_collectives_count_bytes():
         p = comm.recv_from(2, tag="p2p") if r == 0 else None
         return g, b, got, p, dict(comm.stats.sent)
 
-    res = run_ranks(3, body)
+    res = run_threads(body, 3)
     for r, (g, b, _got, _p, sent) in enumerate(res):
         assert [t.tolist() for t in g] == [[0.0], [1.0, 1.0], [2.0, 2.0, 2.0]]
         assert b.tolist() == [0, 1, 2, 3, 4]
@@ -113,14 +114,14 @@ def test_local_comm_implements_the_protocol():
     assert all(isinstance(c, Comm) for c in LocalGroup(2).comms)
 
 
-def test_run_ranks_propagates_errors_without_hanging():
+def test_run_threads_propagates_errors_without_hanging():
     def body(comm):
         if comm.rank == 1:
             raise RuntimeError("boom")
         comm.allreduce_sum(torch.ones(4), tag="x")
 
     with pytest.raises(RuntimeError, match="boom"):
-        run_ranks(3, body, timeout=20)
+        run_threads(body, 3, timeout=20)
     assert LocalGroup(2).comms[1].rank == 1
 
 
@@ -345,7 +346,7 @@ def _run(variant, world, steps, sizes, *, dedicated=False, device="cpu", **opts)
             rows.append((g, sent, out))
         return runner, rows
 
-    return run_ranks(world, body, timeout=120)
+    return run_threads(body, world, timeout=120)
 
 
 @pytest.mark.parametrize("variant,world,dedicated", [("ps", 3, True), ("ps", 2, False), ("ring", 2, False),
@@ -441,9 +442,9 @@ def test_byte_accounting_per_phase_ps(codes):
 
 def test_runner_checks_its_arguments():
     with pytest.raises(ValueError, match="leader"):
-        run_ranks(2, lambda c: LGCRunner(LGCCodec(variant="ps", leader=5), c, 10))
+        run_threads(lambda c: LGCRunner(LGCCodec(variant="ps", leader=5), c, 10), 2)
     with pytest.raises(ValueError, match="flat gradient"):
-        run_ranks(1, lambda c: LGCRunner(LGCCodec(variant="ring"), c, 10).step(torch.zeros(3)))
+        run_threads(lambda c: LGCRunner(LGCCodec(variant="ring"), c, 10).step(torch.zeros(3)), 1)
 
 
 @pytest.mark.cuda

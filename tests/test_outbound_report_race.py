@@ -12,8 +12,8 @@ from types import SimpleNamespace
 import pytest
 import trio
 
+from dgt.channels.slot import Slot
 from dgt.errors import PeerClosed
-from dgt.scheduler.slot import Slot
 from dgt.transport.outbound import OutboundMixin, _SendTrack
 
 

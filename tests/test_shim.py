@@ -107,7 +107,8 @@ def test_worker_runs_jobs_in_order_and_fails_later_jobs_after_an_error():
 
     from dgt.collectives.worker import TrioWorker, WorkerClosed
 
-    async def connect():
+    async def connect(nursery):
+        assert nursery is not None  # the group's endpoint runs in the worker thread's nursery
         return "group"
 
     w = TrioWorker(connect)
@@ -137,7 +138,7 @@ def test_worker_runs_jobs_in_order_and_fails_later_jobs_after_an_error():
     with pytest.raises(WorkerClosed):
         w.submit(job(0, 0)).wait()
 
-    async def no_group():
+    async def no_group(nursery):
         raise ConnectionRefusedError("rendezvous failed")
 
     w2 = TrioWorker(no_group)

@@ -17,9 +17,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dgt.codecs.lgc import LGCCodec, LGCRunner, run_ranks
+from dgt.codecs.lgc import LGCCodec, LGCRunner
 from dgt.codecs.lgc.plan import ROLES
 from dgt.harness.digits import digits_split_standardised
+from dgt.harness.local_comm import run_threads
 
 PHASES = ("dense", "topk", "compressed")
 
@@ -142,7 +143,7 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
         return out
 
     t0 = time.perf_counter()
-    results = run_ranks(world, body, timeout=600.0)
+    results = run_threads(body, world, timeout=600.0)
     return _report(method, results, ranks, iters, time.perf_counter() - t0, opts)
 
 

@@ -7,6 +7,7 @@ received parts (with their per-block received masks) to ``decode``/``aggregate``
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -137,13 +138,17 @@ class Codec:
 
     name: str = "codec"
     capabilities: Capabilities = Capabilities(summable=True, lossy_tolerant=False)
+    runner: str | None = None
+    """The driver a codec needs instead of the generic collectives (LGC's phases and autoencoder training), named
+    for the error message; the collectives refuse a codec that sets it at construction, before any traffic."""
 
     def __init__(self) -> None:
-        self._states: dict[int, BucketState] = {}
+        self._states: dict[Hashable, BucketState] = {}
 
     # -- state -------------------------------------------------------------------------------------------------
-    def state_for(self, bucket_id: int, bucket: torch.Tensor, segments: list[int] | None = None) -> BucketState:
-        """The state of ``bucket_id``, created fresh (or reset) when the bucket's size, dtype or tensors changed."""
+    def state_for(self, bucket_id: Hashable, bucket: torch.Tensor, segments: list[int] | None = None) -> BucketState:
+        """The state of ``bucket_id`` (a bucket id, or a collective's key naming the bucket, phase and peer), created
+        fresh (or reset) when the bucket's size, dtype or tensors changed."""
         st = self._states.get(bucket_id)
         if (st is None or st.numel != bucket.numel() or st.dtype != bucket.dtype
                 or (segments and st.segments != list(segments))):
@@ -151,10 +156,10 @@ class Codec:
             self._states[bucket_id] = st
         return st
 
-    def state_dict(self) -> dict[int, BucketState]:
+    def state_dict(self) -> dict[Hashable, BucketState]:
         return self._states
 
-    def load_state_dict(self, states: dict[int, BucketState]) -> None:
+    def load_state_dict(self, states: dict[Hashable, BucketState]) -> None:
         self._states = dict(states)
 
     # -- the contract -------------------------------------------------------------------------------------------

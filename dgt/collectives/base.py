@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
@@ -17,7 +17,7 @@ from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import OPS, CodecMismatch, InputRejected, PeerClosed, RankMismatch
 from dgt.layout import BucketLayout
-from dgt.transport.streams import streamable
+from dgt.transport.streams import Hop, HopResult, streamable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,9 +78,9 @@ class Collective:
         self.op = op
         self.call_code = OPS.index(op)  # on every message this collective sends (the header's codec byte), so a
         # rank whose peer called with another op sees it (RankMismatch) instead of returning a different answer
-        runner = getattr(self.codec, "runner", None)
-        if runner:
-            raise CodecMismatch(f"codec {self.codec.name!r} is driven by {runner}, not by the generic {self.name}")
+        if self.codec.runner is not None:
+            raise CodecMismatch(f"codec {self.codec.name!r} is driven by {self.codec.runner}, not by the generic "
+                                f"{self.name}")
         caps = self.codec.capabilities
         if caps.stateful_server and not self.serves_stateful_server:
             raise CodecMismatch(f"codec {self.codec.name!r} needs server-side state that the {self.name} does not keep "
@@ -114,12 +114,12 @@ class Collective:
             raise InputRejected(f"op='mean' of a {bucket.dtype} tensor has no exact {bucket.dtype} result; "
                                 f"use op='sum' (and divide yourself) or a floating tensor")
 
-    def state(self, key: int | tuple, t: torch.Tensor, segments: list[int] | None) -> BucketState:
+    def state(self, key: Hashable, t: torch.Tensor, segments: list[int] | None) -> BucketState:
         return self.codec.state_for(key, t, segments)
 
     @staticmethod
     @contextmanager
-    def phase(stats: CollectiveStats, name: str):
+    def phase(stats: CollectiveStats, name: str) -> Iterator[None]:
         t0 = time.perf_counter()
         try:
             yield
@@ -166,7 +166,7 @@ class Collective:
                 and all(streamable(t, add=True) for t in tensors))
 
     @staticmethod
-    def count_exchange(stats: CollectiveStats, hops: list, done: list, block: int) -> None:
+    def count_exchange(stats: CollectiveStats, hops: list[Hop], done: list[HopResult], block: int) -> None:
         """Bytes and blocks of a stream exchange (hops and their results), all on lane 0."""
         for h, d in zip(hops, done):
             if h.payload is not None:
@@ -177,7 +177,7 @@ class Collective:
 
     def chunking(self, segments: list[int], block: int, k: int) -> Chunking:
         """Block-aligned chunks of a bucket, cached per geometry (a bucket keeps its shape from step to step)."""
-        cache = self.__dict__.setdefault("_chunkings", {})
+        cache: dict[tuple[tuple[int, ...], int, int], Chunking] = self.__dict__.setdefault("_chunkings", {})
         key = (tuple(segments), block, k)
         ch = cache.get(key)
         if ch is None:

@@ -6,21 +6,27 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Iterable
-from typing import Any
-
-import torch.distributed as dist
+from typing import TYPE_CHECKING
 
 from dgt.collectives.rendezvous import Rendezvous
 from dgt.errors import PeerClosed
+from dgt.transport.contract import Transport
+
+if TYPE_CHECKING:
+    import trio
+    from torch._C._distributed_c10d import Store
+
+    from dgt.transport.config import TransportConfig
 
 CONNECT = ("lazy", "all")
 
 
 class Group:
-    """What every collective runs on: this rank's endpoint, the world size, per-bucket round counters, and the links
-    collectives ask for (:meth:`links`)."""
+    """What every collective runs on: this rank's transport (the :class:`~dgt.transport.contract.Transport`
+    protocol, an :class:`~dgt.transport.Endpoint` in practice), the world size, per-bucket round counters, and the
+    links collectives ask for (:meth:`links`). Tests of construction-time checks pass ``endpoint=None``."""
 
-    def __init__(self, endpoint: Any, rank: int, world: int, token: int, store: dist.Store | None = None,
+    def __init__(self, endpoint: Transport, rank: int, world: int, token: int, store: Store | None = None,
                  rendezvous: Rendezvous | None = None, timeout: float = 60.0) -> None:
         self.endpoint = endpoint
         self.store = store  # rank 0 may host it: it must live as long as the group, or late ranks lose it
@@ -34,8 +40,8 @@ class Group:
         self._seq = 0  # calls of links() so far; they pass in call order (see links)
         self._passed = 0
         self._gave_up: set[int] = set()
-        self._turns: dict[int, Any] = {}
-        self._connecting: dict[int, Any] = {}  # peer -> trio.Event set when the call connecting it is done
+        self._turns: dict[int, trio.Event] = {}
+        self._connecting: dict[int, trio.Event] = {}  # peer -> trio.Event set when the call connecting it is done
 
     @classmethod
     async def create(
@@ -43,16 +49,19 @@ class Group:
         rank: int,
         world: int,
         *,
-        store: dist.Store | None = None,
-        config: Any = None,
+        store: Store | None = None,
+        config: TransportConfig | None = None,
         host: str = "127.0.0.1",
         timeout: float = 60.0,
         prefix: str = "dgt",
         connect: str = "lazy",
+        nursery: trio.Nursery | None = None,
     ) -> Group:
         """Meet through the c10d store (``store`` or env://) and open this rank's endpoint. ``connect="lazy"``
         (default): no connection yet; each collective connects to the peers it needs on its first call.
-        ``connect="all"``: connect to every peer now (for code that drives the endpoint to arbitrary peers)."""
+        ``connect="all"``: connect to every peer now (for code that drives the endpoint to arbitrary peers).
+        ``nursery``: where the endpoint's service tasks run (the thread bridge passes its own; without one they run
+        as a trio system task that ends with the run, see :meth:`~dgt.transport.Endpoint.open`)."""
         import trio
 
         from dgt.transport import Endpoint, TransportConfig
@@ -68,7 +77,7 @@ class Group:
         need = 3 * (world - 1)
         if cfg.max_pending_handshakes < need:
             cfg = dataclasses.replace(cfg, max_pending_handshakes=need)
-        ep = await Endpoint.open(rank, token, cfg, host=host)
+        ep = await Endpoint.open(rank, token, cfg, host=host, nursery=nursery)
         try:
             await trio.to_thread.run_sync(rv.exchange, dataclasses.asdict(ep.address), limiter=trio.CapacityLimiter(1))
             group = cls(ep, rank, world, token, rv.store, rv, timeout)
@@ -145,7 +154,7 @@ class Group:
                 addrs = await trio.to_thread.run_sync(self.rendezvous.addresses, dial,
                                                       limiter=trio.CapacityLimiter(1)) if dial else {}
                 # a lower rank's address is never dialled (its hello carries it): a placeholder with the lane count
-                nowhere = PeerAddress("0.0.0.0", 0, (0,) * len(self.endpoint.udp))
+                nowhere = PeerAddress("0.0.0.0", 0, (0,) * (len(self.endpoint.cfg.lanes) - 1))  # one port per UDP lane
                 wanted = {r: PeerAddress.from_dict(addrs[r]) if r in addrs else nowhere for r in missing}
                 await self.endpoint.connect(wanted, timeout=self.timeout)
             finally:

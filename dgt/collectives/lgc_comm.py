@@ -1,13 +1,13 @@
 """LGC's ``Comm`` protocol over the DGT transport, so every LGC transfer crosses real sockets and is counted.
 
-LGC drives its rounds synchronously; this adapter owns a background thread running trio with a :class:`Group`, and
-each ``Comm`` call submits one coroutine to it. Everything travels on the reliable lane (LGC is not loss-tolerant):
-all-reduce as our ring all-reduce (dense, sum), the variable-length transfers as lossless tensor messages.
+LGC drives its rounds synchronously; this adapter owns a :class:`~dgt.transport.bridge.TrioThread` running a
+:class:`Group` (its endpoint in the thread's nursery), and each ``Comm`` call runs one coroutine there. Everything
+travels on the reliable lane (LGC is not loss-tolerant): all-reduce as our ring all-reduce (dense, sum), the
+variable-length transfers as lossless tensor messages.
 """
 
 from __future__ import annotations
 
-import threading
 import zlib
 from typing import Any
 
@@ -17,7 +17,8 @@ import trio
 from dgt.codecs.lgc.comm import CommStats, nbytes
 from dgt.collectives.group import Group
 from dgt.collectives.ring import RingAllReduce
-from dgt.errors import single_error
+from dgt.errors import PeerClosed, single_error
+from dgt.transport.bridge import TrioThread
 
 
 def _tag_id(tag: str) -> int:
@@ -32,11 +33,8 @@ class TransportComm:
         self.stats = CommStats()
         self.rank = -1
         self.world_size = 0
+        self._bridge: TrioThread[Group] | None = None
         self._group: Group | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._stop: trio.Event | None = None
-        self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
         self._ring: RingAllReduce | None = None
         self._buckets: dict[str, int] = {}
         self._self_mail: dict[str, list[torch.Tensor]] = {}  # messages to ourselves never touch the network
@@ -44,41 +42,23 @@ class TransportComm:
     @classmethod
     def start(cls, rank: int, world: int, **group_kwargs: Any) -> TransportComm:
         self = cls()
-        ready = threading.Event()
 
-        async def main() -> None:
-            try:
-                self._group = await Group.create(rank, world, connect="all", **group_kwargs)  # all-gather/broadcast
-            except BaseException as exc:
-                self._error = exc
-                ready.set()
-                return
-            self._token = trio.lowlevel.current_trio_token()
-            self._stop = trio.Event()
-            ready.set()
-            try:
-                await self._stop.wait()
-            finally:
-                await self._group.aclose()
+        async def setup(nursery: trio.Nursery) -> Group:  # all-gather/broadcast: every link at once
+            return await Group.create(rank, world, connect="all", nursery=nursery, **group_kwargs)
 
-        self._thread = threading.Thread(target=trio.run, args=(main,), name=f"dgt-lgc-comm-{rank}", daemon=True)
-        self._thread.start()
-        ready.wait()
-        if self._error is not None:
-            raise self._error
+        self._bridge = TrioThread(f"dgt-lgc-comm-{rank}", closed=PeerClosed)
+        self._group = self._bridge.start(setup, teardown=Group.aclose)
         self.rank, self.world_size = rank, world
         self._ring = RingAllReduce(self._group, "dense", op="sum")
         return self
 
     def close(self) -> None:
-        if self._token is not None and self._stop is not None:
-            trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-        if self._thread is not None:
-            self._thread.join(30)
+        if self._bridge is not None:
+            self._bridge.stop(30)
 
     def _run(self, fn, *args):
         with single_error():  # the peer tasks' error itself, not a group of it
-            return trio.from_thread.run(fn, *args, trio_token=self._token)
+            return self._bridge.call(fn, *args)
 
     @property
     def _ep(self):

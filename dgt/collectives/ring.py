@@ -78,7 +78,7 @@ class RingAllReduce(Collective):
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
         # a lossy direct codec: the all-gather (lossless) runs as one exchange on the stream lanes, whose place in
         # the call order is taken now, before the first await (the reduce-scatter rounds come first)
-        ag = [g.endpoint.streams.reserve()] if direct and self._ag_on_streams(flat) else None
+        ag = [g.endpoint.reserve_exchange()] if direct and self._ag_on_streams(flat) else None
         try:
             if direct:
                 # post every step's landing now: a neighbour running ahead must not find its round without a buffer
@@ -90,7 +90,7 @@ class RingAllReduce(Collective):
             await self._steps(ch, src, flat, bucket_id, rnd, stats, direct, rs_land, ag_land, ag)
         except BaseException:
             if ag and ag[0] is not None:  # its exchange never ran: later exchanges must not wait for it
-                g.endpoint.streams.forfeit(ag[0])
+                g.endpoint.forfeit_exchange(ag[0])
             if direct:  # rounds not open yet must not land in the caller's tensor after this call gave up
                 self._post([None] * len(rs_land), bucket_id, "rs", rnd)
                 self._post([None] * len(ag_land), bucket_id, "ag", rnd)

@@ -1,11 +1,11 @@
 """The background trio thread behind the blocking collectives, the DDP hook and the backend.
 
 DDP calls communication hooks on its autograd threads and expects a ``torch.futures.Future`` back at once; the DGT
-transport is trio code. A :class:`TrioWorker` owns one daemon thread running ``trio.run``: it connects the
+transport is trio code. A :class:`TrioWorker` owns one :class:`~dgt.transport.bridge.TrioThread`: it connects the
 :class:`~dgt.collectives.Group` (rendezvous included) inside that thread, then runs submitted jobs one at a time in
 submission order, so every rank issues its collectives in the same order. ``submit`` never waits for I/O: it hands
-the job over with ``TrioToken.run_sync_soon`` (a thread-safe, non-blocking wake-up) and returns the future that the
-trio thread completes with ``set_result`` or ``set_exception``.
+the job over with the bridge's ``soon`` (``TrioToken.run_sync_soon``, a thread-safe, non-blocking wake-up) and
+returns the future that the trio thread completes with ``set_result`` or ``set_exception``.
 """
 
 from __future__ import annotations
@@ -13,14 +13,20 @@ from __future__ import annotations
 import math
 import threading
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from dgt.errors import DgtError, root_cause
 
-Connect = Callable[[], Awaitable[Any]]
-"""Async factory of the group the jobs run on (``Group.create(...)`` bound to its arguments)."""
+if TYPE_CHECKING:  # imported when the thread starts: the shim imports this module where only codecs are needed
+    import trio
+
+    from dgt.transport.bridge import TrioThread
+
+Connect = Callable[..., Awaitable[Any]]
+"""Async factory of the group the jobs run on, called as ``connect(nursery=...)`` with the nursery its endpoint's
+service tasks run in (``Group.create`` bound to its other arguments)."""
 Job = Callable[[Any], Awaitable[Any]]
 """An async function of the group; its return value becomes the future's result."""
 
@@ -30,7 +36,7 @@ class WorkerClosed(DgtError):
 
 
 class TrioWorker:
-    """One trio thread, one group, one sequential job queue.
+    """One trio thread (a :class:`~dgt.transport.bridge.TrioThread`), one group, one sequential job queue.
 
     The thread starts on the first ``submit`` (or ``start``). If connecting the group or any job fails, the worker
     is broken: that job's future and every later one fail with the same error, since a collective that failed on
@@ -41,9 +47,7 @@ class TrioWorker:
         self._connect = connect
         self._name = name
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._ready = threading.Event()
-        self._token: Any = None
+        self._bridge: TrioThread[None] | None = None
         self._send: Any = None
         self._closed = False
         self._error: BaseException | None = None
@@ -56,17 +60,20 @@ class TrioWorker:
         with self._lock:
             if self._closed:
                 raise WorkerClosed(f"{self._name} is closed")
-            if self._thread is not None:
+            if self._bridge is not None:
                 return
-            self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
-            self._thread.start()
-        self._ready.wait()
-        if self._token is None:  # trio.run failed before it could hand out its token
-            raise WorkerClosed(f"{self._name} failed to start: {self._error!r}")
+            from dgt.transport.bridge import TrioThread
+
+            self._bridge = TrioThread(self._name, closed=WorkerClosed)
+            try:
+                self._bridge.start(self._open)
+            except BaseException as exc:  # trio.run failed before the job loop could start
+                self._error = self._error or exc
+                raise WorkerClosed(f"{self._name} failed to start: {exc!r}") from exc
 
     @property
     def running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._bridge is not None and self._bridge.running
 
     def close(self, timeout: float = 10.0) -> None:
         """Stop taking jobs, let queued ones finish, close the group and join the thread."""
@@ -74,14 +81,14 @@ class TrioWorker:
             if self._closed:
                 return
             self._closed = True
-            thread = self._thread
-        if thread is None:
+            bridge = self._bridge
+        if bridge is None:
             return
         try:
-            self._token.run_sync_soon(self._send.close)
+            bridge.soon(self._send.close)  # the job loop drains the queue, closes the group and ends the run
         except Exception:  # trio already finished (it failed): nothing to wake
             pass
-        thread.join(timeout)
+        bridge.join(timeout)
 
     # -- jobs -------------------------------------------------------------------------------------------------
     def submit(self, job: Job, devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
@@ -95,10 +102,12 @@ class TrioWorker:
             fut.set_exception(self._error)
             return fut
         self.start()
+        assert self._bridge is not None
         try:
-            self._token.run_sync_soon(self._enqueue, job, fut)
+            self._bridge.soon(self._enqueue, job, fut)
         except Exception as exc:  # trio.RunFinishedError: the thread has ended
-            fut.set_exception(self._error or WorkerClosed(f"{self._name} is no longer running ({exc!r})"))
+            fut.set_exception(self._error or self._bridge.error
+                              or WorkerClosed(f"{self._name} is no longer running ({exc!r})"))
         return fut
 
     def run(self, job: Job, timeout: float | None = None) -> Any:
@@ -119,27 +128,21 @@ class TrioWorker:
         except Exception:  # the channel is closed: the worker is shutting down or broke
             fut.set_exception(self._error or WorkerClosed(f"{self._name} is closed"))
 
-    def _run(self) -> None:
-        import trio
-
-        try:
-            trio.run(self._main)
-        except BaseException as exc:  # keep the thread quiet; the error travels in the futures
-            self._error = self._error or exc
-        finally:
-            self._ready.set()
-
-    async def _main(self) -> None:
+    async def _open(self, nursery: trio.Nursery) -> None:
+        """The bridge's setup: the job queue, and the loop that connects the group and then runs the jobs."""
         import trio
 
         send, recv = trio.open_memory_channel(math.inf)
         self._send = send
-        self._token = trio.lowlevel.current_trio_token()
-        self._ready.set()
+        nursery.start_soon(self._loop, recv, nursery)
+
+    async def _loop(self, recv: Any, nursery: trio.Nursery) -> None:
+        import trio
+
         try:
             async with recv:
                 try:
-                    self.group = await self._connect()
+                    self.group = await self._connect(nursery=nursery)
                 except BaseException as exc:
                     self._error = root_cause(exc)
                 async for job, fut in recv:
@@ -160,6 +163,8 @@ class TrioWorker:
             if self.group is not None:
                 with trio.CancelScope(shield=True), trio.move_on_after(5):
                     await self.group.aclose()
+            assert self._bridge is not None
+            self._bridge.finish()
 
 
 def for_cpp(fut: torch.futures.Future) -> torch.futures.Future:

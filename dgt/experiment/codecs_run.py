@@ -9,7 +9,6 @@ parent collects every rank's records and writes ``results.json``, ``report.md`` 
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -190,7 +189,6 @@ def run_codecs(cfg: CodecsConfig, on_progress: Any = None, command: str | None =
 
 
 def _write(cfg: CodecsConfig, results: dict[str, Any]) -> None:
-    path = os.path.join(cfg.out_dir, "results.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
+    from dgt.experiment.worker import write_json
+
+    write_json(os.path.join(cfg.out_dir, "results.json"), results, indent=1)

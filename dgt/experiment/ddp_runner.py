@@ -4,7 +4,6 @@ accuracy-vs-time plot."""
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import statistics
@@ -20,6 +19,7 @@ from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig, profile_network
 from dgt.experiment.launch import RunFailed, launch
 from dgt.experiment.models import build_model, describe
 from dgt.experiment.network import Network, resolve_mode
+from dgt.experiment.worker import write_json
 
 
 def hard_timeout(cfg: DDPConfig) -> float:
@@ -187,7 +187,4 @@ def write_plot(results: dict[str, Any], out_dir: str) -> str:
 
 
 def _write(cfg: DDPConfig, results: dict[str, Any]) -> None:
-    path = os.path.join(cfg.out_dir, "results.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(cfg.out_dir, "results.json"), results, indent=1)

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from dgt.experiment.data import ShardSampler, load_dataset
 from dgt.experiment.ddp_config import DDPSpec
 from dgt.experiment.models import build_model
-from dgt.experiment.worker import PROGRESS, evaluate
+from dgt.experiment.worker import PROGRESS, evaluate, worker_main
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
@@ -182,20 +182,8 @@ def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if len(argv) != 1:
-        print("usage: python -m dgt.experiment.ddp_worker SPEC.json", file=sys.stderr)
-        return 2
-    torch.set_num_threads(1)
-    with open(argv[0]) as f:
-        spec = DDPSpec.from_json(f.read())
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    result = train(spec, rank, world, rank == 0)
-    path = os.path.join(spec.out_dir, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
-    return 0
+    return worker_main(argv, "dgt.experiment.ddp_worker", DDPSpec.from_json,
+                       lambda spec, rank, world: train(spec, rank, world, rank == 0))
 
 
 if __name__ == "__main__":

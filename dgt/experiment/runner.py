@@ -3,7 +3,6 @@ network; summarise, compare, and write results.json, the markdown report and the
 
 from __future__ import annotations
 
-import json
 import os
 import platform
 import time
@@ -19,6 +18,7 @@ from dgt.experiment.load import LoadMeter
 from dgt.experiment.metrics import compare, cross_flow, summarize
 from dgt.experiment.models import build_model, describe
 from dgt.experiment.network import Network, resolve_mode
+from dgt.experiment.worker import write_json
 
 
 def hard_timeout(cfg: ExperimentConfig) -> float:
@@ -107,7 +107,4 @@ def _one_run(cfg: ExperimentConfig, model: str, protocol: str, mode: str, index:
 
 
 def _write(cfg: ExperimentConfig, results: dict[str, Any]) -> None:
-    path = os.path.join(cfg.out_dir, "results.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(results, f, indent=1)
-    os.replace(path + ".tmp", path)
+    write_json(os.path.join(cfg.out_dir, "results.json"), results, indent=1)

@@ -19,6 +19,7 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -247,24 +248,36 @@ async def _decide(store: Any, rank: int, it: int, spec: RunSpec, model: torch.nn
     return json.loads(raw)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import trio
+def write_json(path: str, obj: Any, indent: int | None = None) -> None:
+    """Write ``obj`` as JSON to ``path`` atomically (a reader such as launch() never sees half a file)."""
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=indent)
+    os.replace(path + ".tmp", path)
 
+
+def worker_main(argv: list[str] | None, module: str, parse: Callable[[str], Any],
+                train_rank: Callable[[Any, int, int], Any]) -> int:
+    """A worker process's entry point under launch(): ``python -m MODULE SPEC.json`` with RANK and WORLD_SIZE in the
+    environment; ``train_rank(spec, rank, world)`` runs the rank, whose result goes to ``out_dir/rank{R}.json``."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1:
-        print("usage: python -m dgt.experiment.worker SPEC.json", file=sys.stderr)
+        print(f"usage: python -m {module} SPEC.json", file=sys.stderr)
         return 2
     torch.set_num_threads(1)
     with open(argv[0]) as f:
-        spec = RunSpec.from_json(f.read())
+        spec = parse(f.read())
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    bind = os.environ.get("DGT_BIND", "127.0.0.1")
-    result = trio.run(train, spec, rank, world, bind, rank == 0)
-    path = os.path.join(spec.out_dir, f"rank{rank}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f)
-    os.replace(path + ".tmp", path)
+    result = train_rank(spec, rank, world)
+    write_json(os.path.join(spec.out_dir, f"rank{rank}.json"), result)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    import trio
+
+    bind = os.environ.get("DGT_BIND", "127.0.0.1")
+    return worker_main(argv, "dgt.experiment.worker", RunSpec.from_json,
+                       lambda spec, rank, world: trio.run(train, spec, rank, world, bind, rank == 0))
 
 
 if __name__ == "__main__":

@@ -36,15 +36,15 @@ def local_host(master: str | None = None) -> str:
 
 
 def group_connector(rank: int, world: int, *, store: Any, config: Any = None, host: str | None = None,
-                    timeout: float = 60.0, prefix: str = "dgt") -> Callable[[], Awaitable[Any]]:
-    """The async factory a :class:`~dgt.collectives.worker.TrioWorker` calls in its thread to build its group
-    (``config``: anything :func:`transport_config` takes)."""
+                    timeout: float = 60.0, prefix: str = "dgt") -> Callable[..., Awaitable[Any]]:
+    """The async factory a :class:`~dgt.collectives.worker.TrioWorker` calls in its thread to build its group, with
+    the nursery its endpoint runs in (``config``: anything :func:`transport_config` takes)."""
 
-    async def connect() -> Any:
+    async def connect(nursery: Any = None) -> Any:
         from dgt.collectives import Group
 
         return await Group.create(rank, world, store=store, config=transport_config(config), host=host or local_host(),
-                                  timeout=timeout, prefix=prefix)
+                                  timeout=timeout, prefix=prefix, nursery=nursery)
 
     return connect
 

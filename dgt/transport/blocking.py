@@ -4,32 +4,28 @@
 from __future__ import annotations
 
 import concurrent.futures
-import functools
-import threading
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 import trio
 
 from dgt.errors import PeerClosed
-from dgt.layout import BucketLayout
+from dgt.transport.bridge import TrioThread
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.endpoint import Endpoint
 from dgt.transport.stats import RoundResult, SendStats, TransportStats
 
+R = TypeVar("R")
+
 
 class BlockingEndpoint:
-    """The :class:`Endpoint` API, blocking. Every method is safe from any thread except the endpoint's own."""
+    """The :class:`Endpoint` API, blocking. Every method is safe from any thread except the endpoint's own (the
+    :class:`~dgt.transport.bridge.TrioThread` it runs in)."""
 
-    def __init__(self) -> None:
-        self._thread: threading.Thread | None = None
-        self._token: trio.lowlevel.TrioToken | None = None
-        self._nursery: trio.Nursery | None = None
-        self._stop: trio.Event | None = None
-        self._ready = threading.Event()
-        self._error: BaseException | None = None
-        self.endpoint: Endpoint | None = None  # the async endpoint, for coroutines passed to submit()
+    def __init__(self, bridge: TrioThread[Endpoint], endpoint: Endpoint) -> None:
+        self._bridge = bridge
+        self.endpoint = endpoint  # the async endpoint, for coroutines passed to submit()
 
     @classmethod
     def open(
@@ -41,70 +37,24 @@ class BlockingEndpoint:
         *,
         timeout: float = 30.0,
     ) -> BlockingEndpoint:
-        """Start the trio thread and open the endpoint in it."""
-        self = cls()
-        self._thread = threading.Thread(
-            target=trio.run, args=(self._main, rank, token, cfg, host), name=f"dgt-endpoint-{rank}", daemon=True
-        )
-        self._thread.start()
-        if not self._ready.wait(timeout):
-            raise TimeoutError("the endpoint thread did not start")
-        if self._error is not None:
-            raise self._error
-        return self
+        """Start the trio thread and open the endpoint in it (its service tasks in the thread's nursery)."""
+        bridge: TrioThread[Endpoint] = TrioThread(f"dgt-endpoint-{rank}", closed=PeerClosed)
 
-    async def _main(self, rank, token, cfg, host) -> None:
-        try:
-            self._stop = trio.Event()
-            self._token = trio.lowlevel.current_trio_token()
-            async with trio.open_nursery() as n:
-                self._nursery = n
-                self.endpoint = await Endpoint.open(rank, token, cfg, host, nursery=n)
-                self._ready.set()
-                await self._stop.wait()
-                await self.endpoint.aclose()
-                n.cancel_scope.cancel()
-        except BaseException as exc:
-            self._error = exc
-            raise
-        finally:
-            self._ready.set()
+        async def setup(nursery: trio.Nursery) -> Endpoint:
+            return await Endpoint.open(rank, token, cfg, host, nursery=nursery)
+
+        return cls(bridge, bridge.start(setup, teardown=Endpoint.aclose, timeout=timeout))
 
     # -- generic
-    def submit(self, fn: Callable[..., Awaitable[Any]], *args: Any, **kwargs: Any) -> concurrent.futures.Future:
+    def submit(self, fn: Callable[..., Awaitable[R]], *args: Any, **kwargs: Any) -> concurrent.futures.Future[R]:
         """Run ``fn(*args, **kwargs)`` (an async function, e.g. ``self.endpoint.recv_round``) on the endpoint's
         thread; returns at once with a Future for its result."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if threading.current_thread() is self._thread:
+        if self._bridge.in_thread:
             raise RuntimeError("BlockingEndpoint methods block: call them from another thread, or await the async "
                                "endpoint (self.endpoint) directly on this one")  # fmt: skip
-        if self._token is None or self._nursery is None:
-            fut.set_exception(PeerClosed("the endpoint is not running"))
-            return fut
-        try:
-            trio.from_thread.run_sync(self._nursery.start_soon, self._run, fut, functools.partial(fn, *args, **kwargs),
-                                      trio_token=self._token)  # fmt: skip
-        except (trio.RunFinishedError, RuntimeError) as exc:
-            fut.set_exception(PeerClosed(f"the endpoint is not running ({exc})"))
-        return fut
+        return self._bridge.spawn(fn, *args, **kwargs)
 
-    @staticmethod
-    async def _run(fut: concurrent.futures.Future, call: Callable[[], Awaitable[Any]]) -> None:
-        if not fut.set_running_or_notify_cancel():
-            return
-        try:
-            result = await call()
-        except trio.Cancelled:
-            fut.set_exception(PeerClosed("the endpoint closed before the operation finished"))
-            raise
-        except BaseException as exc:  # the caller's thread re-raises it from Future.result()
-            fut.set_exception(exc)
-            if not isinstance(exc, Exception):
-                raise
-        else:
-            fut.set_result(result)
-
-    def call(self, fn: Callable[..., Awaitable[Any]], *args: Any, timeout: float | None = None, **kwargs: Any) -> Any:
+    def call(self, fn: Callable[..., Awaitable[R]], *args: Any, timeout: float | None = None, **kwargs: Any) -> R:
         """``submit(...).result(timeout)``."""
         return self.submit(fn, *args, **kwargs).result(timeout)
 
@@ -117,21 +67,12 @@ class BlockingEndpoint:
     def rank(self) -> int:
         return self.endpoint.rank
 
-    def connect(self, peers: Mapping[int, PeerAddress | dict], timeout: float | None = None) -> None:
+    def connect(self, peers: Mapping[int, PeerAddress | dict[str, Any]], timeout: float | None = None) -> None:
         self.call(self.endpoint.connect, peers, timeout)
 
-    def send_round(
-        self,
-        peer: int,
-        bucket: int,
-        round: int,
-        flat: torch.Tensor,
-        layout: BucketLayout | None = None,
-        cls: torch.Tensor | int = 0,
-        order: torch.Tensor | None = None,
-        **kw: Any,
-    ) -> SendStats:
-        return self.call(self.endpoint.send_round, peer, bucket, round, flat, layout, cls, order, **kw)
+    def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, *args: Any, **kw: Any) -> SendStats:
+        """:meth:`Endpoint.send_round`, blocking (the same arguments; ``timeout`` bounds the wait here)."""
+        return self.call(self.endpoint.send_round, peer, bucket, round, flat, *args, **kw)
 
     def recv_round(self, peer: int, bucket: int, round: int, **kw: Any) -> RoundResult:
         return self.call(self.endpoint.recv_round, peer, bucket, round, **kw)
@@ -149,22 +90,14 @@ class BlockingEndpoint:
         return self.call(self.endpoint.recv_tensor, peer, tag, timeout)
 
     def stats(self) -> TransportStats:
-        return trio.from_thread.run_sync(self.endpoint.stats, trio_token=self._token)
+        return self._bridge.call_sync(self.endpoint.stats)
 
-    def socket_info(self) -> dict:
-        return trio.from_thread.run_sync(self.endpoint.socket_info, trio_token=self._token)
+    def socket_info(self) -> dict[str, Any]:
+        return self._bridge.call_sync(self.endpoint.socket_info)
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the endpoint (goodbye to peers) and join the thread."""
-        if self._thread is None:
-            return
-        if self._stop is not None and self._thread.is_alive():
-            try:
-                trio.from_thread.run_sync(self._stop.set, trio_token=self._token)
-            except trio.RunFinishedError:
-                pass
-        self._thread.join(timeout)
-        self._thread = None
+        self._bridge.stop(timeout)
 
     def __enter__(self) -> BlockingEndpoint:
         return self

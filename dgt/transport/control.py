@@ -26,8 +26,11 @@ def control(token: int, rank: int, op: str, **fields: Any) -> bytes:
     return wire.encode_frame(FrameType.CONTROL, payload, token=token, rank=rank)
 
 
-def parse(frame: memoryview | bytes, limits: wire.Limits = wire.DEFAULT_LIMITS) -> tuple[int, dict[str, Any]]:
-    """(sender rank, message) of one CONTROL frame; ProtocolError if it is anything else."""
+def parse(frame: memoryview | bytes | None, limits: wire.Limits = wire.DEFAULT_LIMITS) -> tuple[int, dict[str, Any]]:
+    """(sender rank, message) of one CONTROL frame; ProtocolError if it is anything else (None: a frame whose bytes
+    the reader did not keep)."""
+    if frame is None:
+        raise ProtocolError("expected a CONTROL frame, got a frame without its bytes")
     h = wire.decode_header(frame[: wire.HEADER_SIZE], limits)
     if int(h["ftype"]) != FrameType.CONTROL:
         raise ProtocolError(f"expected a CONTROL frame, got frame type {int(h['ftype'])}")

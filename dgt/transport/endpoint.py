@@ -16,11 +16,14 @@ and dgt.transport.outbound (the send APIs, drop reports, pacing feedback).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import numpy as np
 import torch
 import trio
 
+from dgt.channels.lanes import LaneSpec
 from dgt.channels.ports import bind_in_range
 from dgt.channels.slot import Slot
 from dgt.channels.sockopts import get_dscp, get_priority
@@ -60,12 +63,14 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         )
         self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
         self.udp: dict[int, UdpChannel] = {}
+
+        def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
+            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
+                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
+
         try:
             for lane in range(1, len(c.lanes)):
-                self.udp[lane] = bind_in_range(lambda p, lane=lane: UdpChannel(
-                    host, c.lanes[lane], gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                    max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p,
-                ), c.port_range, f"UDP lane {lane}")  # fmt: skip
+                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
         except BaseException:
             self._close_sockets()
             raise
@@ -117,7 +122,10 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         nursery: trio.Nursery | None = None,
     ) -> Endpoint:
         """Bind the TCP listener and one UDP socket per unreliable lane (port 0) and start the background tasks
-        (in ``nursery`` if given, else as a trio system task that ends with the run)."""
+        in ``nursery``. The thread bridge's owners pass theirs (dgt.transport.bridge; through
+        ``Group.create(nursery=...)``); without one (a caller running its own ``trio.run``: benches, experiment
+        workers, tests) they run as a trio system task that ends with the run (the service tasks catch their own
+        errors, which would otherwise end the run)."""
         ep = cls(rank, token, cfg, host)
         started = trio.Event()
         if nursery is None:
@@ -130,7 +138,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
     async def __aenter__(self) -> Endpoint:
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
 
     @property
@@ -160,7 +168,13 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
             self._teardown(self._fatal or PeerClosed(f"rank {self.rank}: the endpoint was closed"))
             self._stopped.set()
 
-    async def _guard(self, fn, *args) -> None:
+    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+        """Start ``fn(*args)`` among the endpoint's service tasks (a link's reader, an accepted handshake)."""
+        if self._nursery is None:
+            raise PeerClosed(f"rank {self.rank}: the endpoint is not running")
+        self._nursery.start_soon(fn, *args)
+
+    async def _guard(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run a service task; an unexpected error ends the endpoint and fails every pending operation with it."""
         try:
             await fn(*args)
@@ -178,7 +192,9 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._closing = True
         links = [ln for ln in self._links.values() if ln.error is None]
         with trio.move_on_after(min(2.0, self.cfg.peer_timeout)):
-            slots = [ln.writer.push([control.control(self.token, self.rank, control.BYE)], slot=Slot()) for ln in links]
+            slots = [Slot() for _ in links]
+            for ln, s in zip(links, slots):
+                ln.writer.push([control.control(self.token, self.rank, control.BYE)], slot=s)
             for s in slots:
                 try:
                     await s.wait()
@@ -256,9 +272,10 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
             pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
         )  # fmt: skip
 
-    def socket_info(self) -> dict:
+    def socket_info(self) -> dict[str, Any]:
         """DSCP and SO_PRIORITY read back from the kernel for every socket (listener, connections, UDP lanes)."""
-        info: dict = {"listener": {"dscp": get_dscp(self.listener.sock), "priority": get_priority(self.listener.sock)}}
+        info: dict[str, Any] = {
+            "listener": {"dscp": get_dscp(self.listener.sock), "priority": get_priority(self.listener.sock)}}
         info["tcp"] = {
             r: {"dscp": get_dscp(ln.chan.sock), "priority": get_priority(ln.chan.sock)}
             for r, ln in self._links.items()

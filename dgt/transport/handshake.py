@@ -7,8 +7,10 @@ registered. Stream lanes (dgt.transport.streams) are dialled and welcomed here t
 from __future__ import annotations
 
 import errno
+import socket
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import trio
 
@@ -25,6 +27,7 @@ from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import RoundSender
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
+from dgt.transport.session import EndpointState
 
 
 @dataclass
@@ -38,7 +41,7 @@ class _Link:
     writer: ReliableWriter
     sender: RoundSender
     pacer: Pacer | None
-    udp_addrs: list[tuple]
+    udp_addrs: list[tuple[str, int]]
     error: BaseException | None = None
     scope: trio.CancelScope | None = None
     last_ping: float = 0.0
@@ -47,11 +50,11 @@ class _Link:
     window: RoundWindow = field(default_factory=RoundWindow)  # expected round length, for the send budget
 
 
-class HandshakeMixin:
+class HandshakeMixin(EndpointState):
     """Connecting: dial, accept, the hello/challenge handshake and the link registry (``_links``, ``_sources``)."""
 
     @one_error
-    async def connect(self, peers: Mapping[int, PeerAddress | dict], timeout: float | None = None) -> None:
+    async def connect(self, peers: Mapping[int, PeerAddress | dict[str, object]], timeout: float | None = None) -> None:
         """Connect to ``peers`` (rank -> address). Both sides of a pair call it; the lower rank dials, the higher
         accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
         within ``timeout`` (default: connect_timeout, else peer_timeout)."""
@@ -99,7 +102,8 @@ class HandshakeMixin:
         return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True,
                                  direction=direction)
 
-    async def _hello(self, rank: int, host: str, port: int, timeout: float, what: str = "", **fields) -> TcpChannel:
+    async def _hello(self, rank: int, host: str, port: int, timeout: float, what: str = "",
+                     **fields: object) -> TcpChannel:
         """Dial ``rank``, say hello (plus ``fields``) and read its answer exactly, never past it (a stream lane's first
         message may follow right behind); the connection once welcomed. ``what``: the connection, for errors."""
         try:
@@ -134,7 +138,7 @@ class HandshakeMixin:
             raise PeerTimeout(why) from None
         return chan
 
-    async def _read_control(self, chan: TcpChannel) -> tuple[int, dict]:
+    async def _read_control(self, chan: TcpChannel) -> tuple[int, dict[str, Any]]:
         """One CONTROL frame, read exactly (never past it: a stream lane's first message may follow right behind)."""
         head = bytearray(wire.HEADER_SIZE)
         await chan.recv_exactly(memoryview(head))
@@ -143,7 +147,7 @@ class HandshakeMixin:
         await chan.recv_exactly(memoryview(body))
         return control.parse(bytes(head + body), self.cfg.limits)
 
-    async def _challenge(self, chan: TcpChannel, reader: FrameReader, rank: int, msg: dict) -> str | None:
+    async def _challenge(self, chan: TcpChannel, reader: FrameReader, rank: int, msg: dict[str, Any]) -> str | None:
         """The acceptor's half of the challenge-response (dgt.transport.auth): prove the key to the dialer, then
         check its proof. Why the dialer is refused, or None when it proved the key for the rank it claims."""
         dn, an, why = msg.get("nonce"), auth.nonce(), auth.purpose(msg)
@@ -189,9 +193,9 @@ class HandshakeMixin:
                 sock.close()
                 continue
             self._handshakes += 1
-            self._nursery.start_soon(self._handshake_in, sock)
+            self._spawn(self._handshake_in, sock)
 
-    async def _handshake_in(self, sock) -> None:
+    async def _handshake_in(self, sock: socket.socket) -> None:
         """Validate a dialer's hello (token, rank, lanes, proof of the key) within the connect timeout; welcome or
         refuse it."""
         try:
@@ -199,7 +203,7 @@ class HandshakeMixin:
         finally:
             self._handshakes -= 1
 
-    async def _handshake(self, sock) -> None:
+    async def _handshake(self, sock: socket.socket) -> None:
         chan = self._tcp_channel(sock, -1)
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
         try:
@@ -261,7 +265,7 @@ class HandshakeMixin:
         chan.label = f"rank {self.rank} <- rank {rank}"
         self._register(rank, addr, host, chan, reader)
 
-    def _tcp_channel(self, sock, rank: int) -> TcpChannel:
+    def _tcp_channel(self, sock: socket.socket, rank: int) -> TcpChannel:
         c = self.cfg
         chan = TcpChannel(sock, c.lanes[0], rcvbuf=c.tcp_rcvbuf, sndbuf=c.tcp_sndbuf, user_timeout=c.peer_timeout)
         chan.label = f"rank {self.rank} <-> rank {rank}"
@@ -291,5 +295,5 @@ class HandshakeMixin:
         )  # fmt: skip
         link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
         self._links[rank] = link
-        self._nursery.start_soon(self._run_link, link)
+        self._spawn(self._run_link, link)
         self._link_ready.setdefault(rank, Slot()).set()

@@ -4,7 +4,9 @@ landing buffers (``post_recv``), closed rounds and lossless messages delivered t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import nullcontext
+from typing import Any
 
 import torch
 import trio
@@ -17,10 +19,11 @@ from dgt.protocol.events import BulkDone, DropReportIn, Event, RoundDone, RoundR
 from dgt.protocol.stats import RoundLaneStats, RoundStats
 from dgt.transport import control
 from dgt.transport.outbound import BYTES_BUCKET
+from dgt.transport.session import EndpointState
 from dgt.transport.stats import RoundResult
 
 
-class InboundMixin:
+class InboundMixin(EndpointState):
     """UDP ingress, receiver feeding, early buffers, results and the receive APIs."""
 
     async def _udp_ingress(self, lane: int, chan: UdpChannel) -> None:
@@ -43,7 +46,7 @@ class InboundMixin:
                 self._handle(events)
             self.deadlines.poke()
 
-    def _accept_source(self, addr: tuple) -> bool:
+    def _accept_source(self, addr: tuple[Any, ...]) -> bool:
         return (addr[0], addr[1]) in self._sources
 
     def _allocate(self, key: tuple[int, int, int], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
@@ -52,7 +55,7 @@ class InboundMixin:
             return out.view(-1)
         return None
 
-    def _handle(self, events: list[Event]) -> None:
+    def _handle(self, events: Sequence[Event]) -> None:
         """What the receivers said (dgt.protocol.events), dispatched by kind."""
         done = []
         for ev in events:

@@ -5,24 +5,27 @@ stream-watch conflict of issue 22) with the stream exchanges it ends.
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
 import numpy as np
 import trio
 
 from dgt import wire
 from dgt.channels.framing import KEEP
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, RankMismatch, one_error, path_mismatch
+from dgt.protocol.events import Event
 from dgt.transport import control
 from dgt.transport.handshake import _Link
+from dgt.transport.session import EndpointState
 from dgt.transport.streams import Hop, HopResult
 from dgt.wire import Flags, FrameType
 
-try:
-    BaseExceptionGroup  # noqa: B018 - a builtin from Python 3.11
-except NameError:  # Python 3.10: the backport trio itself depends on
+if sys.version_info < (3, 11):  # Python 3.10: the backport trio itself depends on (a builtin from 3.11)
     from exceptiongroup import BaseExceptionGroup
 
 
-class LinkMixin:
+class LinkMixin(EndpointState):
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
 
     async def _run_link(self, link: _Link) -> None:
@@ -37,7 +40,7 @@ class LinkMixin:
         finally:
             self._fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} ended"))
 
-    async def _link_task(self, link: _Link, fn, *args) -> None:
+    async def _link_task(self, link: _Link, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
         try:
             await fn(*args)
@@ -95,7 +98,7 @@ class LinkMixin:
         recv = self.receiver
         rank = link.rank
 
-        def place(h: np.void):
+        def place(h: np.void) -> memoryview | object | None:
             if int(h["rank"]) != rank:
                 return None  # a peer may only speak for itself
             ftype = int(h["ftype"])
@@ -106,9 +109,12 @@ class LinkMixin:
             return KEEP
 
         def batchable(h: np.ndarray) -> np.ndarray:
-            return (h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0) & (h["rank"] == rank)
+            mask: np.ndarray = ((h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0)
+                                & (h["rank"] == rank))
+            return mask
 
         budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
+        events: Sequence[Event] | None
         waits = link.chan.waits
         while True:
             staged = link.reader.take_staged(batchable)
@@ -144,6 +150,7 @@ class LinkMixin:
                     self._opened[(rank, int(h["bucket"]), int(h["round"]))] = now
                     while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
+                assert rf.frame is not None  # place() keeps every frame that reaches this branch
                 events = recv.receive_bytes(rf.frame, 0, now)  # a refused ROUND_BEGIN: RoundRefused (_handle)
             if events:
                 self._handle(events)
@@ -155,7 +162,7 @@ class LinkMixin:
                 self.deadlines.poke()
                 await trio.lowlevel.checkpoint()
 
-    def _on_control(self, link: _Link, frame: memoryview) -> None:
+    def _on_control(self, link: _Link, frame: memoryview | None) -> None:
         try:
             _, msg = control.parse(frame, self.cfg.limits)
         except ProtocolError:
@@ -238,6 +245,14 @@ class LinkMixin:
             self._fail_pending(rank, error)
         return error
 
+    def reserve_exchange(self) -> int:
+        """A place in the order of stream exchanges for an :meth:`exchange` started later (its ``ticket``)."""
+        return self.streams.reserve()
+
+    def forfeit_exchange(self, ticket: int) -> None:
+        """Give back a place from :meth:`reserve_exchange` whose exchange will never run (later ones go on)."""
+        self.streams.forfeit(ticket)
+
     @one_error
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]:
@@ -247,7 +262,7 @@ class LinkMixin:
         ``timeout``: the longest a hop may make no progress (default: peer_timeout). ``family``: the bucket bits
         that name a message's family; a session-link message from a hop's peer in the same family and round means
         that peer took the round path for this call (RankMismatch on every rank, see dgt.transport.stream_watch).
-        ``ticket``: a place in that order reserved earlier with ``self.streams.reserve()``, given back here however
+        ``ticket``: a place in that order reserved earlier with :meth:`reserve_exchange`, given back here however
         the call ends."""
         started = False
         try:

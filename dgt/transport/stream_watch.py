@@ -8,6 +8,10 @@ parameter server's shard pushes and its stream hops' step keys fall in one famil
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from dgt.transport.streams import Hop
 
 Key = tuple[int, int, int]  # (peer, bucket, round)
 
@@ -16,7 +20,7 @@ class StreamWatch:
     def __init__(self) -> None:
         self._expect: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (peer, round) -> [(mask, bucket & mask)]
 
-    def watch(self, hops: Iterable, mask: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
+    def watch(self, hops: Iterable[Hop], mask: int) -> list[tuple[tuple[int, int], tuple[int, int]]]:
         """Register the receiving hops of an exchange; returns the entries for :meth:`unwatch`."""
         entries = [((h.recv_from, h.round), (mask, h.bucket & mask)) for h in hops if h.recv_from is not None]
         for k, v in entries:

@@ -27,6 +27,7 @@ import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import trio
@@ -62,6 +63,12 @@ class HopResult:
     sent: int  # bytes, header included
     received: int
     finished: float  # time.monotonic() when the hop completed
+
+
+def _given(t: torch.Tensor | None, what: str, h: Hop) -> torch.Tensor:
+    if t is None:
+        raise ValueError(f"a hop with a peer needs its {what} tensor (bucket {h.bucket:#x}, round {h.round})")
+    return t
 
 
 def streamable(t: torch.Tensor, add: bool = False) -> bool:
@@ -111,7 +118,7 @@ class StreamLane:
 class StreamHub:
     """The endpoint's stream lanes: lazy connects, the ticket order, and exchanges run in a worker thread."""
 
-    def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int], Awaitable[TcpChannel]],
+    def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int, int], Awaitable[TcpChannel]],
                  link_error: Callable[[int], BaseException | None], native: bool = NATIVE,
                  frame_bytes: int = wire.DEFAULT_LIMITS.max_payload, hop_threads: int = 1) -> None:
         self.rank = rank
@@ -322,24 +329,27 @@ class StreamHub:
                 lanes[h.recv_from].rx.rx_bytes += r.received
         return results
 
-    def _plan(self, h: Hop, lanes: dict[int, StreamLane]) -> list[tuple]:
+    def _plan(self, h: Hop, lanes: dict[int, StreamLane]) -> list[tuple[Any, ...]]:
         """What the thread needs for one hop, built on the trio side: lanes, headers and buffer views, one tuple per
         piece. A message goes as BULK frames of at most ``frame_bytes`` (``offset``/``count`` say which elements),
         so the receiver's frame limit holds; send and receive pieces are paired in order."""
         payload, land, add_src = (None if t is None else t.reshape(-1) for t in (h.payload, h.land, h.add_src))
-        sends = self._pieces(self.rank, h, payload) if h.send_to is not None else []
-        recvs = self._pieces(h.recv_from, h, land) if h.recv_from is not None else []
+        sends = self._pieces(self.rank, h, _given(payload, "payload", h)) if h.send_to is not None else []
+        recvs = self._pieces(h.recv_from, h, _given(land, "land", h)) if h.recv_from is not None else []
         label = f"rank {self.rank} stream hop (bucket {h.bucket:#x}, round {h.round})"
         out = []
         for i in range(max(len(sends), len(recvs), 1)):
             send = recv = add = None
             header = expect = b""
-            send_view = land_view = b""
-            if i < len(sends):
+            send_view: Any = b""
+            land_view: Any = b""
+            if i < len(sends):  # sends is empty unless send_to and payload are given
+                assert h.send_to is not None and payload is not None
                 send = lanes[h.send_to]
                 header, a, b = sends[i]
                 send_view = raw_bytes(payload[a:b])
             if i < len(recvs):
+                assert h.recv_from is not None and land is not None
                 recv = lanes[h.recv_from]
                 expect, a, b = recvs[i]
                 land_view = raw_bytes(land[a:b])
@@ -358,7 +368,7 @@ class StreamHub:
                                     codec=h.codec),
                  a, min(a + per, n)) for a in range(0, max(n, 1), per)]
 
-    def _run(self, plan: list[list[tuple]], timeout: float) -> list[HopResult]:
+    def _run(self, plan: list[list[tuple[Any, ...]]], timeout: float) -> list[HopResult]:
         """The worker thread: every hop (every piece of it) in order, no trio."""
         out = []
         for pieces in plan:
@@ -377,6 +387,7 @@ class StreamHub:
         """``fn`` in a worker thread. Cancelling the caller writes the cancel pipe, which the hop loop polls, and
         waits (shielded) until the thread has let go of the buffers: nothing lands in them after this returns."""
         done = False
+        results: list[HopResult] | None
 
         async def watch() -> None:
             try:

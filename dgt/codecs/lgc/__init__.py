@@ -2,11 +2,10 @@
 all-reduce training. ``import dgt.codecs.lgc`` registers the ``lgc`` codec; see docs/lgc.md."""
 
 from dgt.codecs.lgc.codec import LGCCodec
-from dgt.codecs.lgc.comm import Comm, CommStats, LocalComm, LocalGroup, run_ranks
+from dgt.codecs.lgc.comm import Comm, CommStats
 from dgt.codecs.lgc.plan import LayerPlan, LGCConfig, Phase
 from dgt.codecs.lgc.runner import LGCRunner
 
 __all__ = [
-    "Comm", "CommStats", "LGCCodec", "LGCConfig", "LGCRunner", "LayerPlan", "LocalComm", "LocalGroup", "Phase",
-    "run_ranks",
+    "Comm", "CommStats", "LGCCodec", "LGCConfig", "LGCRunner", "LayerPlan", "Phase",
 ]

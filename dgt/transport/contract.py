@@ -1,0 +1,97 @@
+"""What a collective may use of a rank's transport: the :class:`Transport` protocol (issue #24).
+
+Collectives (dgt.collectives), the group that connects them and the codecs' part movers are written against this
+protocol, not against :class:`dgt.transport.endpoint.Endpoint`; the endpoint satisfies it structurally (checked by
+mypy in dgt.collectives.group and by tests/test_architecture.py at run time). Anything a collective needs from the
+transport and this protocol does not name is a new seam: add it here first.
+
+The four ways a bucket can leave, from the most general to the fastest:
+
+- ``send_round`` / ``recv_round``: a round of blocks with per-block classes (lossy lanes, deadlines, error feedback);
+- ``post_send`` / ``post_recv``: a lossless round queued on the session link without awaiting (BULK frames), landed
+  in place;
+- ``exchange``: an ordered sequence of :class:`~dgt.transport.streams.Hop` on the stream lanes, run off the trio
+  loop (the lossless ring), its place in the call order reservable with ``reserve_exchange``;
+- ``send_tensor`` / ``recv_tensor``: small tagged lossless messages with shape and dtype (LGC's variable-length
+  transfers, model broadcasts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+    from dgt.errors import RankMismatch
+    from dgt.layout import BucketLayout
+    from dgt.transport.config import PeerAddress, TransportConfig
+    from dgt.transport.outbound import PendingSend
+    from dgt.transport.stats import RoundResult, SendStats
+    from dgt.transport.streams import Hop, HopResult
+
+
+class Transport(Protocol):
+    """A rank's session with its peers, as the collectives see it."""
+
+    rank: int
+    cfg: TransportConfig
+
+    @property
+    def address(self) -> PeerAddress:
+        """Where peers reach this rank (what the rendezvous publishes)."""
+        ...
+
+    @property
+    def peers(self) -> list[int]:
+        """Ranks with a live connection."""
+        ...
+
+    async def connect(self, peers: Mapping[int, PeerAddress | dict[str, object]], timeout: float | None = None) -> None:
+        ...
+
+    async def aclose(self) -> None:
+        ...
+
+    async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
+                         layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
+                         order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
+                         codec: int = 0) -> SendStats:
+        ...
+
+    async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
+                         timeout: float | None = None) -> RoundResult:
+        ...
+
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
+        ...
+
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
+        ...
+
+    async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
+                       ticket: int | None = None) -> list[HopResult]:
+        ...
+
+    def reserve_exchange(self) -> int:
+        """A place in the order of stream exchanges, for an ``exchange`` started later (or ``forfeit_exchange``)."""
+        ...
+
+    def forfeit_exchange(self, ticket: int) -> None:
+        """Give back a place reserved with ``reserve_exchange`` that will never run."""
+        ...
+
+    async def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
+        ...
+
+    async def recv_tensor(self, peer: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor:
+        ...
+
+    def abort_peers(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed for ``why``."""
+        ...
+
+    async def aborted(self, within: float) -> RankMismatch | None:
+        """The mismatch a peer reported, waiting up to ``within`` s for one."""
+        ...
