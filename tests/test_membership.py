@@ -160,3 +160,41 @@ def test_silent_connections_are_capped_and_accept_errors_survived():
             await b.aclose()
 
     trio.run(main)
+
+
+def test_a_pending_handshake_holds_a_small_buffer_and_only_control_frames():
+    """Each silent connection held a 1 MiB staging buffer until connect_timeout (16 of them: 16 MiB); until a
+    peer proves the key its connection stages 4 KiB, and a frame that is not CONTROL ends the handshake before its
+    payload is read."""
+    import tracemalloc
+
+    async def main():
+        a, b = await _pair()
+        socks = []
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            socks = _silent(b.address.tcp_port, 16)
+            await trio.sleep(0.5)
+            assert b._handshakes == 16
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert held < 16 * 64 * 1024, held  # was >= 16 MiB
+            # a BULK header announcing a 16 MiB payload, token right, no hello: refused before any payload is read
+            s = socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5)
+            socks.append(s)
+            s.sendall(wire.encode_header(wire.FrameType.BULK, token=TOKEN, rank=0, length=16 << 20))
+            await trio.sleep(0.3)
+            assert b._handshakes == 16 and b.receiver.counters.reasons.get("handshake", 0) >= 1
+            assert tracemalloc.get_traced_memory()[0] - before < 16 * 64 * 1024
+        finally:
+            tracemalloc.stop()
+            for s in socks:
+                s.close()
+        try:
+            await trio.sleep(0.2)
+            assert await _round_ok(a, b, 4)  # an authenticated link still stages whole rounds
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)

@@ -20,7 +20,8 @@ def _worker(rank, world, kind, codec, streams, what):
     from dgt.transport import TransportConfig
 
     op = "mean" if (what == "op" and rank == 1) else "sum"
-    dtype = torch.float64 if (what == "dtype" and rank == 1) else torch.float32
+    odd = 0 if what.startswith("dtype-server") else 1  # the rank whose tensor is float64 (rank 0 is the central server)
+    dtype = torch.float64 if (what.startswith("dtype") and rank == odd) else torch.float32
 
     def build(g):
         if kind == "ring":
@@ -30,9 +31,13 @@ def _worker(rank, world, kind, codec, streams, what):
     async def main():
         cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams)
         g = await Group.create(rank, world, config=cfg, timeout=30)
+        coll = build(g)
+        if what.endswith("-warm"):  # a first call that matches: the stream lanes are open when the mismatch comes
+            res = await coll.allreduce(torch.ones(5000))
+            assert float(res.tensor[0]) == (3.0 if op == "sum" else 1.0)
         t0 = time.monotonic()
         try:
-            res = await build(g).allreduce(torch.ones(5000, dtype=dtype))
+            res = await coll.allreduce(torch.ones(5000, dtype=dtype))
             return ("no error", time.monotonic() - t0, float(res.tensor[0]))
         except RankMismatch as exc:
             return (str(exc), time.monotonic() - t0, None)
@@ -74,6 +79,16 @@ def test_a_dtype_that_takes_another_path_raises_rank_mismatch_on_every_rank(kind
     # rank 1 has float64 (rounds on the session link, bit-exact), ranks 0 and 2 float32 (stream lanes)
     world = 3
     res = run_ranks(_worker, world, kind, "dense", "auto", "dtype", timeout=90)
+    _check(res, world, "take different paths")
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_float64_central_server_with_float32_workers_raises_rank_mismatch_on_every_rank(warm):
+    # the server (rank 0, float64) takes the round path and only waits to receive; its float32 workers run their push
+    # and pull on stream lanes: without the server's notice they waited for its lane (or, lanes open, for its pull)
+    # and failed with PeerTimeout
+    world = 3
+    res = run_ranks(_worker, world, "ps", "dense", "auto", "dtype-server" + ("-warm" if warm else ""), timeout=90)
     _check(res, world, "take different paths")
 
 
