@@ -65,9 +65,10 @@ def test_a_genuine_early_datagram_is_still_replayed_within_the_ttl():
 
 def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
     """The attack of issue 22 against real endpoints on loopback: a process that read the token from the store (but
-    lacks DGT_SECRET) sends rank 1 datagrams in rank 0's name for rounds 1-20, before rank 0 sends them (``check_source``
-    off stands for an attacker that spoofs rank 0's address). Once, 107 of 110 such rounds delivered the forged
-    blocks; now every round rank 0 sends arrives exactly as sent, and the forgeries are counted (``bad-mac``)."""
+    lacks DGT_SECRET) sends rank 1 datagrams in rank 0's name for rounds 1-20, before rank 0 sends them
+    (``check_source`` off stands for an attacker that spoofs rank 0's address). Once, 107 of 110 such rounds
+    delivered the forged blocks; now every round rank 0 sends arrives exactly as sent, and the forgeries are counted
+    (``bad-mac``)."""
     import socket
 
     import trio
