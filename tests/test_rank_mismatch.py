@@ -82,6 +82,14 @@ def test_a_dtype_that_takes_another_path_raises_rank_mismatch_on_every_rank(kind
     _check(res, world, "take different paths")
 
 
+@pytest.mark.parametrize("kind", ["ring", "ps"])
+def test_a_dtype_mismatch_on_the_round_path_raises_rank_mismatch_on_every_rank(kind):
+    # stream hops off: float32 and float64 rounds both on the session link; the receiver compares dtypes
+    world = 3
+    res = run_ranks(_worker, world, kind, "dense", "off", "dtype", timeout=90)
+    _check(res, world, "different sizes or dtypes")
+
+
 @pytest.mark.parametrize("warm", [False, True])
 def test_a_float64_central_server_with_float32_workers_raises_rank_mismatch_on_every_rank(warm):
     # the server (rank 0, float64) takes the round path and only waits to receive; its float32 workers run their push
