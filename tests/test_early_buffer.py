@@ -115,3 +115,12 @@ def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
             await b.aclose()
 
     trio.run(main)
+
+
+def test_the_early_buffer_byte_bound_holds_and_its_refusals_are_counted():
+    rx = RoundReceiver(TOKEN, early_bytes=64 * 1024, early_rounds_per_peer=8)
+    forger = RoundSender(TOKEN, rank=2)
+    for rnd in range(1, 5):  # ~4 x 24 KiB of datagrams for rounds not open yet: more than 64 KiB
+        _feed_udp(rx, _dgrams(_plan(rnd, 1000.0, forger)[1]), t=0.0)
+    assert 0 < rx._early.size <= 64 * 1024
+    assert rx.counters.early_refused > 0  # the input dropped for lack of room is counted, not silently lost
