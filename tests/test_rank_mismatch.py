@@ -104,3 +104,37 @@ def test_same_op_everywhere_still_works():
     world = 3
     res = run_ranks(_worker, world, "ring", "dense", "auto", "none", timeout=90)
     assert all(res[r][0] == "no error" and res[r][2] == 3.0 for r in range(world)), res
+
+
+def test_two_ranks_that_see_one_size_or_dtype_mismatch_give_the_same_reason():
+    """Two ranks may see one mismatch at once, each from its own side (a float64 rank gets float32 rounds, a float32
+    rank float64 ones): the reason names neither rank nor tensor, so every rank raises the same text (it named both,
+    and a 3-rank ring on the round path ended with two different reasons); what each saw is in ``detail``."""
+    import trio
+
+    from dgt.errors import RankMismatch, shape_mismatch
+    from dgt.transport import Endpoint, TransportConfig
+
+    async def main():
+        cfg = TransportConfig(peer_timeout=5, stream_hops="off")
+        a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
+        b = await Endpoint.open(1, 0x22, cfg, host="127.0.0.1")
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(a.connect, {1: b.address})
+                n.start_soon(b.connect, {0: a.address})
+            seen = []
+            for tx, rx, peer, mine, theirs in ((a, b, 0, torch.float64, torch.float32),
+                                               (b, a, 1, torch.float32, torch.float64)):
+                async with trio.open_nursery() as n:
+                    n.start_soon(tx.send_round, 1 - peer, 4, 7, torch.ones(2048, dtype=theirs))
+                    with pytest.raises(RankMismatch) as info:
+                        await rx.recv_round(peer, 4, 7, out=torch.empty(2048, dtype=mine), timeout=10)
+                seen.append(info.value)
+            assert str(seen[0]) == str(seen[1]) == shape_mismatch(7)
+            assert "float32" in seen[0].detail and "float64" in seen[0].detail and seen[0].detail != seen[1].detail
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)

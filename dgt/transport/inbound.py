@@ -11,7 +11,7 @@ import trio
 
 from dgt import wire
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
+from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, shape_mismatch
 from dgt.protocol.bulk import BulkDone
 from dgt.protocol.receiver import DropReportIn, RoundDone
 from dgt.protocol.stats import RoundLaneStats, RoundStats
@@ -181,9 +181,9 @@ class InboundMixin:
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
             if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
-                raise RankMismatch(f"rank {self.rank}: round {round} of bucket {bucket} from rank {peer} holds "
-                                   f"{res.data.numel()} x {res.data.dtype}, this rank expects {out.numel()} x "
-                                   f"{out.dtype}: the ranks called the collective with different sizes or dtypes")
+                raise RankMismatch(shape_mismatch(round), detail=f"rank {self.rank}: round {round} of bucket "
+                                   f"{bucket} from rank {peer} holds {res.data.numel()} x {res.data.dtype}, this rank "
+                                   f"expects {out.numel()} x {out.dtype}")
             out.view(-1).copy_(res.data)
             res.data = out
             self._stats.rounds_copied += 1
