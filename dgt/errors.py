@@ -108,6 +108,13 @@ def op_mismatch(a: int, b: int, round: int) -> str:
     return f"the ranks called a collective with different ops ({' / '.join(names)}) in round {round}"
 
 
+def shape_mismatch(round: int) -> str:
+    """The reason every rank gives when the ranks called one collective with tensors of different sizes or dtypes,
+    the same whichever rank saw it (two ranks may see it at once, each from its own side: what each saw goes in
+    :attr:`RankMismatch.detail`, not in the reason)."""
+    return f"the ranks called a collective with different sizes or dtypes in round {round}"
+
+
 def path_mismatch(round: int) -> str:
     """The reason every rank gives when its peers took different paths for one call (stream lanes / rounds)."""
     return (f"the ranks called a collective with tensors that take different paths in round {round} (stream lanes on "
@@ -117,8 +124,10 @@ def path_mismatch(round: int) -> str:
 class RankMismatch(ProtocolError):
     """Ranks called the same collective with different sizes, dtypes or ops, or collectives in different orders. The
     rank that sees it tells its peers (a control ABORT), so every rank of the call raises it with the same reason.
-    ``remote``: the rank it was reported by (None where this rank saw it)."""
+    ``remote``: the rank it was reported by (None where this rank saw it); ``detail``: what this rank saw, where it
+    saw it (kept out of the message, which every rank shares)."""
 
-    def __init__(self, message: str, remote: int | None = None) -> None:
+    def __init__(self, message: str, remote: int | None = None, detail: str = "") -> None:
         super().__init__(message)
         self.remote = remote
+        self.detail = detail

@@ -61,3 +61,66 @@ def test_a_genuine_early_datagram_is_still_replayed_within_the_ttl():
         events += rx.receive_bytes(h + bytes(p), 0, 0.1)
     (done,) = [e for e in events if isinstance(e, RoundDone)]
     assert done.stats.closed_by == "complete" and torch.equal(done.data, g)
+
+
+def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
+    """The attack of issue 22 against real endpoints on loopback: a process that read the token from the store (but
+    lacks DGT_SECRET) sends rank 1 datagrams in rank 0's name for rounds 1-20, before rank 0 sends them
+    (``check_source`` off stands for an attacker that spoofs rank 0's address). Once, 107 of 110 such rounds
+    delivered the forged blocks; now every round rank 0 sends arrives exactly as sent, and the forgeries are counted
+    (``bad-mac``)."""
+    import socket
+
+    import trio
+
+    from dgt.protocol.datagram_mac import DatagramMac
+    from dgt.transport import Endpoint, TransportConfig, auth
+
+    cfg = TransportConfig(peer_timeout=5, deadline="fixed:2", check_source=False, secret=b"members only")
+
+    async def main():
+        a = await Endpoint.open(0, TOKEN, cfg, host="127.0.0.1")
+        b = await Endpoint.open(1, TOKEN, cfg, host="127.0.0.1")
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(a.connect, {1: b.address})
+                n.start_soon(b.connect, {0: a.address})
+            guess = DatagramMac(auth.session_key(TOKEN, None))  # the key as derived without a secret
+            forger = RoundSender(TOKEN, rank=0, mac=guess, peer=1)
+            ports = dict(zip(b.udp, b.address.udp_ports))
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                for rnd in range(1, 21):
+                    layout = BucketLayout([8 * 1024])
+                    est = ContributionEstimator(layout)
+                    est.update(torch.arange(layout.numel) * 1e-3)
+                    c = est.classify(0.25)
+                    g = torch.full((layout.numel,), 1000.0)
+                    plan = forger.plan(0, rnd, forger.prepare(0, g), layout, c.cls, c.order)
+                    for lane, b_ in _dgrams(plan):
+                        s.sendto(b_, ("127.0.0.1", ports[lane]))
+            await trio.sleep(0.2)
+            for rnd in range(1, 6):  # the genuine rounds, with the same lossy classes
+                x = torch.randn(8 * 1024)
+                layout = BucketLayout([x.numel()])
+                est = ContributionEstimator(layout)
+                est.update(torch.arange(layout.numel) * 1e-3)
+                c = est.classify(0.25)
+                async with trio.open_nursery() as n:
+                    n.start_soon(a.send_round, 1, 0, rnd, x, layout, c.cls, c.order)
+                    res = await b.recv_round(0, 0, rnd, timeout=10)
+                assert bool(res.mask.all()) and torch.equal(res.data, x), rnd
+            assert b.receiver.counters.reasons.get("bad-mac", 0) > 0, b.receiver.counters.reasons
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
+
+
+def test_the_early_buffer_byte_bound_holds_and_its_refusals_are_counted():
+    rx = RoundReceiver(TOKEN, early_bytes=64 * 1024, early_rounds_per_peer=8)
+    forger = RoundSender(TOKEN, rank=2)
+    for rnd in range(1, 5):  # ~4 x 24 KiB of datagrams for rounds not open yet: more than 64 KiB
+        _feed_udp(rx, _dgrams(_plan(rnd, 1000.0, forger)[1]), t=0.0)
+    assert 0 < rx._early.size <= 64 * 1024
+    assert rx.counters.early_refused > 0  # the input dropped for lack of room is counted, not silently lost

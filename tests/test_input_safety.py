@@ -15,6 +15,8 @@ EXACT = {
     "int8": (torch.int8, [3, -7, 50]),
     "uint8": (torch.uint8, [1, 2, 100]),
     "float16": (torch.float16, [1.0009765625, 3.0, -2.5]),
+    "bfloat16": (torch.bfloat16, [1.0078125, 3.0, -2.5]),
+    "float32": (torch.float32, [1 + 2**-23, -(2.0**100), 1e-38]),
 }
 
 
@@ -32,7 +34,7 @@ def _exact_worker(rank, world, kind, name):
         g = await Group.create(rank, world, config=cfg, timeout=30)
         try:
             coll = RingAllReduce(g, "dense", op="sum") if kind.startswith("ring") else \
-                ParameterServer(g, "dense", op="sum", server="sharded")
+                ParameterServer(g, "dense", op="sum", server="sharded" if kind.startswith("ps/") else 0)
             res = await coll.allreduce(x)
             return res.tensor
         finally:
@@ -41,7 +43,13 @@ def _exact_worker(rank, world, kind, name):
     return trio.run(main)
 
 
-@pytest.mark.parametrize("kind", ["ring/auto", "ps/off"])
+def test_every_dtype_the_lossless_codec_accepts_is_checked_bit_exact():
+    from dgt.codecs.dense import DenseCodec
+
+    assert {dt for dt, _ in EXACT.values()} == set(DenseCodec().accepted_dtypes)
+
+
+@pytest.mark.parametrize("kind", ["ring/auto", "ps/off", "psc/auto"])  # psc: a central server (gather, then add)
 @pytest.mark.parametrize("name", sorted(EXACT))
 def test_lossless_dense_is_bit_exact_in_the_tensors_own_dtype(kind, name):
     dtype, vals = EXACT[name]
@@ -187,7 +195,8 @@ def _mismatch_worker(rank, world, kind, codec, streams):
 
 
 @pytest.mark.parametrize("kind,codec,streams", [("ring", "dense", "off"), ("ring", "dgt:p=0.3", "auto"),
-                                                ("ps", "dense", "off"), ("ps", "dgt:p=0.3", "auto")])
+                                                ("ps", "dense", "off"), ("ps", "dgt:p=0.3", "auto"),
+                                                ("ring", "dense", "auto"), ("ps", "dense", "auto")])  # stream lanes
 def test_size_mismatch_raises_the_same_clear_error_on_every_rank_then_the_group_can_be_rebuilt(kind, codec, streams):
     world = 3
     res = run_ranks(_mismatch_worker, world, kind, codec, streams, timeout=60)
@@ -199,3 +208,43 @@ def test_size_mismatch_raises_the_same_clear_error_on_every_rank_then_the_group_
         reasons.add(msg.split("aborted: ")[-1])  # the detecting rank's own message, as the others got it
         assert torch.equal(tensor, torch.full((5000,), float(sum(range(world)) / world)))
     assert len(reasons) == 1, reasons
+
+
+def _nan_worker(rank, world):
+    import trio
+
+    from dgt.collectives import Group, RingAllReduce
+    from dgt.transport import TransportConfig
+
+    async def main():
+        # half the datagrams are lost: unimportant blocks go to the residual and come back a round later
+        cfg = TransportConfig(peer_timeout=10, drop_fraction=0.5, drop_seed=rank)
+        g = await Group.create(rank, world, config=cfg, timeout=30)
+        try:
+            ring = RingAllReduce(g, "dgt:p=0.1", op="sum")
+            gen = torch.Generator().manual_seed(rank)
+            outs = []
+            for step in range(3):
+                x = torch.randn(64 * 1024, generator=gen) * 1e-3
+                if step == 0 and rank == 0:
+                    x[5 * 1024 + 3] = float("nan")  # a block no larger than the rest: unimportant but for its NaN
+                outs.append((await ring.allreduce(x)).tensor)
+            scores_finite = all(bool(torch.isfinite(st.values["estimator"].scores).all())
+                                for st in ring.codec.state_dict().values())
+            return outs, ring.codec.nonfinite, scores_finite
+        finally:
+            await g.aclose()
+
+    return trio.run(main)
+
+
+def test_a_nan_gradient_is_delivered_once_and_never_comes_back_through_error_feedback():
+    world = 2
+    res = run_ranks(_nan_worker, world, timeout=90)
+    for r in range(world):
+        outs, nonfinite, scores_finite = res[r]
+        assert scores_finite, r  # kept out of the scores: the block is not important forever
+        assert torch.isnan(outs[0][5 * 1024 + 3]), r  # delivered as it is (like NCCL), not hidden
+        assert int(torch.isnan(outs[0]).sum()) == 1, r  # and nowhere else
+        assert bool(torch.isfinite(outs[1]).all()) and bool(torch.isfinite(outs[2]).all()), r  # not through residual
+    assert res[0][1] >= 1  # counted where it was encoded

@@ -160,3 +160,107 @@ def test_silent_connections_are_capped_and_accept_errors_survived():
             await b.aclose()
 
     trio.run(main)
+
+
+def test_a_pending_handshake_holds_a_small_buffer_and_only_control_frames():
+    """Each silent connection held a 1 MiB staging buffer until connect_timeout (16 of them: 16 MiB); until a
+    peer proves the key its connection stages 4 KiB, and a frame that is not CONTROL ends the handshake before its
+    payload is read."""
+    import tracemalloc
+
+    async def main():
+        a, b = await _pair()
+        socks = []
+        tracemalloc.start()
+        try:
+            before = tracemalloc.get_traced_memory()[0]
+            socks = _silent(b.address.tcp_port, 16)
+            await trio.sleep(0.5)
+            assert b._handshakes == 16
+            held = tracemalloc.get_traced_memory()[0] - before
+            assert held < 16 * 64 * 1024, held  # was >= 16 MiB
+            # a BULK header announcing a 16 MiB payload, token right, no hello: refused before any payload is read
+            s = socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5)
+            socks.append(s)
+            s.sendall(wire.encode_header(wire.FrameType.BULK, token=TOKEN, rank=0, length=16 << 20))
+            await trio.sleep(0.3)
+            assert b._handshakes == 16 and b.receiver.counters.reasons.get("handshake", 0) >= 1
+            assert tracemalloc.get_traced_memory()[0] - before < 16 * 64 * 1024
+        finally:
+            tracemalloc.stop()
+            for s in socks:
+                s.close()
+        try:
+            await trio.sleep(0.2)
+            assert await _round_ok(a, b, 4)  # an authenticated link still stages whole rounds
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
+
+
+def test_a_proof_is_bound_to_both_ranks_both_nonces_the_purpose_the_role_and_the_session():
+    key = auth.session_key(TOKEN, b"s3cret")
+    dn, an = auth.nonce(), auth.nonce()
+    good = auth.proof(key, "dialer", 0, 1, dn, an, "stream:0")
+    assert auth.verify(key, good, "dialer", 0, 1, dn, an, "stream:0")
+    wrong = [
+        (key, "acceptor", 0, 1, dn, an, "stream:0"),  # reflected back as the other side's proof
+        (key, "dialer", 2, 1, dn, an, "stream:0"),  # another claimed rank
+        (key, "dialer", 0, 2, dn, an, "stream:0"),  # shown to another rank
+        (key, "dialer", 0, 1, auth.nonce(), an, "stream:0"),  # replayed into another connection
+        (key, "dialer", 0, 1, dn, auth.nonce(), "stream:0"),
+        (key, "dialer", 0, 1, dn, an, "stream:1"),  # the other lane direction
+        (key, "dialer", 0, 1, dn, an, "session"),
+        (auth.session_key(TOKEN + 1, b"s3cret"), "dialer", 0, 1, dn, an, "stream:0"),  # another session
+        (auth.session_key(TOKEN, b"other"), "dialer", 0, 1, dn, an, "stream:0"),  # another secret
+    ]
+    for args in wrong:
+        assert not auth.verify(args[0], good, *args[1:]), args[1:]
+    assert not auth.verify(key, None, "dialer", 0, 1, dn, an, "stream:0")
+    assert not auth.verify(key, good.encode(), "dialer", 0, 1, dn, an, "stream:0")
+
+
+def test_without_a_secret_the_trust_boundary_is_noted_once(monkeypatch, caplog):
+    import logging
+
+    monkeypatch.setattr(auth, "_noted", False)
+    with caplog.at_level(logging.WARNING, logger="dgt.auth"):
+        k = auth.session_key(TOKEN, None)
+        auth.session_key(TOKEN, None)
+        auth.session_key(TOKEN, b"given")
+    notes = [r for r in caplog.records if "trust boundary" in r.getMessage()]
+    assert len(notes) == 1 and "c10d store" in notes[0].getMessage()
+    assert k != auth.session_key(TOKEN, b"given")
+
+
+def test_a_member_without_a_live_session_link_cannot_open_a_stream_lane():
+    """Stream lanes are authorised through the authenticated session: a process holding the key and the token
+    but without a session link to rank 1 is refused a stream lane; once the session link is up, lanes open."""
+    from dgt.errors import ProtocolError
+    from dgt.transport.streams import Hop
+
+    async def main():
+        cfg = TransportConfig(peer_timeout=3, secret=b"s3cret")
+        a = await Endpoint.open(0, TOKEN, cfg, host="127.0.0.1")
+        b = await Endpoint.open(1, TOKEN, cfg, host="127.0.0.1")
+        try:
+            port = b.address.tcp_port
+            for direction in (0, 1):
+                with pytest.raises(ProtocolError, match="no live session link"):
+                    await a._hello(1, "127.0.0.1", port, 3, "a stream lane", stream=True, direction=direction)
+            assert not b.streams.lanes and not b.streams._halves
+            async with trio.open_nursery() as n:
+                n.start_soon(a.connect, {1: b.address})
+                n.start_soon(b.connect, {0: a.address})
+            x, land = torch.arange(100, dtype=torch.float32), torch.empty(100)
+            async with trio.open_nursery() as n:
+                n.start_soon(a.exchange, [Hop(2, 0, send_to=1, payload=x)])
+                await b.exchange([Hop(2, 0, recv_from=0, land=land)])
+            assert torch.equal(land, x) and 0 in b.streams.lanes
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)

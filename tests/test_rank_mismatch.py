@@ -20,7 +20,8 @@ def _worker(rank, world, kind, codec, streams, what):
     from dgt.transport import TransportConfig
 
     op = "mean" if (what == "op" and rank == 1) else "sum"
-    dtype = torch.float64 if (what == "dtype" and rank == 1) else torch.float32
+    odd = 0 if what.startswith("dtype-server") else 1  # the rank whose tensor is float64 (rank 0 is the central server)
+    dtype = torch.float64 if (what.startswith("dtype") and rank == odd) else torch.float32
 
     def build(g):
         if kind == "ring":
@@ -30,9 +31,13 @@ def _worker(rank, world, kind, codec, streams, what):
     async def main():
         cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams)
         g = await Group.create(rank, world, config=cfg, timeout=30)
+        coll = build(g)
+        if what.endswith("-warm"):  # a first call that matches: the stream lanes are open when the mismatch comes
+            res = await coll.allreduce(torch.ones(5000))
+            assert float(res.tensor[0]) == (3.0 if op == "sum" else 1.0)
         t0 = time.monotonic()
         try:
-            res = await build(g).allreduce(torch.ones(5000, dtype=dtype))
+            res = await coll.allreduce(torch.ones(5000, dtype=dtype))
             return ("no error", time.monotonic() - t0, float(res.tensor[0]))
         except RankMismatch as exc:
             return (str(exc), time.monotonic() - t0, None)
@@ -77,7 +82,59 @@ def test_a_dtype_that_takes_another_path_raises_rank_mismatch_on_every_rank(kind
     _check(res, world, "take different paths")
 
 
+@pytest.mark.parametrize("kind", ["ring", "ps"])
+def test_a_dtype_mismatch_on_the_round_path_raises_rank_mismatch_on_every_rank(kind):
+    # stream hops off: float32 and float64 rounds both on the session link; the receiver compares dtypes
+    world = 3
+    res = run_ranks(_worker, world, kind, "dense", "off", "dtype", timeout=90)
+    _check(res, world, "different sizes or dtypes")
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_a_float64_central_server_with_float32_workers_raises_rank_mismatch_on_every_rank(warm):
+    # the server (rank 0, float64) takes the round path and only waits to receive; its float32 workers run their push
+    # and pull on stream lanes: without the server's notice they waited for its lane (or, lanes open, for its pull)
+    # and failed with PeerTimeout
+    world = 3
+    res = run_ranks(_worker, world, "ps", "dense", "auto", "dtype-server" + ("-warm" if warm else ""), timeout=90)
+    _check(res, world, "take different paths")
+
+
 def test_same_op_everywhere_still_works():
     world = 3
     res = run_ranks(_worker, world, "ring", "dense", "auto", "none", timeout=90)
     assert all(res[r][0] == "no error" and res[r][2] == 3.0 for r in range(world)), res
+
+
+def test_two_ranks_that_see_one_size_or_dtype_mismatch_give_the_same_reason():
+    """Two ranks may see one mismatch at once, each from its own side (a float64 rank gets float32 rounds, a float32
+    rank float64 ones): the reason names neither rank nor tensor, so every rank raises the same text (it named both,
+    and a 3-rank ring on the round path ended with two different reasons); what each saw is in ``detail``."""
+    import trio
+
+    from dgt.errors import RankMismatch, shape_mismatch
+    from dgt.transport import Endpoint, TransportConfig
+
+    async def main():
+        cfg = TransportConfig(peer_timeout=5, stream_hops="off")
+        a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
+        b = await Endpoint.open(1, 0x22, cfg, host="127.0.0.1")
+        try:
+            async with trio.open_nursery() as n:
+                n.start_soon(a.connect, {1: b.address})
+                n.start_soon(b.connect, {0: a.address})
+            seen = []
+            for tx, rx, peer, mine, theirs in ((a, b, 0, torch.float64, torch.float32),
+                                               (b, a, 1, torch.float32, torch.float64)):
+                async with trio.open_nursery() as n:
+                    n.start_soon(tx.send_round, 1 - peer, 4, 7, torch.ones(2048, dtype=theirs))
+                    with pytest.raises(RankMismatch) as info:
+                        await rx.recv_round(peer, 4, 7, out=torch.empty(2048, dtype=mine), timeout=10)
+                seen.append(info.value)
+            assert str(seen[0]) == str(seen[1]) == shape_mismatch(7)
+            assert "float32" in seen[0].detail and "float64" in seen[0].detail and seen[0].detail != seen[1].detail
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)

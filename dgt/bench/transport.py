@@ -331,6 +331,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--p", type=float, default=0.3, help="fraction of important blocks for the lossy variant")
     parser.add_argument("--datagram-payload", type=int, default=1400, help="UDP payload bytes per datagram")
     parser.add_argument("--quick", action="store_true", help="skip the GSO-off and fresh-buffer variants")
+    parser.add_argument("--no-datagram-mac", action="store_true",
+                        help="DGT variants without the datagram MAC (datagram_mac=False), to measure it")
     parser.add_argument("--variants", default="", help="comma-separated DGT variants to run (default: all; the raw "
                         f"anchor always runs): {', '.join(DGT_VARIANTS)}")
 
@@ -352,7 +354,8 @@ def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6) // 4
     nbytes = numel * 4
     reps = args.repeats
-    base = {"peer_timeout": 30.0, "datagram_payload": args.datagram_payload}
+    base = {"peer_timeout": 30.0, "datagram_payload": args.datagram_payload,
+            "datagram_mac": not getattr(args, "no_datagram_mac", False)}
     want = _wanted(args)  # a bad --variants fails before any process starts
     pair = _Pair()
     t0 = time.perf_counter()
@@ -381,6 +384,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": reps,
         "p": args.p,
         "datagram_payload": args.datagram_payload,
+        "datagram_mac": base["datagram_mac"],
         "cpus": os.cpu_count(),
         "mb_s_median": {k: v["mb_s_median"] for k, v in res.items()},
         "ratio_vs_raw": ratios,

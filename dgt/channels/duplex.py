@@ -24,7 +24,7 @@ import time
 import numpy as np
 
 from dgt import wire
-from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, op_mismatch
+from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, op_mismatch, shape_mismatch
 
 try:
     from dgt.channels import _duplex
@@ -212,11 +212,14 @@ def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.sock
     if code == -errno.ECANCELED:
         raise HopCancelled(label)
     if code == -errno.EPROTO:
-        same = _message_id(hdr) == _message_id(expect)
-        why = "called it with different sizes or dtypes" if same else "issued collectives in different orders"
-        if same and len(hdr) > 6 and len(expect) > 6 and hdr[6] != expect[6]:  # the codec byte: the call's op
-            raise RankMismatch(op_mismatch(hdr[6], expect[6], _message_id(hdr)[1]))
-        raise RankMismatch(f"{label}: expected {describe(expect)}, got {describe(hdr)}: the ranks {why}")
+        mid = _message_id(hdr)
+        same = mid is not None and mid == _message_id(expect)
+        if mid is not None and same and len(hdr) > 6 and len(expect) > 6 and hdr[6] != expect[6]:  # the codec byte
+            raise RankMismatch(op_mismatch(hdr[6], expect[6], mid[1]))  # (the call's op)
+        seen = f"{label}: expected {describe(expect)}, got {describe(hdr)}"
+        if mid is not None and same:  # the reason every rank gives, whichever saw it; what this one saw: the detail
+            raise RankMismatch(shape_mismatch(mid[1]), detail=seen)
+        raise RankMismatch(f"{seen}: the ranks issued collectives in different orders")
     if code == -errno.ETIMEDOUT:
         raise PeerTimeout(f"{label}: no progress for {timeout:g} s (sent {sent}, received {got} bytes)")
     if code in (-errno.EPIPE, -errno.ECONNRESET, -errno.ECONNABORTED, -errno.ENOTCONN, -errno.EBADF):

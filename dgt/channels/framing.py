@@ -54,7 +54,9 @@ class StagedBatch:
 class FrameReader:
     """Reads frames from a :class:`TcpChannel`; a bad header raises :class:`WireError` (the stream cannot resync)."""
 
-    def __init__(self, chan: TcpChannel, limits: wire.Limits, token: int, staging: int = 1 << 20) -> None:
+    STAGING = 1 << 20  # bytes staged per read once a peer is known (a handshake starts smaller: see reserve)
+
+    def __init__(self, chan: TcpChannel, limits: wire.Limits, token: int, staging: int = STAGING) -> None:
         self.chan = chan
         self.limits = limits
         self.token = token
@@ -70,6 +72,11 @@ class FrameReader:
         self._next = 0
 
     # -- staging
+    def reserve(self, nbytes: int = STAGING) -> None:
+        """Grow the staging buffer to at least ``nbytes``, keeping what is staged: a reader made small for a
+        handshake (an unauthenticated connection must not hold a megabyte) gets its full size once the peer is in."""
+        self._ensure_room(nbytes)
+
     def _ensure_room(self, need: int) -> None:
         if need > len(self.buf):
             grown = bytearray(need)

@@ -7,7 +7,7 @@ import trio
 
 from dgt.codecs.base import RELIABLE, Part, Received
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import RankMismatch, op_mismatch
+from dgt.errors import RankMismatch, op_mismatch, shape_mismatch
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
 # the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
@@ -132,9 +132,9 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         # parts of summable codecs hold one element per element and must match exactly; those of other codecs
         # (QSGD records, sparse payloads) may differ in size from rank to rank
         if exact and (res.data.numel() != want or res.data.dtype != part.data.dtype):
-            raise RankMismatch(f"rank {peer} sent {res.data.numel()} x {res.data.dtype} for {phase} step {step} of "
-                               f"bucket {bucket}, this rank expects {want} x {part.data.dtype}: the ranks called "
-                               f"the collective with different sizes or dtypes")
+            raise RankMismatch(shape_mismatch(rnd), detail=f"rank {peer} sent {res.data.numel()} x {res.data.dtype} "
+                               f"for {phase} step {step} of bucket {bucket}, this rank expects {want} x "
+                               f"{part.data.dtype}")
         # a BULK message is lossless and knows no segments: every block of our geometry arrived
         if res.bulk:
             mask = torch.ones(part.layout.nblocks, dtype=torch.bool)

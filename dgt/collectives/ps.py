@@ -93,6 +93,7 @@ class ParameterServer(Collective):
         ch = self.chunking(segs, block, len(self.servers))
         out = flat.clone()
         op = self.call_code  # in every frame this call sends, compared by every receiver
+        self._announce_round_path(bucket_id, rnd)
 
         async def serve_shard(shard: int, owner: int) -> None:
             piece = ch.chunk(flat, shard)
@@ -146,8 +147,17 @@ class ParameterServer(Collective):
         async with trio.open_nursery() as nursery:
             for shard, owner in enumerate(self.servers):
                 nursery.start_soon(serve_shard, shard, owner)
-        # results arrive already averaged by the server; op is applied there
-        return CollectiveResult(out.view_as(bucket), stats)
+        return CollectiveResult(out.view_as(bucket), stats)  # averaged by the server already: op is applied there
+
+    def _announce_round_path(self, bucket_id: int, rnd: int) -> None:
+        """A central server on the round path receives first, so a worker that runs the call on stream lanes (its
+        tensor took the other path) would wait for a lane or a pull until ``peer_timeout``: tell every worker which
+        path this round takes; such a worker raises RankMismatch and tells every rank (issue 22)."""
+        g = self.group
+        if g.rank == self.server:
+            for w in range(g.world):
+                if w != g.rank:
+                    g.endpoint.announce_on_link(w, transport_key(bucket_id, "pull"), rnd)
 
     def peers(self) -> list[int]:
         g = self.group

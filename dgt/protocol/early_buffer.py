@@ -86,9 +86,11 @@ class EarlyBuffer:
 
     def admit(self, key: Key, nbytes: int, now: float) -> bool:
         """Whether ``nbytes`` more of round ``key`` fit (after expiring old entries): a peer may hold at most
-        ``rounds_per_peer`` rounds here, all peers together ``max_bytes``."""
+        ``rounds_per_peer`` rounds here, all peers together ``max_bytes``; a refusal is counted (``early_refused``)
+        either way, and the input is dropped (a datagram's blocks then reach error feedback as lost)."""
         self.expire(now)
         if self.size + nbytes > self.max_bytes:
+            self.counters.early_refused += 1
             return False
         rounds = {e.key for e in self.entries if e.key[0] == key[0]}
         if key not in rounds and len(rounds) >= self.rounds_per_peer:

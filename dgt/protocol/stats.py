@@ -56,7 +56,7 @@ class ReceiverCounters:
     unknown: int = 0  # for rounds never announced and beyond the early buffer
     early_buffered: int = 0
     early_expired: int = 0  # early-buffer entries dropped unreplayed after ``early_ttl``
-    early_refused: int = 0  # input refused by the early buffer's per-peer bound (``early_rounds_per_peer``)
+    early_refused: int = 0  # input refused by the early buffer's bounds (``early_rounds_per_peer``, ``early_bytes``)
     reasons: dict[str, int] = field(default_factory=dict)
 
     def reject(self, reason: str, n: int = 1) -> None:

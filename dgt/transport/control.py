@@ -19,6 +19,7 @@ PING = "ping"
 BYE = "bye"  # the sender is closing its endpoint on purpose
 ABORT = "abort"  # the sender's collective failed for a reason every rank must see (a RankMismatch): ``why``
 STALE = "stale"  # receiver -> sender: that round is ignored (key closed already, or refused by the limits)
+ON_LINK = "on-link"  # (i22) the sender runs ``bucket``/``round`` on the session link (rounds), not on stream lanes
 
 
 def control(token: int, rank: int, op: str, **fields: Any) -> bytes:

@@ -106,6 +106,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
         self._aborted = trio.Event()
         self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
+        self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,

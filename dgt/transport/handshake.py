@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import trio
 
 from dgt import wire
@@ -28,6 +29,16 @@ from dgt.protocol.sender import RoundSender
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
 from dgt.transport.session import EndpointState
+
+HANDSHAKE_STAGING = 4096  # (i22) bytes an accepted connection stages until its peer proved the key (was 1 MiB)
+
+
+def _control_only(h: np.void) -> object:
+    """Where a handshake frame's payload goes: only CONTROL frames (at most ``max_control`` bytes) are read before a
+    peer is authenticated; anything else ends the handshake before its payload is read."""
+    if int(h["ftype"]) != wire.FrameType.CONTROL:
+        raise ProtocolError(f"expected a CONTROL frame in the handshake, got frame type {int(h['ftype'])}")
+    return KEEP
 
 
 @dataclass
@@ -155,7 +166,7 @@ class HandshakeMixin(EndpointState):
             return "no valid nonce in the hello"
         mine = auth.proof(self._key, "acceptor", self.rank, rank, dn, an, why)
         await chan.send_buffers([control.control(self.token, self.rank, control.CHALLENGE, nonce=an, proof=mine)])
-        rf = await reader.next(lambda h: KEEP)
+        rf = await reader.next(_control_only)
         peer, answer = control.parse(rf.frame, self.cfg.limits)
         if peer != rank or answer["op"] != control.AUTH or \
                 not auth.verify(self._key, answer.get("proof"), "dialer", rank, self.rank, dn, an, why):
@@ -208,8 +219,8 @@ class HandshakeMixin(EndpointState):
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
         try:
             with trio.fail_after(timeout):
-                reader = FrameReader(chan, self.cfg.limits, self.token)
-                rf = await reader.next(lambda h: KEEP)
+                reader = FrameReader(chan, self.cfg.limits, self.token, staging=HANDSHAKE_STAGING)
+                rf = await reader.next(_control_only)
                 rank, msg = control.parse(rf.frame, self.cfg.limits)
                 why = None
                 if msg["op"] == control.HELLO:
@@ -263,6 +274,7 @@ class HandshakeMixin(EndpointState):
             self.receiver.counters.reject("handshake")
             return
         chan.label = f"rank {self.rank} <- rank {rank}"
+        reader.reserve()  # authenticated: now the link's full staging buffer
         self._register(rank, addr, host, chan, reader)
 
     def _tcp_channel(self, sock: socket.socket, rank: int) -> TcpChannel:

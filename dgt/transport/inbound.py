@@ -14,7 +14,7 @@ import trio
 from dgt import wire
 from dgt.channels.slot import Slot
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout, RankMismatch
+from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, shape_mismatch
 from dgt.protocol.events import BulkDone, DropReportIn, Event, RoundDone, RoundRefused
 from dgt.protocol.stats import RoundLaneStats, RoundStats
 from dgt.transport import control
@@ -197,9 +197,9 @@ class InboundMixin(EndpointState):
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
             if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
-                raise RankMismatch(f"rank {self.rank}: round {round} of bucket {bucket} from rank {peer} holds "
-                                   f"{res.data.numel()} x {res.data.dtype}, this rank expects {out.numel()} x "
-                                   f"{out.dtype}: the ranks called the collective with different sizes or dtypes")
+                raise RankMismatch(shape_mismatch(round), detail=f"rank {self.rank}: round {round} of bucket "
+                                   f"{bucket} from rank {peer} holds {res.data.numel()} x {res.data.dtype}, this rank "
+                                   f"expects {out.numel()} x {out.dtype}")
             out.view(-1).copy_(res.data)
             res.data = out
             self._stats.rounds_copied += 1

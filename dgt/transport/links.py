@@ -181,6 +181,14 @@ class LinkMixin(EndpointState):
             # operations raise the mismatch (_link)
             for rank in list(self._links):
                 self._fail_pending(rank, error)
+        elif msg["op"] == control.ON_LINK:  # (i22) a peer that only receives on the round path says so
+            key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
+            if self._stream_watch.expected(key):
+                self._stream_conflict(key)
+            else:  # this rank's exchange may not have started yet: it looks here when it does (bounded)
+                self._on_link[key] = None
+                while len(self._on_link) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
+                    self._on_link.popitem(last=False)
         elif msg["op"] == control.STALE:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
@@ -224,6 +232,16 @@ class LinkMixin(EndpointState):
         for ln in self._links.values():
             if ln.error is None:
                 ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why[:2000])])
+
+    def announce_on_link(self, peer: int, bucket: int, round: int) -> None:
+        """Tell ``peer`` (queued, no waiting) that this rank runs ``bucket``/``round`` on the session link. A rank
+        whose first move in a call is to receive (a central parameter server) sends nothing its peers could compare
+        otherwise: a peer that runs the same message family on stream lanes (its tensor took the other path) raises
+        :class:`RankMismatch` on seeing this, and tells every rank, instead of waiting ``peer_timeout`` for a stream
+        lane or a hop that will never come (issue 22). A peer on the round path ignores it."""
+        link = self._links.get(peer)
+        if link is not None and link.error is None:
+            link.writer.push([control.control(self.token, self.rank, control.ON_LINK, bucket=bucket, round=round)])
 
     def _set_abort(self, error: RankMismatch) -> None:
         """The session's collectives failed with ``error`` (a peer's ABORT, or a mismatch seen here): remember the
@@ -276,7 +294,7 @@ class LinkMixin(EndpointState):
         entries, scope = self._stream_watch.watch(hops, family), None
         try:  # (i22) the peer's message may be in already
             key = self._stream_watch.first_expected([*self._results, *self.bulk.open_keys(),
-                                                     *self.receiver.open_rounds()])
+                                                     *self.receiver.open_rounds(), *self._on_link])
             if key is not None:
                 raise self._stream_conflict(key)
             with trio.CancelScope() as scope:  # an abort cancels it (a lane dial to a peer that gave up, too)

@@ -63,6 +63,7 @@ class EndpointState:
     _results: OrderedDict[Key, RoundResult]
     _out: OrderedDict[Key, torch.Tensor]
     _opened: OrderedDict[Key, float]
+    _on_link: OrderedDict[Key, None]  # endpoint: peers' ON_LINK notices (a round-path bucket family, i22)
     _bytes_rx: dict[tuple[int, int], int]
     _drop_rng: np.random.Generator | None
     _rx_dropped_hook: dict[int, int]
