@@ -8,7 +8,12 @@ and last unimportant datagrams, datagrams and bytes delivered; ``docs/protocol.m
 
 One-way delay samples are ``receiver clock at arrival - sender clock at send``. The two clocks are not synchronised;
 as in LEDBAT the offset cancels against the *base delay*, the minimum sample over a bounded history of intervals, so
-``queuing delay = sample - base``. The rate then moves:
+``queuing delay = sample - base``. Each report gives one queuing-delay reading, from the round's *last* datagram (the
+queue our own burst built; the first one only feeds the base). Like RFC 6817's current-delay filter, the controller
+acts on the minimum of the last ``current_filter`` readings (:class:`CurrentDelay`): a queue that the lane builds
+persists from report to report, while a stamp taken late because the sending or receiving process was not scheduled
+(a loaded CPU; on loopback that is all the "delay" there is) shows up in single readings and is filtered out. The
+rate then moves:
 
 * loss above ``loss_threshold`` (datagrams sent that never arrived, or arrived after the round closed):
   multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
@@ -16,7 +21,8 @@ as in LEDBAT the offset cancels against the *base delay*, the minimum sample ove
 * otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
   ``beta``; below the target it probes up, above it backs off in proportion to how far above it is;
 * the time the receiver held the round open for unimportant blocks after the important ones were in counts as
-  queuing delay too (the lane is that far behind, wherever the queue is: a link, a socket, a busy CPU);
+  queuing delay too (the lane is that far behind, wherever the queue is: a link, a socket, a busy CPU); it goes
+  through the same filter (the reading of a report is the larger of its queuing delay and its hold);
 * until the first decrease (*slow start*) a report with no loss and a queuing delay under half the target doubles
   the rate, so a fast idle path is found in a few rounds instead of dozens.
 
@@ -96,6 +102,26 @@ class BaseDelay:
 
 
 @dataclass
+class CurrentDelay:
+    """The minimum of the last ``readings`` queuing-delay readings (RFC 6817's current-delay filter, one reading per
+    drop report): a delay must persist for that many reports before the controller backs off for it."""
+
+    readings: int = 4
+    _recent: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.readings < 1:
+            raise ValueError("the current-delay filter needs at least one reading")
+
+    def update(self, reading: float) -> float:
+        """Take one reading; returns the filtered delay."""
+        self._recent.append(reading)
+        while len(self._recent) > self.readings:
+            self._recent.popleft()
+        return min(self._recent)
+
+
+@dataclass
 class LedbatRate:
     """The lane's send rate in bytes/s, moved by :meth:`on_feedback` within ``[min_rate, max_rate]``."""
 
@@ -106,8 +132,10 @@ class LedbatRate:
     gain: float = 0.25  # relative rate step per report at zero queuing delay
     beta: float = 0.5  # multiplicative back-off on loss; also the largest single downward step
     loss_threshold: float = 0.02
+    current_filter: int = 4  # reports whose minimum delay reading the controller acts on (1: no filter)
     base: BaseDelay = field(default_factory=BaseDelay)
-    qdelay: float | None = None  # last queuing delay estimate
+    qdelay: float | None = None  # last (unfiltered) queuing delay of the round's last datagram
+    behind: float | None = None  # the filtered reading the controller last acted on (queuing delay or hold)
     slow_start: bool = True  # doubling per clean report until the first decrease
     decreases: int = 0
     increases: int = 0
@@ -119,6 +147,7 @@ class LedbatRate:
         if self.target <= 0 or not 0 < self.beta < 1 or self.gain <= 0:
             raise ValueError("need target > 0, 0 < beta < 1, gain > 0")
         self.rate = self._clamp(self.rate)
+        self._current = CurrentDelay(self.current_filter)
 
     def _clamp(self, rate: float) -> float:
         return min(self.max_rate, max(self.min_rate, float(rate)))
@@ -128,13 +157,14 @@ class LedbatRate:
         samples = fb.delay_samples()
         for s in samples:
             self.base.update(s, now)
-        qdelay = None
+        if fb.sent_datagrams <= 0:
+            return self.rate  # nothing was sent: nothing learnt about the path
+        behind = None
         if samples:
             base = self.base.value
             assert base is not None  # update() just took a sample
-            qdelay = self.qdelay = max(0.0, samples[-1] - base)
-        if fb.sent_datagrams <= 0:
-            return self.rate  # nothing was sent: nothing learnt about the path
+            self.qdelay = max(0.0, samples[-1] - base)
+            behind = self.behind = self._current.update(max(self.qdelay, fb.hold))
         if fb.loss > self.loss_threshold:
             new = self.rate * self.beta
             gp = fb.goodput(now)
@@ -145,9 +175,8 @@ class LedbatRate:
             self.loss_backoffs += 1
             self.decreases += 1
             return self.rate
-        if qdelay is None:  # no delay samples
+        if behind is None:  # no delay samples
             return self.rate
-        behind = max(qdelay, fb.hold)
         off = (self.target - behind) / self.target  # 1 at an empty queue, negative above the target
         step = max(self.beta, 1.0 + self.gain * off)
         if self.slow_start and off > 0.5:
