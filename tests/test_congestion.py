@@ -205,3 +205,21 @@ def test_current_delay_is_the_minimum_of_the_last_readings():
     assert [f.update(x) for x in (0.05, 0.01, 0.03, 0.04, 0.06, 0.02)] == [0.05, 0.01, 0.01, 0.01, 0.03, 0.02]
     with pytest.raises(ValueError):
         CurrentDelay(0)
+
+
+def test_a_round_whose_tail_was_lost_does_not_corrupt_the_base_delay():
+    """Start-up into a full queue: 70 % lost, tail included, so the last datagram to arrive was sent 80 ms before
+    the last send. Its raw 'delay' is 76 ms below the path's; taken as a sample it would be the base for minutes and
+    every later reading a phantom 80 ms queue. Only the first arrival counts for such a round: the controller backs
+    off for the loss and then finds the idle link again."""
+    cc = LedbatRate(5e6, min_rate=10e3)
+    lossy = Feedback(1000, 1448000, 300, 434400, first_sent=0.0, last_sent=0.1,
+                     recv_first=OFFSET + PROP + 0.05, recv_last=OFFSET + PROP + 0.02)
+    assert lossy.delay_samples() == (pytest.approx(PROP + OFFSET + 0.05),)
+    cc.on_feedback(lossy, 0.2)
+    assert cc.loss_backoffs == 1
+    rates, _ = run(cc, Link(capacity=5e6, cross=0.0), 60, t0=1.0)
+    assert abs(cc.base.value - (PROP + OFFSET)) < 2e-3
+    assert sum(rates[-20:]) / 20 >= 0.75 * 5e6, sum(rates[-20:]) / 20
+    complete = Feedback(10, 14480, 10, 14480, 0.0, 0.01, OFFSET + 0.004, OFFSET + 0.015)
+    assert complete.delay_samples() == (pytest.approx(OFFSET + 0.004), pytest.approx(OFFSET + 0.005))

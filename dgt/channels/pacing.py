@@ -31,6 +31,11 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= nbytes
 
+    def debt(self, now: float) -> float:
+        """Bytes sent ahead of the rate that are not paid for yet (0 when the bucket has tokens)."""
+        self._refill(now)
+        return max(0.0, -self.tokens)
+
     def set_rate(self, rate: float) -> None:
         self.rate = float(rate)
 
@@ -51,6 +56,9 @@ class Pacer:
 
     def consume(self, nbytes: int, now: float) -> None:
         self.bucket.consume(nbytes, now)
+
+    def debt(self, now: float) -> float:
+        return self.bucket.debt(now)
 
     def on_feedback(self, fb: Feedback, now: float) -> None:
         """One drop report's feedback (``now``: the sender's clock): the controller moves the rate, if there is one."""

@@ -8,12 +8,13 @@ and last unimportant datagrams, datagrams and bytes delivered; ``docs/protocol.m
 
 One-way delay samples are ``receiver clock at arrival - sender clock at send``. The two clocks are not synchronised;
 as in LEDBAT the offset cancels against the *base delay*, the minimum sample over a bounded history of intervals, so
-``queuing delay = sample - base``. Each report gives one queuing-delay reading, from the round's *last* datagram (the
-queue our own burst built; the first one only feeds the base). Like RFC 6817's current-delay filter, the controller
-acts on the minimum of the last ``current_filter`` readings (:class:`CurrentDelay`): a queue that the lane builds
-persists from report to report, while a stamp taken late because the sending or receiving process was not scheduled
-(a loaded CPU; on loopback that is all the "delay" there is) shows up in single readings and is filtered out. The
-rate then moves:
+``queuing delay = sample - base``. Each report gives one queuing-delay reading, from the round's *last* datagram
+(the queue our own burst built); a round that lost more than ``loss_threshold`` gives none (the loss rule acts).
+The base takes the last datagram's sample only from rounds where every datagram arrived
+(:meth:`Feedback.delay_samples`). Like RFC 6817's current-delay filter, the controller acts on the minimum of the
+last ``current_filter`` readings (:class:`CurrentDelay`): a queue that the lane builds persists from report to
+report, while a stamp taken late because the sending or receiving process was not scheduled (a loaded CPU; on
+loopback that is all the "delay" there is) shows up in single readings and is filtered out. The rate then moves:
 
 * loss above ``loss_threshold`` (datagrams sent that never arrived, or arrived after the round closed):
   multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
@@ -61,14 +62,28 @@ class Feedback:
             return 0.0
         return max(0.0, 1.0 - self.delivered_datagrams / self.sent_datagrams)
 
+    def first_delay(self) -> float | None:
+        """One-way delay (with the unknown clock offset) of the first arrival counted from the first send: never
+        below that datagram's own delay (it left at or after ``first_sent``)."""
+        if self.recv_first is None or self.first_sent is None:
+            return None
+        return self.recv_first - self.first_sent
+
+    def last_delay(self) -> float | None:
+        """``recv_last - last_sent``: the delay of the round's last datagram if it arrived. If it was lost or late,
+        the last arrival belongs to an earlier datagram and this can be far *below* any real delay (-13.5 ms in a
+        loopback run where both ends read one clock)."""
+        if self.recv_last is None or self.last_sent is None:
+            return None
+        return self.recv_last - self.last_sent
+
     def delay_samples(self) -> tuple[float, ...]:
-        """Raw one-way delays (with the unknown clock offset) of the first and the last datagram that arrived."""
-        out = []
-        if self.recv_first is not None and self.first_sent is not None:
-            out.append(self.recv_first - self.first_sent)
-        if self.recv_last is not None and self.last_sent is not None:
-            out.append(self.recv_last - self.last_sent)
-        return tuple(out)
+        """The samples the base delay may take: the first arrival's, and the last one's only when every datagram
+        sent arrived. A round whose tail was lost would otherwise drag the base down for the whole base history
+        and make every later reading look like a queue, pinning the rate at its floor."""
+        first, last = self.first_delay(), self.last_delay()
+        complete = self.delivered_datagrams >= self.sent_datagrams
+        return tuple(d for d in (first, last if complete else None) if d is not None)
 
     def goodput(self, now: float) -> float | None:
         """Bytes/s delivered from the first send to the report (``now``, sender clock); None: nothing was sent."""
@@ -160,11 +175,13 @@ class LedbatRate:
         if fb.sent_datagrams <= 0:
             return self.rate  # nothing was sent: nothing learnt about the path
         behind = None
-        if samples:
-            base = self.base.value
-            assert base is not None  # update() just took a sample
-            self.qdelay = max(0.0, samples[-1] - base)
-            behind = self.behind = self._current.update(max(self.qdelay, fb.hold))
+        if fb.loss <= self.loss_threshold:  # a lossier round backs off for the loss and gives no delay reading:
+            # its tail probably did not arrive, and its first datagram's delay would hide the queue from the filter
+            sample = fb.last_delay()
+            sample = fb.first_delay() if sample is None else sample
+            if sample is not None and self.base.value is not None:
+                self.qdelay = max(0.0, sample - self.base.value)
+                behind = self.behind = self._current.update(max(self.qdelay, fb.hold))
         if fb.loss > self.loss_threshold:
             new = self.rate * self.beta
             gp = fb.goodput(now)
