@@ -37,7 +37,14 @@ class TokenBucket:
         return max(0.0, -self.tokens)
 
     def set_rate(self, rate: float) -> None:
-        self.rate = float(rate)
+        """A new rate; a debt keeps the time it takes to pay off (the next send is due when it was), so a cut from
+        MB/s to the 10 kB/s floor does not turn a burst sent at the old rate into a stall of many seconds."""
+        rate = float(rate)
+        if rate <= 0:
+            raise ValueError("pacing rate must be positive")
+        if self.tokens < 0:
+            self.tokens *= rate / self.rate
+        self.rate = rate
 
 
 class Pacer:
