@@ -52,7 +52,10 @@ def test_split_budget_keeps_the_most_important_prefix_that_fits():
     sent, unsent = split_budget(geom, order, 4, int(cost[:3].sum()))
     assert sent.tolist() == [7, 3, 10] and unsent.tolist() == [0, 5]
     assert split_budget(geom, order, 4, None)[0].tolist() == order.tolist()
-    assert split_budget(geom, order, 4, 0)[0].tolist() == [7]  # never starved: at least one block
+    assert split_budget(geom, order, 4, 1)[0].tolist() == [7]  # a small budget still probes with one block
+    none, rest = split_budget(geom, order, 4, 0)  # the pacer is still paying off earlier rounds: nothing
+    assert len(none) == 0 and rest.tolist() == order.tolist()
+    assert len(split_budget(geom, order, 4, -500)[0]) == 0
     assert len(split_budget(geom, order[:0], 4, 100)[0]) == 0
 
 
@@ -67,6 +70,8 @@ def test_round_window_learns_the_reliable_part_of_a_round():
     assert w.value == pytest.approx(0.1)
     w.observe(0.001, 0.0)
     assert abs(w.budget(1e6) - 10_000) <= 1  # the floor
+    assert abs(w.budget(1e6, debt=4_000) - 6_000) <= 1  # bytes the pacer still owes leave first
+    assert w.budget(1e4, debt=4_000) < 0  # a slow lane that just sent a block sends none now
 
 
 def test_timing_trailer_round_trip_and_bad_input():

@@ -61,6 +61,15 @@ def test_token_bucket_and_congestion_steered_pacer():
     tb.consume(300, 0.0)  # 200 bytes of debt: ready after 0.2 s
     assert tb.ready_at(0.0) == pytest.approx(0.2)
     assert tb.ready_at(0.25) == 0.25
+    tb.consume(300, 0.25)  # 50 tokens after the refill: 250 owed
+    assert tb.debt(0.25) == pytest.approx(250) and tb.debt(0.35) == pytest.approx(150) and tb.debt(1.0) == 0.0
+    tb.consume(600, 1.0)  # 500 owed at 1000 B/s: the next send is due at 1.5 s
+    tb.set_rate(10.0)  # a cut to 1 % keeps that time, not the bytes (which would take 50 s at the new rate)
+    assert tb.ready_at(1.0) == pytest.approx(1.5) and tb.debt(1.0) == pytest.approx(5.0)
+    tb.set_rate(1000.0)
+    assert tb.ready_at(1.0) == pytest.approx(1.5)
+    with pytest.raises(ValueError):
+        tb.set_rate(0.0)
     p = Pacer(5.0, 1000, LedbatRate(1e6, min_rate=1e3), now=0.0)
     assert p.rate == 1e6  # the controller's rate wins over the nominal one
     p.on_feedback(Feedback(10, 14480, 5, 7240, 0.0, 0.01, 3.0, 3.01), 0.1)  # half the datagrams lost

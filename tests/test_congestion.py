@@ -3,9 +3,12 @@ FIFO bottleneck: converges to the spare rate, backs off when delay rises or data
 
 from __future__ import annotations
 
+import random
+from dataclasses import replace
+
 import pytest
 
-from dgt.protocol.congestion import BaseDelay, Feedback, LedbatRate
+from dgt.protocol.congestion import BaseDelay, CurrentDelay, Feedback, LedbatRate
 
 OFFSET = 1234.5  # receiver clock - sender clock: unknown to the controller, cancelled by the base delay
 PROP = 0.004  # one-way propagation delay
@@ -85,7 +88,7 @@ def test_backs_off_when_delay_rises_and_recovers_when_it_falls():
 
 
 def test_slow_start_doubles_until_the_first_decrease():
-    cc = LedbatRate(1e6, target=0.01)
+    cc = LedbatRate(1e6, target=0.01, current_filter=1)  # each report's reading acted on at once
     for i in range(3):
         cc.on_feedback(Feedback(100, 144800, 100, 144800, i, i + 0.01, 5.0 + i, 5.01 + i), i + 0.1)
     assert cc.rate == pytest.approx(8e6) and cc.slow_start
@@ -96,7 +99,7 @@ def test_slow_start_doubles_until_the_first_decrease():
 
 
 def test_delay_above_target_backs_off_in_proportion_and_below_probes_up():
-    cc = LedbatRate(10e6, target=0.01, gain=0.25, slow_start=False)
+    cc = LedbatRate(10e6, target=0.01, gain=0.25, slow_start=False, current_filter=1)
     base = Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01)
     cc.on_feedback(base, 0.1)  # qdelay 0: probes up by gain
     assert cc.rate == pytest.approx(12.5e6)
@@ -110,13 +113,13 @@ def test_delay_above_target_backs_off_in_proportion_and_below_probes_up():
 
 
 def test_a_round_held_open_by_the_lane_counts_as_delay():
-    cc = LedbatRate(10e6, target=0.01, slow_start=False)
+    cc = LedbatRate(10e6, target=0.01, slow_start=False, current_filter=1)
     cc.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.0), 0.1)
     assert cc.rate == pytest.approx(12.5e6)
     # no queue in the samples, but the receiver waited 20 ms for our datagrams after the important blocks
     cc.on_feedback(Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.01, hold=0.02), 1.1)
     assert cc.qdelay == pytest.approx(0.0) and cc.rate == pytest.approx(12.5e6 * 0.75)
-    ss = LedbatRate(10e6, target=0.01)
+    ss = LedbatRate(10e6, target=0.01, current_filter=1)
     ss.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.03), 0.1)
     assert not ss.slow_start and ss.rate == pytest.approx(5e6)
 
@@ -153,3 +156,70 @@ def test_base_delay_forgets_old_minima():
     assert b.value == 0.5
     b.update(0.8, 3.2)  # interval 3: interval 0 is now older than 3 intervals
     assert b.value == 0.8
+
+
+class BusyHost(Link):
+    """The same link, but the receiving rank is not always scheduled when a datagram arrives (a loaded CPU): with
+    probability ``p`` a report's arrival stamps are late by 5-60 ms though no queue grew (seeded, deterministic)."""
+
+    def __init__(self, *args, p: float = 0.3, seed: int = 0, **kw) -> None:
+        super().__init__(*args, **kw)
+        self.p, self.rng = p, random.Random(seed)
+
+    def send(self, rate: float, t0: float, span: float = 0.1) -> Feedback:
+        fb = super().send(rate, t0, span)
+        if fb.recv_last is None or self.rng.random() >= self.p:
+            return fb
+        late = self.rng.uniform(0.005, 0.060)
+        return replace(fb, recv_first=fb.recv_first + late, recv_last=fb.recv_last + late)
+
+
+def test_scheduling_delay_in_single_reports_does_not_cut_the_rate():
+    """A late stamp in ~30 % of reports is not queuing: the filtered controller keeps the idle link's rate, the one
+    acting on every reading (current_filter=1, the controller before the filter) is dragged far below it."""
+    filtered = LedbatRate(1e6, min_rate=10e3)
+    rates, _ = run(filtered, BusyHost(capacity=5e6, cross=0.0), 150)
+    assert sum(rates[-50:]) / 50 >= 0.75 * 5e6, sum(rates[-50:]) / 50
+    raw = LedbatRate(1e6, min_rate=10e3, current_filter=1)
+    rates_raw, _ = run(raw, BusyHost(capacity=5e6, cross=0.0), 150)
+    assert sum(rates_raw[-50:]) / 50 <= 0.5 * 5e6, sum(rates_raw[-50:]) / 50
+    assert filtered.decreases < raw.decreases
+
+
+def test_a_persistent_queue_still_backs_off_after_the_filter_length():
+    cc = LedbatRate(10e6, target=0.01, slow_start=False)  # current_filter=4
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01), 0.1)  # the base: no queue
+    top = cc.rate
+    for i in range(1, 4):  # 30 ms of queue behind every datagram: the clean reading is still in the window
+        cc.on_feedback(Feedback(100, 144800, 100, 144800, i, i + 0.01, 5.0 + i, 5.04 + i), i + 0.1)
+        assert cc.qdelay == pytest.approx(0.03) and cc.behind == pytest.approx(0.0) and cc.rate > top
+        top = cc.rate
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 4.0, 4.01, 9.0, 9.04), 4.1)  # 4 readings in a row: back off
+    assert cc.behind == pytest.approx(0.03) and cc.rate == pytest.approx(top * 0.5)
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 5.0, 5.01, 10.0, 10.01), 5.1)  # the queue is gone: probe
+    assert cc.behind == pytest.approx(0.0) and cc.rate == pytest.approx(top * 0.5 * 1.25)
+
+
+def test_current_delay_is_the_minimum_of_the_last_readings():
+    f = CurrentDelay(3)
+    assert [f.update(x) for x in (0.05, 0.01, 0.03, 0.04, 0.06, 0.02)] == [0.05, 0.01, 0.01, 0.01, 0.03, 0.02]
+    with pytest.raises(ValueError):
+        CurrentDelay(0)
+
+
+def test_a_round_whose_tail_was_lost_does_not_corrupt_the_base_delay():
+    """Start-up into a full queue: 70 % lost, tail included, so the last datagram to arrive was sent 80 ms before
+    the last send. Its raw 'delay' is 76 ms below the path's; taken as a sample it would be the base for minutes and
+    every later reading a phantom 80 ms queue. Only the first arrival counts for such a round: the controller backs
+    off for the loss and then finds the idle link again."""
+    cc = LedbatRate(5e6, min_rate=10e3)
+    lossy = Feedback(1000, 1448000, 300, 434400, first_sent=0.0, last_sent=0.1,
+                     recv_first=OFFSET + PROP + 0.05, recv_last=OFFSET + PROP + 0.02)
+    assert lossy.delay_samples() == (pytest.approx(PROP + OFFSET + 0.05),)
+    cc.on_feedback(lossy, 0.2)
+    assert cc.loss_backoffs == 1
+    rates, _ = run(cc, Link(capacity=5e6, cross=0.0), 60, t0=1.0)
+    assert abs(cc.base.value - (PROP + OFFSET)) < 2e-3
+    assert sum(rates[-20:]) / 20 >= 0.75 * 5e6, sum(rates[-20:]) / 20
+    complete = Feedback(10, 14480, 10, 14480, 0.0, 0.01, OFFSET + 0.004, OFFSET + 0.015)
+    assert complete.delay_samples() == (pytest.approx(OFFSET + 0.004), pytest.approx(OFFSET + 0.005))

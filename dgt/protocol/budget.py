@@ -6,6 +6,10 @@ rest are *unsent*: they go straight into the error-feedback residual (:func:`fol
 nothing is lost whether or not a drop report ever comes, and the round's ROUND_END announces only the blocks that
 are sent, so the receiver can close the round "complete" as soon as those are in.
 
+The pacer's debt (bytes it still owes from earlier rounds) comes off the budget: at a low rate a round sends one
+block, then none until the pacer has paid for it, rather than queueing blocks that can only miss their rounds (a
+rate pinned at its floor then got no feedback at all: every datagram was abandoned when its round closed).
+
 The expected close is learnt from the drop reports: a round ends for the sender when its report is in, and the
 report's timing trailer says how long the receiver waited after the important blocks were complete. The difference
 is the time the reliable lane took (:class:`RoundWindow`); the unimportant blocks that fit in it at the lane's rate
@@ -43,9 +47,11 @@ class RoundWindow:
         else:
             self.value = (1 - self.alpha) * self.value + self.alpha * sample
 
-    def budget(self, rate: float) -> int:
-        """Bytes the unreliable lanes may carry in the next round at ``rate``."""
-        return int(rate * max(self.initial if self.value is None else self.value, self.floor))
+    def budget(self, rate: float, debt: float = 0.0) -> int:
+        """Bytes the unreliable lanes may carry in the next round at ``rate``, less ``debt``: bytes the pacer still
+        owes from earlier rounds (they leave first, so the round's own datagrams could not go out in time). Zero or
+        less: the round sends no unimportant block at all."""
+        return int(rate * max(self.initial if self.value is None else self.value, self.floor) - max(debt, 0.0))
 
 
 def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:
@@ -56,9 +62,13 @@ def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> n
 
 def split_budget(geom: Geometry, unimp: np.ndarray, itemsize: int, budget: int | None) -> tuple[np.ndarray, np.ndarray]:
     """(sent, unsent): the longest prefix of ``unimp`` (most important first) whose datagrams fit in ``budget``
-    bytes, and the rest. At least one block is sent when there is any, so the lane is never starved of samples."""
+    bytes, and the rest. A positive budget smaller than the first block still sends that block (the lane keeps
+    probing at a low rate); a budget of zero or less (the pacer is still paying off earlier rounds) sends none, so
+    a slow lane does not pile up datagrams that can only miss their rounds."""
     if budget is None or len(unimp) == 0:
         return unimp, unimp[:0]
+    if budget <= 0:
+        return unimp[:0], unimp
     cum = np.cumsum(wire_bytes_of_blocks(geom, unimp, itemsize))
     k = max(int(np.searchsorted(cum, budget, side="right")), 1)
     return unimp[:k], unimp[k:]

@@ -8,7 +8,13 @@ and last unimportant datagrams, datagrams and bytes delivered; ``docs/protocol.m
 
 One-way delay samples are ``receiver clock at arrival - sender clock at send``. The two clocks are not synchronised;
 as in LEDBAT the offset cancels against the *base delay*, the minimum sample over a bounded history of intervals, so
-``queuing delay = sample - base``. The rate then moves:
+``queuing delay = sample - base``. Each report gives one queuing-delay reading, from the round's *last* datagram
+(the queue our own burst built); a round that lost more than ``loss_threshold`` gives none (the loss rule acts).
+The base takes the last datagram's sample only from rounds where every datagram arrived
+(:meth:`Feedback.delay_samples`). Like RFC 6817's current-delay filter, the controller acts on the minimum of the
+last ``current_filter`` readings (:class:`CurrentDelay`): a queue that the lane builds persists from report to
+report, while a stamp taken late because the sending or receiving process was not scheduled (a loaded CPU; on
+loopback that is all the "delay" there is) shows up in single readings and is filtered out. The rate then moves:
 
 * loss above ``loss_threshold`` (datagrams sent that never arrived, or arrived after the round closed):
   multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
@@ -16,7 +22,8 @@ as in LEDBAT the offset cancels against the *base delay*, the minimum sample ove
 * otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
   ``beta``; below the target it probes up, above it backs off in proportion to how far above it is;
 * the time the receiver held the round open for unimportant blocks after the important ones were in counts as
-  queuing delay too (the lane is that far behind, wherever the queue is: a link, a socket, a busy CPU);
+  queuing delay too (the lane is that far behind, wherever the queue is: a link, a socket, a busy CPU); it goes
+  through the same filter (the reading of a report is the larger of its queuing delay and its hold);
 * until the first decrease (*slow start*) a report with no loss and a queuing delay under half the target doubles
   the rate, so a fast idle path is found in a few rounds instead of dozens.
 
@@ -55,14 +62,28 @@ class Feedback:
             return 0.0
         return max(0.0, 1.0 - self.delivered_datagrams / self.sent_datagrams)
 
+    def first_delay(self) -> float | None:
+        """One-way delay (with the unknown clock offset) of the first arrival counted from the first send: never
+        below that datagram's own delay (it left at or after ``first_sent``)."""
+        if self.recv_first is None or self.first_sent is None:
+            return None
+        return self.recv_first - self.first_sent
+
+    def last_delay(self) -> float | None:
+        """``recv_last - last_sent``: the delay of the round's last datagram if it arrived. If it was lost or late,
+        the last arrival belongs to an earlier datagram and this can be far *below* any real delay (-13.5 ms in a
+        loopback run where both ends read one clock)."""
+        if self.recv_last is None or self.last_sent is None:
+            return None
+        return self.recv_last - self.last_sent
+
     def delay_samples(self) -> tuple[float, ...]:
-        """Raw one-way delays (with the unknown clock offset) of the first and the last datagram that arrived."""
-        out = []
-        if self.recv_first is not None and self.first_sent is not None:
-            out.append(self.recv_first - self.first_sent)
-        if self.recv_last is not None and self.last_sent is not None:
-            out.append(self.recv_last - self.last_sent)
-        return tuple(out)
+        """The samples the base delay may take: the first arrival's, and the last one's only when every datagram
+        sent arrived. A round whose tail was lost would otherwise drag the base down for the whole base history
+        and make every later reading look like a queue, pinning the rate at its floor."""
+        first, last = self.first_delay(), self.last_delay()
+        complete = self.delivered_datagrams >= self.sent_datagrams
+        return tuple(d for d in (first, last if complete else None) if d is not None)
 
     def goodput(self, now: float) -> float | None:
         """Bytes/s delivered from the first send to the report (``now``, sender clock); None: nothing was sent."""
@@ -96,6 +117,26 @@ class BaseDelay:
 
 
 @dataclass
+class CurrentDelay:
+    """The minimum of the last ``readings`` queuing-delay readings (RFC 6817's current-delay filter, one reading per
+    drop report): a delay must persist for that many reports before the controller backs off for it."""
+
+    readings: int = 4
+    _recent: deque[float] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if self.readings < 1:
+            raise ValueError("the current-delay filter needs at least one reading")
+
+    def update(self, reading: float) -> float:
+        """Take one reading; returns the filtered delay."""
+        self._recent.append(reading)
+        while len(self._recent) > self.readings:
+            self._recent.popleft()
+        return min(self._recent)
+
+
+@dataclass
 class LedbatRate:
     """The lane's send rate in bytes/s, moved by :meth:`on_feedback` within ``[min_rate, max_rate]``."""
 
@@ -106,8 +147,10 @@ class LedbatRate:
     gain: float = 0.25  # relative rate step per report at zero queuing delay
     beta: float = 0.5  # multiplicative back-off on loss; also the largest single downward step
     loss_threshold: float = 0.02
+    current_filter: int = 4  # reports whose minimum delay reading the controller acts on (1: no filter)
     base: BaseDelay = field(default_factory=BaseDelay)
-    qdelay: float | None = None  # last queuing delay estimate
+    qdelay: float | None = None  # last (unfiltered) queuing delay of the round's last datagram
+    behind: float | None = None  # the filtered reading the controller last acted on (queuing delay or hold)
     slow_start: bool = True  # doubling per clean report until the first decrease
     decreases: int = 0
     increases: int = 0
@@ -119,6 +162,7 @@ class LedbatRate:
         if self.target <= 0 or not 0 < self.beta < 1 or self.gain <= 0:
             raise ValueError("need target > 0, 0 < beta < 1, gain > 0")
         self.rate = self._clamp(self.rate)
+        self._current = CurrentDelay(self.current_filter)
 
     def _clamp(self, rate: float) -> float:
         return min(self.max_rate, max(self.min_rate, float(rate)))
@@ -128,13 +172,16 @@ class LedbatRate:
         samples = fb.delay_samples()
         for s in samples:
             self.base.update(s, now)
-        qdelay = None
-        if samples:
-            base = self.base.value
-            assert base is not None  # update() just took a sample
-            qdelay = self.qdelay = max(0.0, samples[-1] - base)
         if fb.sent_datagrams <= 0:
             return self.rate  # nothing was sent: nothing learnt about the path
+        behind = None
+        if fb.loss <= self.loss_threshold:  # a lossier round backs off for the loss and gives no delay reading:
+            # its tail probably did not arrive, and its first datagram's delay would hide the queue from the filter
+            sample = fb.last_delay()
+            sample = fb.first_delay() if sample is None else sample
+            if sample is not None and self.base.value is not None:
+                self.qdelay = max(0.0, sample - self.base.value)
+                behind = self.behind = self._current.update(max(self.qdelay, fb.hold))
         if fb.loss > self.loss_threshold:
             new = self.rate * self.beta
             gp = fb.goodput(now)
@@ -145,9 +192,8 @@ class LedbatRate:
             self.loss_backoffs += 1
             self.decreases += 1
             return self.rate
-        if qdelay is None:  # no delay samples
+        if behind is None:  # no delay samples
             return self.rate
-        behind = max(qdelay, fb.hold)
         off = (self.target - behind) / self.target  # 1 at an empty queue, negative above the target
         step = max(self.beta, 1.0 + self.gain * off)
         if self.slow_start and off > 0.5:

@@ -32,8 +32,20 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= nbytes
 
+    def debt(self, now: float) -> float:
+        """Bytes sent ahead of the rate that are not paid for yet (0 when the bucket has tokens)."""
+        self._refill(now)
+        return max(0.0, -self.tokens)
+
     def set_rate(self, rate: float) -> None:
-        self.rate = float(rate)
+        """A new rate; a debt keeps the time it takes to pay off (the next send is due when it was), so a cut from
+        MB/s to the 10 kB/s floor does not turn a burst sent at the old rate into a stall of many seconds."""
+        rate = float(rate)
+        if rate <= 0:
+            raise ValueError("pacing rate must be positive")
+        if self.tokens < 0:
+            self.tokens *= rate / self.rate
+        self.rate = rate
 
 
 class Pacer:
@@ -52,6 +64,9 @@ class Pacer:
 
     def consume(self, nbytes: int, now: float) -> None:
         self.bucket.consume(nbytes, now)
+
+    def debt(self, now: float) -> float:
+        return self.bucket.debt(now)
 
     def on_feedback(self, fb: Feedback, now: float) -> None:
         """One drop report's feedback (``now``: the sender's clock): the controller moves the rate, if there is one."""

@@ -203,7 +203,7 @@ class OutboundMixin(EndpointState):
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
-            budget = link.window.budget(link.pacer.rate)
+            budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
         plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
                                 codec=codec)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
