@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -122,23 +123,40 @@ class RoundSender:
         self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
             OrderedDict()
         self._closed: OrderedDict[tuple[int, int], None] = OrderedDict()
+        self._copies: dict[int, weakref.ref[torch.Tensor]] = {}  # bucket -> the latest private copy prepare made
+        self._spare: dict[int, torch.Tensor] = {}  # bucket -> a copy whose round is over, for prepare to reuse
         self._geom: dict[tuple[BucketLayout, int], Geometry] = {}
         self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
 
     # -- error feedback
     def prepare(self, bucket: int, flat: torch.Tensor) -> torch.Tensor:
-        """A private contiguous CPU copy of ``flat`` with the bucket's residual added (and the residual cleared)."""
+        """A private contiguous CPU copy of ``flat`` with the bucket's residual added (and the residual cleared).
+        The copy is written into the bucket's spare (the copy of an earlier round whose drop report is in) when
+        there is one: no fresh bucket-sized allocation, whose first touch page-faults, per round."""
         flat = flat.detach()
+        src = flat.reshape(-1)
         res = self._residual.get(bucket)
-        if res is not None and flat.device.type == "cpu" and res.numel() == flat.numel() and res.dtype == flat.dtype:
-            out = torch.add(flat.reshape(-1), res)  # the copy and the add in one pass
+        out = self._spare.pop(bucket, None)
+        if out is not None and (out.numel() != src.numel() or out.dtype != src.dtype):
+            out = None
+        if res is not None and src.device.type == "cpu" and res.numel() == src.numel() and res.dtype == src.dtype:
+            out = torch.add(src, res) if out is None else torch.add(src, res, out=out)  # copy and add in one pass
             res.zero_()
-            return out
-        out = flat.to("cpu", copy=True).contiguous().view(-1)
-        if res is not None and res.numel() == out.numel() and res.dtype == out.dtype:
-            out += res
-            res.zero_()
+        else:
+            out = flat.to("cpu", copy=True).contiguous().view(-1) if out is None else out.copy_(src)
+            if res is not None and res.numel() == out.numel() and res.dtype == out.dtype:
+                out += res
+                res.zero_()
+        self._copies[bucket] = weakref.ref(out)
         return out
+
+    def _recycle(self, bucket: int, sent: torch.Tensor) -> None:
+        """``sent``'s round is over (its report is in): if it is the bucket's latest private copy, keep it as the
+        spare the next :meth:`prepare` writes into (a caller's tensor, or an older copy, is never reused)."""
+        ref = self._copies.get(bucket)
+        if ref is not None and ref() is sent:
+            del self._copies[bucket]
+            self._spare[bucket] = sent
 
     def residual(self, bucket: int) -> torch.Tensor | None:
         return self._residual.get(bucket)
@@ -166,6 +184,7 @@ class RoundSender:
         folded = 0
         if n_missing and self.error_feedback:
             folded = fold_blocks(self._residual_for(frame.bucket, sent), sent, layout, torch.nonzero(missing).flatten())
+        self._recycle(frame.bucket, sent)
         return DropInfo(frame.bucket, frame.round, n_missing, folded, n_unsent, timing, missing_np)
 
     def _residual_for(self, bucket: int, sent: torch.Tensor) -> torch.Tensor:
