@@ -85,7 +85,8 @@ def test_sender_reuses_its_copy_once_the_report_is_in_never_a_pending_one_or_the
     tx.on_drop_report(wire.decode_frames(report)[0])  # round 0's copy is not the latest: not reused
     c2 = tx.prepare(0, x)
     assert c2.data_ptr() not in (c0.data_ptr(), c1.data_ptr())
-    tx.plan(0, 2, c2, layout, cls)
+    p1 = _packed(tx.plan(0, 2, c2, layout, cls))
+    assert p1 != _packed(tx.plan(0, 9, c2, layout, cls))  # round 2 is pending: its packed blocks are not reused
     report = wire.encode_frame(wire.FrameType.DROP_REPORT, np.packbits(np.ones(layout.nblocks, bool)).tobytes(),
                                token=TOKEN, rank=0, round=2, bucket=0, count=layout.nblocks)
     tx.on_drop_report(wire.decode_frames(report)[0])
@@ -93,13 +94,19 @@ def test_sender_reuses_its_copy_once_the_report_is_in_never_a_pending_one_or_the
     c3 = tx.prepare(0, y)  # round 2 is over: its copy is reused
     assert c3.data_ptr() == c2.data_ptr() and torch.equal(c3, y)
 
-    tx.plan(0, 3, y, layout, cls)  # the caller's own tensor, not a copy
+    assert _packed(tx.plan(0, 3, y, layout, cls)) == p1  # the caller's own tensor; round 2's packing buffer
     report = wire.encode_frame(wire.FrameType.DROP_REPORT, np.packbits(np.ones(layout.nblocks, bool)).tobytes(),
                                token=TOKEN, rank=0, round=3, bucket=0, count=layout.nblocks)
     tx.on_drop_report(wire.decode_frames(report)[0])
     keep = y.clone()
     c4 = tx.prepare(0, x)
     assert c4.data_ptr() != y.data_ptr() and torch.equal(y, keep) and torch.equal(c4, x)
+
+
+def _packed(plan) -> int:
+    """Address of the plan's packed important blocks (the reliable pair with an empty header)."""
+    (mv,) = [p for h, p in plan.reliable if len(h) == 0]
+    return int(np.frombuffer(mv, np.uint8).ctypes.data)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
