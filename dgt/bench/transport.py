@@ -211,6 +211,8 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
                         "deadline_wait": r.stats.deadline_wait, "dropped": r.stats.dropped,
                         "exact": bool(torch.equal(r.data, x)) if p >= 1.0 else None,  # lossy: residual rides along
                     })  # fmt: skip
+                    del r  # done with the result, as a training step is: its buffer can land a later round
+                    box.clear()
             return {"t": times, "cpu": cpu, "rows": rows, "stats": ep.stats().to_dict()}
         finally:
             await ep.aclose()

@@ -25,6 +25,7 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
+from dgt.protocol.block_rows import add_rows
 from dgt.protocol.geometry import Geometry
 
 
@@ -76,22 +77,18 @@ def split_budget(geom: Geometry, unimp: np.ndarray, itemsize: int, budget: int |
 
 def fold_blocks(residual: torch.Tensor, sent: torch.Tensor, layout: BucketLayout, blocks: torch.Tensor) -> int:
     """``residual[b] += sent[b]`` for every (distinct) block in ``blocks``; the work follows the number of blocks, not
-    the bucket size. Full blocks of a numpy-representable dtype: one row-wise add over block-long rows of an
-    overlapping strided view (the rows of distinct blocks are disjoint); the rest: one index_add over their
-    elements. Returns the elements folded."""
+    the bucket size. Full blocks of a CPU bucket: chunked row-wise adds over ``[rows, block]`` views
+    (:func:`dgt.protocol.block_rows.add_rows`: no temporary as large as the blocks); the rest (partial tensor tails,
+    other devices): one index_add over their elements. Returns the elements folded."""
     if len(blocks) == 0:
         return 0
-    if residual.dtype != torch.bfloat16 and residual.device.type == "cpu":
+    if residual.device.type == "cpu" and sent.device.type == "cpu" and residual.is_contiguous() \
+            and sent.is_contiguous() and residual.dtype == sent.dtype:
         full = layout.block_len[blocks] == layout.block
         if bool(full.any()):
-            b = layout.block
             starts = layout.block_start[blocks[full]].numpy()
-            r, s = residual.numpy(), sent.numpy()
-            rows = np.lib.stride_tricks.as_strided(r, (len(r) - b + 1, b), (r.itemsize, r.itemsize))
-            srows = np.lib.stride_tricks.as_strided(s, (len(s) - b + 1, b), (s.itemsize, s.itemsize))
-            rows[starts] += srows[starts]
-            rest = blocks[~full]
-            return len(starts) * b + _fold_elems(residual, sent, layout, rest)
+            add_rows(residual.view(-1), sent.view(-1), starts, layout.block)
+            return len(starts) * layout.block + _fold_elems(residual, sent, layout, blocks[~full])
     return _fold_elems(residual, sent, layout, blocks)
 
 

@@ -3,12 +3,11 @@ statistics, teach the deadline policy, and build the DROP_REPORT frame (bitmap a
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import torch
 
 from dgt import wire
+from dgt.protocol.block_rows import zero_rows
 from dgt.protocol.deadline import DeadlinePolicy
 from dgt.protocol.events import RoundDone
 from dgt.protocol.report import Timing, encode_timing
@@ -17,25 +16,24 @@ from dgt.protocol.stats import RoundStats
 from dgt.wire import Flags, FrameType
 
 
-@lru_cache(maxsize=64)
 def timing(r: OpenRound) -> Timing:
-    """The drop report's timing trailer: what arrived on the unreliable lanes and when (dgt.protocol.report)."""
+    """The drop report's timing trailer: what arrived on the unreliable lanes and when (dgt.protocol.report). Not
+    cached: a cache keyed by the round kept up to 64 closed rounds, their result buffers included, alive."""
     unimp = [ls for lane, ls in r.stats.lanes.items() if lane > 0]
     return Timing(sum(ls.frames for ls in unimp), r.first_arrival, r.last_arrival, r.stats.deadline_wait,
                   sum(ls.bytes for ls in unimp))  # fmt: skip
 
 
 def zero_blocks(r: OpenRound, sel: np.ndarray) -> None:
-    """Zero the selected blocks in place: one strided scatter for full blocks, a slice per short tensor tail."""
+    """Zero the selected blocks in place: row fills over ``[rows, block]`` views for full blocks
+    (:func:`dgt.protocol.block_rows.zero_rows`), a slice per short tensor tail."""
     blocks = np.flatnonzero(sel)
     if len(blocks) == 0:
         return
     g, isz = r.geom, r.isz
     full = g.block_len[blocks] == r.layout.block
-    fb = r.layout.block * isz
     if full.any():
-        rows = np.lib.stride_tricks.as_strided(r.raw, shape=(len(r.raw) - fb + 1, fb), strides=(1, 1))
-        rows[g.block_start[blocks[full]] * isz] = 0
+        zero_rows(r.data.view(-1), g.block_start[blocks[full]], r.layout.block)
     for b in blocks[~full].tolist():  # at most one short block per tensor
         r.raw[g.block_start[b] * isz : g.block_end[b] * isz] = 0
 

@@ -4,6 +4,8 @@ blocks are in, arrival times, and the geometry checks and batch helpers that the
 from __future__ import annotations
 
 import mmap
+import threading
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -31,8 +33,9 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
     byte arrives (torch.zeros touches every page up front, which costs as much as receiving a large bucket).
 
     Large buffers are anonymous mappings advised MADV_HUGEPAGE: first touch then faults one 2 MiB page at a time
-    instead of one 4 KiB page, which made a fresh 100 MB round's receive cost ~200 ms of page faults (measured);
-    where the kernel has no transparent huge pages the advice is a no-op (or refused) and this is calloc's cost."""
+    instead of one 4 KiB page; where the kernel has no transparent huge pages the advice is a no-op (or refused) and
+    this is calloc's cost. Once the tensor (and every view of it) is gone, the mapping goes to :data:`POOL`, from
+    which :func:`recycled` hands it out again."""
     if numel == 0:
         return torch.zeros(0, dtype=dtype)
     nbytes = numel * torch.empty(0, dtype=dtype).element_size()
@@ -43,9 +46,43 @@ def zeroed(numel: int, dtype: torch.dtype) -> torch.Tensor:
         m.madvise(_MADV_HUGEPAGE)
     except OSError:
         pass  # no THP on this kernel: plain pages, still zero-filled on demand
-    return torch.from_numpy(np.frombuffer(m, dtype=np.uint8)).view(dtype)  # the array keeps the mapping alive
+    return POOL.wrap(m, dtype)
 
 
+class BufferPool:
+    """Receive buffers whose rounds' results were dropped, for the next rounds of the same size to land in.
+
+    A fresh bucket-sized buffer costs its page faults on every round (first touch inside the kernel's receive copy:
+    measured 15-30 ms per 100 MB on a quiet 2-core VM, 150-220 ms on a loaded one). A mapping handed out by
+    :func:`zeroed` comes back here when its numpy array dies, i.e. when no tensor, view or array uses its memory any
+    more (torch keeps the array alive as long as any storage made from it); at most ``keep`` wait, newest first.
+    A recycled buffer is not zero: its round must zero every block it does not receive (``OpenRound.fresh`` False)."""
+
+    def __init__(self, keep: int = 4) -> None:
+        self.keep = keep
+        self._free: list[mmap.mmap] = []
+        self._lock = threading.Lock()  # finalizers run on whichever thread drops the last reference
+
+    def wrap(self, m: mmap.mmap, dtype: torch.dtype) -> torch.Tensor:
+        arr = np.frombuffer(m, dtype=np.uint8)
+        weakref.finalize(arr, self._put, m)
+        return torch.from_numpy(arr).view(dtype)
+
+    def _put(self, m: mmap.mmap) -> None:
+        with self._lock:
+            self._free.append(m)
+            if len(self._free) > self.keep:
+                del self._free[: len(self._free) - self.keep]
+
+    def take(self, nbytes: int) -> mmap.mmap | None:
+        with self._lock:
+            for i in range(len(self._free) - 1, -1, -1):  # a handful at most
+                if len(self._free[i]) == nbytes:
+                    return self._free.pop(i)
+        return None
+
+
+POOL = BufferPool()
 _MADV_HUGEPAGE: int | None = getattr(mmap, "MADV_HUGEPAGE", None)
 
 
@@ -58,6 +95,15 @@ def _field_bytes(*names: str) -> slice:
     if last - first != sum(size for _, size in spans):
         raise AssertionError(f"header fields {names} are not adjacent")
     return slice(first, last)
+
+
+def recycled(numel: int, dtype: torch.dtype) -> torch.Tensor | None:
+    """A buffer of ``numel`` elements from :data:`POOL` (not zeroed), or None when none of that size is free."""
+    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    if nbytes < HUGE_BYTES:
+        return None
+    m = POOL.take(nbytes)
+    return None if m is None else POOL.wrap(m, dtype)
 
 
 _KEY_BYTES = _field_bytes("rank", "round", "bucket")  # the round key: one comparison of 12 adjacent bytes
@@ -102,7 +148,11 @@ class OpenRound:
         self.dtype = dtype
         self.codec = codec
         self.want_report = True
-        self.fresh = buffer is None  # a fresh buffer is all zeros; a caller's buffer must have lost blocks zeroed
+        if buffer is None:
+            buffer = recycled(layout.numel, wire.TORCH_OF[dtype])  # a result dropped earlier: dirty, no page faults
+            self.fresh = buffer is None  # a fresh buffer is all zeros; any other must have its lost blocks zeroed
+        else:
+            self.fresh = False
         self.data = zeroed(layout.numel, wire.TORCH_OF[dtype]) if buffer is None else buffer
         self.raw: np.ndarray = self.data.view(torch.uint8).numpy()
         self.isz = self.data.element_size()

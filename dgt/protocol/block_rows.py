@@ -1,0 +1,60 @@
+"""Whole-block updates of a flat bucket by block index, vectorised and without bucket-sized temporaries.
+
+Error feedback folds the blocks a round did not deliver into the residual (``residual[b] += sent[b]``), and a
+receiver zeroes the blocks it did not get in a caller's buffer. Both touch up to the whole bucket at a random set of
+blocks (the order of importance), every round. Fancy indexing over an overlapping strided view of the bucket (what
+this replaced) gathers both operands into fresh temporaries as large as the blocks (page-faulted on every call) and
+adds row by row: ~100 ms for 70 MB of a 100 MB bucket, most of a lossy round's sender CPU under the send budget.
+
+Here a bucket is read as ``[rows, block]`` views, one per residue of the block starts modulo the block (every block
+of a flat bucket starts at a multiple of the block, so one view; a bucket of several tensors has at most one residue
+per tensor), and the rows are updated with ``index_add_`` / ``index_fill_``, sorted (sequential memory access) and in
+chunks of about ``CHUNK_BYTES`` (the one gathered operand stays in cache). Python loops run per residue and per
+chunk, never per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import torch
+
+CHUNK_BYTES = 1 << 20
+
+
+def row_groups(numel: int, starts: np.ndarray, block: int) -> Iterator[tuple[int, int, torch.Tensor]]:
+    """``(first, rows, index)`` per residue class of ``starts`` (element offsets of full blocks): the bucket's
+    elements ``[first, first + rows * block)`` read as ``[rows, block]`` hold those blocks at rows ``index``
+    (sorted)."""
+    if len(starts) == 0:
+        return
+    starts = np.sort(np.asarray(starts, dtype=np.int64))
+    res = starts % block
+    if bool((res == res[0]).all()):
+        cuts = [0, len(starts)]
+    else:
+        order = np.argsort(res, kind="stable")  # stable: each residue's starts stay sorted
+        starts, res = starts[order], res[order]
+        cuts = [0, *(np.flatnonzero(np.diff(res)) + 1).tolist(), len(starts)]
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        first = int(res[a])
+        yield first, (numel - first) // block, torch.from_numpy((starts[a:b] - first) // block)
+
+
+def add_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: int) -> None:
+    """``dst[s : s + block] += src[s : s + block]`` for every start in ``starts`` (distinct, full blocks); ``dst``
+    and ``src`` are contiguous 1-D tensors of one dtype and size."""
+    step = max(1, CHUNK_BYTES // max(1, block * src.element_size()))
+    for first, rows, idx in row_groups(dst.numel(), starts, block):
+        d = dst[first : first + rows * block].view(rows, block)
+        s = src[first : first + rows * block].view(rows, block)
+        for i in range(0, len(idx), step):
+            j = idx[i : i + step]
+            d.index_add_(0, j, s.index_select(0, j))
+
+
+def zero_rows(dst: torch.Tensor, starts: np.ndarray, block: int) -> None:
+    """``dst[s : s + block] = 0`` for every start in ``starts`` (full blocks of a contiguous 1-D tensor)."""
+    for first, rows, idx in row_groups(dst.numel(), starts, block):
+        dst[first : first + rows * block].view(rows, block).index_fill_(0, idx, 0)
