@@ -140,6 +140,9 @@ def test_every_arm_trains_on_loopback_tiny(tmp_path):
     hook = next(r for r in res["runs"] if r["arm"] == "dgt-hook")
     assert hook["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0  # the dense warm-up went over DGT's TCP lane
     assert all(d["buckets"] >= 3 and d["codec_buckets"] >= 1 for d in hook["dgt"])  # 2 dense warm-up steps
+    for d in hook["dgt"]:  # what explains a step's time: per path (phases) and the endpoint's deadline waits
+        assert d["paths"]["lossless"]["buckets"] >= 2 and d["paths"]["lossless"]["seconds"] > 0
+        assert d["transport"]["deadline_wait_total"] >= 0 and "critical" in d["transport"]["lanes"]
     fed = next(r for r in res["runs"] if r["arm"] == "dgt-hook-loss")
     assert all(d["codec_buckets"] >= 1 for d in fed["dgt"]) and fed["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0
     backend = next(r for r in res["runs"] if r["arm"] == "dgt-backend")

@@ -100,7 +100,27 @@ def _choices(runs: list[dict[str, Any]]) -> list[str]:
         it = ch.get("iters", {})
         out.append(f"- `{r['arm']}` chose (collective time per iteration, mean over ranks): {dec or 'none'}"
                    f" ({it.get('lossy', 0)} iterations lossy, {it.get('lossless', 0)} lossless after the warm-up).")
+        out += _split(r)
     return ["", "Path chosen by the hook's chooser (docs/shim.md):", ""] + out if out else []
+
+
+def _split(run: dict[str, Any]) -> list[str]:
+    """Where rank 0's collective time went, per path: per bucket, each phase; and its receive rounds' deadline waits."""
+    d = next((d for d in run.get("dgt") or [] if isinstance(d, dict) and d.get("paths")), None)
+    if d is None:
+        return []
+    out = []
+    for name, p in sorted(d["paths"].items()):
+        n = max(p["buckets"], 1)
+        phases = ", ".join(f"{k.replace('_', '-')} {v / n * 1e3:.0f}" for k, v in p.items()
+                           if k not in ("buckets", "seconds"))
+        out.append(f"  - {name} path (rank 0): {p['buckets']} buckets, {p['seconds'] / n * 1e3:.0f} ms per bucket"
+                   + (f" ({phases} ms)" if phases else ""))
+    t = d.get("transport")
+    if t and t.get("rounds_received"):
+        out.append(f"  - deadline waits (rank 0): {t['deadline_wait_total'] * 1e3:.0f} ms over {t['rounds_received']}"
+                   f" receive rounds (max {t['deadline_wait_max'] * 1e3:.0f} ms); closed by {t.get('closed_by')}")
+    return out
 
 
 def _goals(results: dict[str, Any]) -> list[str]:

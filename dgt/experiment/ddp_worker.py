@@ -79,13 +79,26 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
         t = state.totals
         return {"lanes": {str(k): int(v) for k, v in t["bytes_sent"].items()}, "dropped": int(t["dropped"]),
                 "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"]),
-                "lossy_buckets": int(t.get("lossy_buckets", 0)),
+                "lossy_buckets": int(t.get("lossy_buckets", 0)), "paths": t.get("paths", {}),
+                "transport": _transport_summary(state.transport_stats()),
                 "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":
         pg = dist.distributed_c10d._get_default_group()
         stats = getattr(pg, "stats", None)
         return {"dropped": int(stats["dropped"]), "backend": dict(stats)} if stats else {}
     return {}
+
+
+def _transport_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The endpoint counters that explain a step's time: deadline waits, how rounds closed, bytes per lane."""
+    if st is None:
+        return None
+    keep = ("rounds_sent", "rounds_received", "blocks_received", "blocks_dropped", "closed_by",
+            "deadline_wait_total", "deadline_wait_max", "receive_seconds", "late_frames")
+    out = {k: st[k] for k in keep if k in st}
+    out["lanes"] = {ls["name"]: {"tx_bytes": ls["tx_bytes"], "rx_bytes": ls["rx_bytes"],
+                                 "tx_unsent_blocks": ls.get("tx_unsent_blocks", 0)} for ls in st["lanes"]}
+    return out
 
 
 def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:

@@ -56,11 +56,14 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
         warm, main = state.collectives(group)
         lossy = use_codec and state.lossy_now(it)
         t0 = time.perf_counter()
-        res = await (main if lossy else warm).allreduce(buf, index, segments)
+        if lossy:
+            res = await main.allreduce(state.lossy_input(buf, group.world), index, segments)
+        else:
+            res = await warm.allreduce(buf, index, segments)
         seconds = time.perf_counter() - t0
         state.record(index, res.stats, use_codec, seconds, lossy)
         if use_codec and it is not None and state.chooser is not None:
             await state.after_round(group, it, last, seconds)
-        return res.tensor.view_as(buf)
+        return res.tensor.to(buf.dtype).view_as(buf)
 
     return for_cpp(state.worker.submit(job, devices))

@@ -29,6 +29,10 @@ COLLECTIVES = ("ring", "ps")
 # DGT's p = p0 * loss_t / loss_0 once the trainer feeds the loss (observe_loss); until then (and for the README's
 # one-line change, which never feeds it) a fixed p = 0.1 instead of p0 = 1, which would drop nothing: docs/shim.md
 DEFAULT_CODEC = "dgt:idle_p=0.1"
+# the dtype the lossy path's buckets travel in; "auto": fp16 for the default codec (docs/shim.md), the bucket's own
+# dtype for an explicitly given codec. The lossless path (warm-up, the chooser's fallback, codec="dense") never casts
+WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
+               "bfloat16": torch.bfloat16}
 AGREE_BUCKET = 16383  # the bucket id of the chooser's agreement all-reduce (DDP's buckets are numbered from 0)
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
@@ -54,13 +58,17 @@ class DGTState:
         host: the address this rank's endpoint advertises (default: the route towards MASTER_ADDR, or DGT_HOST).
         timeout: seconds allowed for the rendezvous and the connections.
         store: the c10d store to meet on (default: the default group's store).
+        wire: the dtype of the lossy path on the wire: ``"auto"`` (default: ``"fp16"`` for the default codec,
+            ``"native"`` for an explicitly given one), ``"native"`` (the bucket's own), ``"fp16"`` or ``"bf16"``.
+            A float32/float64 bucket is divided by the world size and cast before the lossy collective (as torch's
+            ``fp16_compress_hook`` does) and cast back after; the lossless path is never cast (bit-exact).
     """
 
     __slots__ = (
         "process_group", "store",
         # hyperparameters
         "codec", "warmup_codec", "collective", "server", "normalize", "lossy_pull", "warmup_iters", "transport",
-        "host", "timeout",
+        "host", "timeout", "wire_dtype",
         # internal state (pickled)
         "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter", "chooser",
         # run time only (not pickled)
@@ -83,6 +91,7 @@ class DGTState:
         timeout: float = 60.0,
         store: dist.Store | None = None,
         choose: bool | DropChooser | None = None,
+        wire: str | torch.dtype = "auto",
     ) -> None:
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, not {collective!r}")
@@ -109,8 +118,10 @@ class DGTState:
         self._worker: TrioWorker | None = None
         self._collectives: tuple[Any, Any] | None = None
         self._clear_iter = -1
+        default = isinstance(codec, str) and codec == DEFAULT_CODEC
+        self.wire_dtype = _wire_dtype(wire, default)
         if choose is None:
-            choose = isinstance(codec, str) and codec == DEFAULT_CODEC
+            choose = default
         if choose is True:
             choose = DropChooser(start=warmup_iters)
         if choose and not self.codec.capabilities.lossy_tolerant:
@@ -152,18 +163,30 @@ class DGTState:
         return self._worker
 
     def collectives(self, group: Any) -> tuple[Any, Any]:
-        """(warm-up collective, main collective) on ``group``; built once, in the worker thread."""
+        """(warm-up collective, main collective) on ``group``; built once, in the worker thread. With a wire dtype
+        the main collective sums (:meth:`lossy_input` divided by the world size already)."""
         if self._collectives is None or self._collectives[0].group is not group:
-            self._collectives = (self._make(group, self.warmup_codec), self._make(group, self.codec))
+            op = "mean" if self.wire_dtype is None else "sum"
+            self._collectives = (self._make(group, self.warmup_codec), self._make(group, self.codec, op))
         return self._collectives
 
-    def _make(self, group: Any, codec: Codec) -> Any:
+    def _make(self, group: Any, codec: Codec, op: str = "mean") -> Any:
         from dgt.collectives import ParameterServer, RingAllReduce
 
         if self.collective == "ring":
-            return RingAllReduce(group, codec, op="mean")
-        return ParameterServer(group, codec, op="mean", server=self.server, normalize=self.normalize,
+            return RingAllReduce(group, codec, op=op)
+        return ParameterServer(group, codec, op=op, server=self.server, normalize=self.normalize,
                                lossy_pull=self.lossy_pull)
+
+    def lossy_input(self, buf: torch.Tensor, world: int) -> torch.Tensor:
+        """What the main (lossy) collective reduces: ``buf`` itself, or, with a wire dtype, ``buf / world`` in that
+        dtype (a float32/float64 bucket; a narrower one keeps its dtype) for the summing collective."""
+        if self.wire_dtype is None:
+            return buf
+        scaled = buf / world
+        if buf.dtype in (torch.float32, torch.float64):
+            return scaled.to(self.wire_dtype)
+        return scaled
 
     def lossy_now(self, it: int | None) -> bool:
         """Whether iteration ``it`` (past the warm-up) runs the configured codec: always without a chooser (or
@@ -214,12 +237,24 @@ class DGTState:
         t["seconds"] += seconds
         for lane, b in stats.bytes_sent.items():
             t["bytes_sent"][lane] = t["bytes_sent"].get(lane, 0) + b
+        path = t.setdefault("paths", {}).setdefault("lossy" if lossy else "lossless", {"buckets": 0, "seconds": 0.0})
+        path["buckets"] += 1
+        path["seconds"] += seconds
+        for name, sec in stats.phases.items():
+            path[name] = path.get(name, 0.0) + sec
         entry = {"codec": self.codec.name if lossy else "dense", "seconds": seconds, "blocks": stats.blocks,
                  "dropped": stats.dropped, "bytes_sent": dict(stats.bytes_sent)}
         schedule = getattr(self.codec, "schedule", None)
         if lossy and schedule is not None:
             entry["p"] = schedule.p()
         self.last_stats[index] = entry
+
+    def transport_stats(self) -> dict[str, Any] | None:
+        """The endpoint's counters (deadline waits, rounds closed by deadline, lanes), None before it connected.
+        Read from another thread than the worker's: counters of a round in progress may be half updated."""
+        group = None if self._worker is None else self._worker.group
+        ep = None if group is None else getattr(group, "endpoint", None)
+        return None if ep is None else ep.stats().to_dict()
 
     def close(self) -> None:
         """Stop the worker thread and close the transport (the state stays usable: it reconnects on next use)."""
@@ -236,6 +271,7 @@ class DGTState:
     def __setstate__(self, state: dict[str, Any]) -> None:
         for slot in self._RUNTIME:
             setattr(self, slot, None)
+        self.wire_dtype = None  # (checkpoints from before the wire option: the lossy path was not cast)
         self.chooser = None  # (checkpoints from before the chooser)
         for k, v in state.items():
             setattr(self, k, v)
@@ -252,8 +288,21 @@ class DGTState:
         self.process_group, self.store = keep if keep[0] is not None else (self.process_group, keep[1])
 
     def __repr__(self) -> str:
+        wire = "native" if self.wire_dtype is None else str(self.wire_dtype).replace("torch.", "")
         return (f"DGTState(codec={self.codec.name!r}, collective={self.collective!r}, warmup_iters={self.warmup_iters},"
-                f" iter={self.iter})")
+                f" wire={wire!r}, iter={self.iter})")
+
+
+def _wire_dtype(wire: str | torch.dtype, default_codec: bool) -> torch.dtype | None:
+    if isinstance(wire, torch.dtype):
+        if wire not in WIRE_DTYPES.values():
+            raise ValueError(f"wire dtype must be torch.float16 or torch.bfloat16, not {wire}")
+        return wire
+    if wire == "auto":
+        return torch.float16 if default_codec else None
+    if wire not in WIRE_DTYPES:
+        raise ValueError(f"wire must be 'auto' or one of {sorted(WIRE_DTYPES)}, not {wire!r}")
+    return WIRE_DTYPES[wire]
 
 
 def _new_totals() -> dict[str, Any]:
