@@ -510,7 +510,7 @@ def test_ps_codes_all_every_worker_sends_and_decodes_its_own_code():
 
 
 def test_ae_replay_trains_on_a_bounded_buffer_of_past_rounds():
-    from dgt.codecs.lgc.codec import REPLAY_ROUNDS
+    from dgt.codecs.lgc.replay import REPLAY_ROUNDS
 
     res = _run("ps", 2, 6, [20, 3000, 2000, 300], warmup=1, ae_iters=4, topk=0.01, ae_replay=3)
     server = next(r for r, _ in res if "srv_ae" in r.state.values)
@@ -530,3 +530,47 @@ def test_ps_autoencoder_batched_step_matches_the_single_round_step():
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     batch = PSAutoencoder(2, opt="adam", seed=3).train_step(torch.randn(5, 2, 57), torch.zeros(5, 2, 57))
     assert batch["rec"] > 0 and batch["energy"] > 0
+
+
+@pytest.mark.parametrize("variant,world,dedicated", [("ps", 3, True), ("ps", 2, False), ("ring", 2, False)])
+@pytest.mark.parametrize("ablate", ["", "zero", "template"])
+def test_ae_error_feedback_applies_exactly_what_left_the_accumulators(variant, world, dedicated, ablate):
+    """ae_ef=true: in the compressed phase each worker keeps x - (what the receiver decodes) in its accumulator, so
+    the update every worker applies equals the mean of what left the workers' accumulators, in every phase, whatever
+    the decoder (PS: the worker decodes its own frame with the shipped decoder exactly as the server does). Without
+    ae_ef the AE layers' reconstruction error is lost and the two differ."""
+    sizes = [20, 3000, 2000, 300]
+    for ef in (True, False):
+        res = _run(variant, world, 8, sizes, dedicated=dedicated, warmup=2, ae_iters=3, topk=0.01, ae_ef=ef,
+                   ae_ablate=ablate)
+        workers = [rows for r, rows in res if r.is_worker]
+        plan = next(r for r, _ in res if r.is_worker).plan
+        gaps = []
+        for t in range(8):
+            mean_sent = sum(rows[t][1] for rows in workers) / len(workers)
+            gaps.append(float((workers[0][t][2] - mean_sent).abs().max()))
+        assert max(gaps[:5]) < 1e-4  # dense and top-k phases: exact either way
+        if ef:
+            assert max(gaps[5:]) < 1e-4, gaps
+            ae_acc = [plan.region(r.state.values["acc"], "ae") for r, _ in res if r.is_worker]
+            assert all(a.abs().sum() > 0 for a in ae_acc)  # the error was kept, not zeroed
+        else:
+            assert min(gaps[5:]) > 1e-3, gaps
+
+
+def test_ae_error_feedback_needs_every_ps_worker_to_send_its_code():
+    with pytest.raises(ValueError, match="ae_ef"):
+        LGCCodec(variant="ps", ae_ef=True, ps_codes="leader")
+    LGCCodec(variant="ring", ae_ef=True, ps_codes="leader")  # the ring variant has no leader code
+
+
+def test_ring_replay_trains_the_ring_autoencoder_on_past_rounds():
+    res = _run("ring", 2, 7, [20, 3000, 2000, 300], warmup=1, ae_iters=4, topk=0.01, ae_replay=3)
+    trainer = next(r for r, _ in res if r.comm.rank == 0)
+    assert len(trainer.state.values["srv_replay"]) == 4
+    assert "srv_replay" not in next(r for r, _ in res if r.comm.rank == 1).state.values
+    x = torch.randn(2, 57)
+    a, b = RingAutoencoder("adam", seed=3), RingAutoencoder("adam", seed=3)
+    assert a.train_step(x) == b.train_step(x.unsqueeze(0))  # a batch of one round is the same step
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert RingAutoencoder("adam", seed=3).train_step(torch.randn(5, 2, 57))["rec"] > 0

@@ -178,16 +178,20 @@ class RingAutoencoder(nn.Module):
         return self.decoder(code.reshape(1, LATENT_CHANNELS, -1)).reshape(-1)[:mu]
 
     def train_step(self, x: torch.Tensor) -> dict[str, float]:
-        """x: (K, mu) aligned, normalised vectors. L_rec = ||D(mean_k E(x_k)) - mean_k x_k||^2."""
+        """x: (K, mu) aligned, normalised vectors, or (B, K, mu) for a batch of B rounds (the current one first).
+        L_rec = ||D(mean_k E(x_k)) - mean_k x_k||^2, averaged over the rounds; reports the first round's error."""
         if self._opt is None:
             self._opt = _optimizer(self.parameters(), self.opt_kind, self.lr)
-        mu = x.shape[1]
-        z = self.encode(x).mean(0, keepdim=True)
-        rec = self.decoder(z)[0, 0, :mu]
-        target = x.mean(0)
-        loss = (rec - target).pow(2).sum() / (1.0 if self.loss_sum else mu)
+        if x.dim() == 2:
+            x = x.unsqueeze(0)
+        b, k, mu = x.shape
+        z = self.encode(x.reshape(b * k, mu)).reshape(b, k, LATENT_CHANNELS, -1).mean(1)
+        rec = self.decoder(z)[:, 0, :mu]
+        target = x.mean(1)
+        l_rec = (rec - target).pow(2).sum(1) / (1.0 if self.loss_sum else mu)  # (B,)
+        loss = l_rec.mean()
         self._opt.zero_grad(set_to_none=True)
         loss.backward()
         self._opt.step()
-        rec_mean = loss.item() / (mu if self.loss_sum else 1.0)
-        return {"loss": rec_mean, "rec": rec_mean, "energy": target.pow(2).sum().item() / mu}
+        rec_mean = float(l_rec[0].detach()) / (mu if self.loss_sum else 1.0)
+        return {"loss": rec_mean, "rec": rec_mean, "energy": target[0].pow(2).sum().item() / mu}

@@ -24,8 +24,9 @@ from typing import Any
 import torch
 
 from dgt.codecs.base import RELIABLE, BucketState, Capabilities, Codec, Part, Received
-from dgt.codecs.lgc.autoencoder import Encoder, PSAutoencoder, RingAutoencoder, to_signal
+from dgt.codecs.lgc.autoencoder import LATENT_CHANNELS, Decoder, Encoder, PSAutoencoder, RingAutoencoder, to_signal
 from dgt.codecs.lgc.plan import LayerPlan, LGCConfig, Phase
+from dgt.codecs.lgc.replay import replay_batch
 from dgt.codecs.lgc.wire import (
     decode_index_list,
     decode_indices,
@@ -35,8 +36,6 @@ from dgt.codecs.lgc.wire import (
     load_module_state,
 )
 from dgt.codecs.registry import register
-
-REPLAY_ROUNDS = 256  # ae_replay: training rounds kept on the PS server
 
 
 def _rms(x: torch.Tensor) -> torch.Tensor:
@@ -241,9 +240,30 @@ class LGCCodec(Codec):
                 code = enc(to_signal(x / scale)).reshape(-1)
             parts.append(Part(code, name="ae:code"))
         pos = torch.sort(torch.topk(x.abs(), self._n_innovation(x.numel()), sorted=False).indices).values
+        if cfg.ae_ef:
+            self._ps_feedback(state, x, code, scale, pos, idx["ae"])
         parts += [Part(scale, name="ae:scale"), Part(encode_indices(pos), name="ae:ipos"),
                   Part(x[pos], name="ae:ivals"), Part(self._enc_ae_idx(idx["ae"]), name="ae:idx")]
         return parts
+
+    def _ps_feedback(self, state: BucketState, x: torch.Tensor, code: torch.Tensor, scale: torch.Tensor,
+                     pos: torch.Tensor, idx: torch.Tensor) -> None:
+        """``ae_ef``: decode this worker's own frame as the server will (its decoder, the same code and innovation)
+        and leave the difference to the true values in the error-feedback accumulator (instead of zeros)."""
+        cfg = self.config
+        with torch.no_grad():
+            if cfg.ae_ablate == "zero":
+                rec = torch.zeros_like(x)
+            elif cfg.ae_ablate == "template":
+                rec = state.values["ae_template"].to(x) * scale
+            else:
+                innov = torch.zeros_like(x)
+                innov[pos] = x[pos] / scale
+                sig = state.values["decoder"](code.reshape(1, LATENT_CHANNELS, -1), to_signal(innov))
+                rec = sig.reshape(-1)[: x.numel()] * scale
+        if cfg.exact_innovation:
+            rec[pos] = x[pos]
+        state.values["acc"][idx] = x - rec
 
     # -- PS server: decode + aggregate ---------------------------------------------------------------------------
     def decode(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
@@ -315,27 +335,23 @@ class LGCCodec(Codec):
         self._note_target(state, x)
         pos = torch.topk(x.abs(), self._n_innovation(x.shape[1]), dim=1, sorted=False).indices
         innov = torch.zeros_like(x).scatter_(1, pos, x.gather(1, pos))
-        xb, ib = self._ps_replay(state, x, innov)
+        xb, ib = replay_batch(state.values, cfg.ae_replay, cfg.seed, x, innov)
         logs = [ae.train_step(xb, ib) for _ in range(cfg.ae_steps)]
         state.values.setdefault("ae_history", []).append(logs[0])  # measured before this round's update
         state.values["srv_trained"] = state.values.get("srv_trained", 0) + 1
         if state.values["srv_trained"] == cfg.ae_iters:
-            weights = flatten_module_state(ae.encoder)
             to = range(self.workers) if cfg.ps_codes == "all" else (cfg.leader,)
-            state.values["srv_outbox"] = [(w, Part(weights, name="ctl:encoder")) for w in to]
+            state.values["srv_outbox"] = [(w, Part(self._ps_weights(state, ae, w), name="ctl:encoder")) for w in to]
 
-    def _ps_replay(self, state: BucketState, x: torch.Tensor, innov: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """``ae_replay=n``: the current round plus n rounds drawn (seeded, with replacement) from the last
-        REPLAY_ROUNDS training rounds kept on the server (host memory bounded); n=0: the current round alone."""
-        n = self.config.ae_replay
-        if not n:
-            return x, innov
-        buf = state.values.setdefault("srv_replay", [])
-        gen = state.values.setdefault("srv_replay_gen", torch.Generator().manual_seed(self.config.seed + 17))
-        pick = [buf[i] for i in torch.randint(len(buf), (n,), generator=gen).tolist()] if buf else []
-        buf.append((x.detach(), innov.detach()))
-        del buf[:-REPLAY_ROUNDS]
-        return (torch.stack([x] + [p[0] for p in pick]), torch.stack([innov] + [p[1] for p in pick]))
+    def _ps_weights(self, state: BucketState, ae: PSAutoencoder, worker: int) -> torch.Tensor:
+        """What the server ships to a worker once: the encoder; with ``ae_ef`` also that worker's decoder (and with
+        the template ablation its template), so the worker can compute what the server will decode."""
+        weights = [flatten_module_state(ae.encoder)]
+        if self.config.ae_ef:
+            weights.append(flatten_module_state(ae.decoders[worker]))
+            if self.config.ae_ablate == "template":
+                weights.append(self.template(state)[worker].reshape(-1).to(weights[0]))
+        return torch.cat(weights)
 
     def _ps_reconstruct(self, state: BucketState, comp: dict[int, dict[str, torch.Tensor]]) -> torch.Tensor:
         cfg, plan = self.config, self._plan(state)
@@ -387,10 +403,14 @@ class LGCCodec(Codec):
     def control_in(self, data: torch.Tensor, state: BucketState) -> None:
         cfg = self.config
         if cfg.variant == "ps":
+            data = data.float()
             enc = Encoder().to(data.device)
-            load_module_state(enc, data.float())
-            enc.eval()
-            state.values["encoder"] = enc
+            data = load_module_state(enc, data, partial=True)
+            state.values["encoder"] = enc.eval()
+            if cfg.ae_ef:
+                dec = Decoder(innovation=True).to(data.device)
+                state.values["ae_template"] = load_module_state(dec, data, partial=True)
+                state.values["decoder"] = dec.eval()
         else:
             ae = RingAutoencoder(cfg.ae_opt, cfg.ae_lr).to(data.device)
             data = data.float()
@@ -469,7 +489,7 @@ class LGCCodec(Codec):
             raise RuntimeError("ring LGC: no trained autoencoder (control_in was not called)")
         scale = sel["scale"].to(g.device) if sel["scale"] is not None else g.new_ones(1)
         state.values["last_scale"] = scale
-        if self.config.record:
+        if self.config.record or self.config.ae_ef:
             state.values["last_x"] = x
         with torch.no_grad():
             code = ae.encode(x / scale).reshape(-1)
@@ -494,7 +514,8 @@ class LGCCodec(Codec):
         if cfg.normalize:
             x = x / _rms(x[state.values["last_selector"]])
         self._note_target(state, x.mean(0))
-        logs = [ae.train_step(x) for _ in range(cfg.ae_steps)]
+        (xb,) = replay_batch(state.values, cfg.ae_replay, cfg.seed, x)
+        logs = [ae.train_step(xb) for _ in range(cfg.ae_steps)]
         state.values.setdefault("ae_history", []).append(logs[0])  # measured before this round's update
         state.values["ring_trained"] = state.values.get("ring_trained", 0) + 1
         if state.values["ring_trained"] == cfg.ae_iters:
@@ -540,8 +561,11 @@ class LGCCodec(Codec):
             elif self.config.ae_ablate == "template":  # a code-free decoder: the mean training target
                 rec = tmpl.to(dev)
             out[idx["ae"]] = rec * scale * k
+            x = state.values.pop("last_x", None)
+            if self.config.ae_ef:  # this rank's share of the mean's reconstruction error stays in its accumulator
+                state.values["acc"][idx["ae"]] = x - rec * scale
             if self.config.record:
-                self._record(state, idx=idx["ae"], x=state.values.pop("last_x"), scale=scale, rec=rec * scale,
+                self._record(state, idx=idx["ae"], x=x, scale=scale, rec=rec * scale,
                              template=tmpl * scale if tmpl is not None else None)
         return out.to(like.dtype)
 

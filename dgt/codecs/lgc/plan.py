@@ -33,8 +33,9 @@ class LGCConfig:
     sim_weight: float = 0.0  # PS: lambda_2 of L_rec + lambda_2 L_sim (the paper: 0.5, with one shared code)
     ae_order: str = "value"  # value: AE input ordered by descending value (indices sent in that order) | index
     ae_opt: str = "adam"  # adam | sgd (the paper's; barely moves the AE in a few hundred steps, see docs/lgc.md)
-    ae_lr: float = 1e-3
-    ae_replay: int = 15  # PS: also train each step on this many past rounds drawn from a buffer of the last 256
+    ae_lr: float = 3e-3  # measured better than 1e-3 on both variants (docs/lgc.md, issue 25)
+    ae_replay: int = 15  # both variants: also train each step on this many past rounds (buffer of the last 256)
+    ae_ef: bool = False  # compressed phase: the AE's reconstruction error stays in the error-feedback accumulator
     ae_loss: str = "mean"  # mean: squared-error sums divided by mu | sum: the paper's plain sums
     ae_steps: int = 1  # optimizer steps per training iteration (batch 1 = that iteration's K vectors)
     exact_innovation: bool = True  # PS: the server puts the exactly-sent innovation values back after decoding
@@ -61,6 +62,8 @@ class LGCConfig:
             raise ValueError(f"lgc ae_ablate must be empty, zero or template, not {self.ae_ablate!r}")
         if self.ae_replay < 0:
             raise ValueError("lgc ae_replay must be >= 0")
+        if self.ae_ef and self.variant == "ps" and self.ps_codes != "all":
+            raise ValueError("lgc ae_ef needs ps_codes=all on the PS variant (a worker must decode its own code)")
         if self.ae_loss not in ("mean", "sum"):
             raise ValueError(f"lgc ae_loss must be mean or sum, not {self.ae_loss!r}")
         if self.ps_codes not in ("leader", "all"):

@@ -188,7 +188,9 @@ def flatten_module_state(module: torch.nn.Module) -> torch.Tensor:
     return torch.cat([t.detach().reshape(-1).float() for t in module.state_dict().values()])
 
 
-def load_module_state(module: torch.nn.Module, flat: torch.Tensor) -> None:
+def load_module_state(module: torch.nn.Module, flat: torch.Tensor, partial: bool = False) -> torch.Tensor:
+    """Load ``module``'s state from the front of ``flat``; returns the values after it (``partial=False``: there
+    must be none)."""
     sd = module.state_dict()
     off = 0
     new = {}
@@ -196,9 +198,10 @@ def load_module_state(module: torch.nn.Module, flat: torch.Tensor) -> None:
         n = t.numel()
         new[name] = flat[off : off + n].view_as(t).to(t.dtype)
         off += n
-    if off != flat.numel():
+    if off > flat.numel() or (off != flat.numel() and not partial):
         raise ValueError(f"weights vector has {flat.numel()} values, module expects {off}")
     module.load_state_dict(new)
+    return flat[off:]
 
 
 def entry_overhead(nbytes: int) -> int:
