@@ -187,8 +187,16 @@ async def test_concurrent_buckets_both_directions_and_buffered_results():
                 n.start_soon(send, 1, 0, k)
                 n.start_soon(recv, 1, 0, k)
                 n.start_soon(recv, 0, 1, k)
-        for key, res in results.items():
-            assert torch.equal(res.data, xs[key]), key
+        for (src, k), res in results.items():
+            x = xs[(src, k)]
+            if k % 2 == 0:  # lossless: every block, bit-exact
+                assert res.mask.all() and torch.equal(res.data, x), (src, k)
+                continue
+            # lossy: a loaded host may close the round at its deadline before some UDP blocks are in (or the send
+            # budget kept them back): every important block arrives, what arrived is exact, the rest is zero
+            assert res.mask[classified(x, layout, 0.5).important].all(), (src, k)
+            got = layout.expand(res.mask)
+            assert torch.equal(res.data[got], x[got]) and not res.data[~got].any(), (src, k)
         # a round that completed before recv_round was called is still delivered
         await a.send_round(1, 99, 5, xs[(0, 0)])
         res = await b.recv_round(0, 99, 5)
