@@ -264,3 +264,39 @@ def test_a_member_without_a_live_session_link_cannot_open_a_stream_lane():
             await b.aclose()
 
     trio.run(main)
+
+
+def test_other_accept_errors_are_counted_and_survived_too():
+    """ENFILE, ENOBUFS, ECONNABORTED from accept: counted per errno, the endpoint keeps accepting."""
+    import errno
+
+    async def main():
+        a, b = await _pair()
+        real, fails = b.listener.accept, [errno.ENFILE, errno.ENOBUFS, errno.ECONNABORTED]
+
+        async def accept():
+            if fails:
+                raise OSError(fails.pop(0), "injected")
+            return await real()
+
+        b.listener.accept = accept  # the loop calls it anew for each connection
+        try:
+            before = b.receiver.counters.reasons.get("handshake", 0)
+            with socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5) as s:
+                s.sendall(b"not a hello" * 10)  # wakes the accept under way; the next ones fail as injected
+            with trio.fail_after(5):
+                while fails or b.receiver.counters.reasons.get("handshake", 0) == before:
+                    await trio.sleep(0.05)
+            with socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5) as s:
+                s.sendall(b"still not a hello" * 10)  # accepted after the errors: refused as a handshake
+            with trio.fail_after(5):
+                while b.receiver.counters.reasons.get("handshake", 0) < before + 2:
+                    await trio.sleep(0.05)
+            reasons = b.receiver.counters.reasons
+            assert all(reasons.get(f"accept:{n}", 0) == 1 for n in ("ENFILE", "ENOBUFS", "ECONNABORTED")), reasons
+            assert await _round_ok(a, b, 6)
+        finally:
+            await a.aclose()
+            await b.aclose()
+
+    trio.run(main)
