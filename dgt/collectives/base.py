@@ -53,8 +53,8 @@ async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | No
     peer that aborted: wait up to a second for the ABORT in those cases. A peer that aborted before this rank connected
     to it (it hung up on our hello) can only have left its reason in the store."""
     ep = coll.group.endpoint
-    if ep is not None and (isinstance(exc, ConnectionError) or getattr(exc, "mid_hop", False)
-                           or getattr(exc, "bye", False)):
+    if ep is not None and (isinstance(exc, ConnectionError)
+                           or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye))):
         mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout))
         if mismatch is not None:
             return mismatch
