@@ -124,3 +124,18 @@ def test_the_early_buffer_byte_bound_holds_and_its_refusals_are_counted():
         _feed_udp(rx, _dgrams(_plan(rnd, 1000.0, forger)[1]), t=0.0)
     assert 0 < rx._early.size <= 64 * 1024
     assert rx.counters.early_refused > 0  # the input dropped for lack of room is counted, not silently lost
+
+
+def test_one_round_cannot_take_the_whole_early_buffer():
+    """(i22) bounded per round too: a forger flooding one future round gets at most a quarter of the buffer, and a
+    genuine early round of another peer still finds room."""
+    rx = RoundReceiver(TOKEN, early_bytes=64 * 1024, early_rounds_per_peer=8)
+    forger = RoundSender(TOKEN, rank=2)
+    for _ in range(4):  # ~4 x 24 KiB of datagrams, all for one round not open yet
+        _feed_udp(rx, _dgrams(_plan(1, 1000.0, forger)[1]), t=0.0)
+    held = sum(len(e.data) for e in rx._early if e.key[0] == 2)
+    assert 0 < held <= 16 * 1024 and rx.counters.early_refused > 0
+    genuine = RoundSender(TOKEN, rank=1)
+    refused = rx.counters.early_refused
+    _feed_udp(rx, _dgrams(_plan(1, 1000.0, genuine)[1])[:8], t=0.0)
+    assert rx.counters.early_refused == refused and any(e.key[0] == 1 for e in rx._early)

@@ -1,7 +1,8 @@
 """The receiver's early buffer: input for rounds whose ROUND_BEGIN has not arrived yet (datagrams and frames often
 overtake it), kept as bytes and replayed in arrival order when the round opens.
 
-Bounded in bytes (all peers together), in rounds per peer, and in age: forged future rounds must not wait forever.
+Bounded in bytes (all peers together, and per round: a quarter of that), in rounds per peer, and in age: forged
+future rounds must not wait forever, and one round (forged or not) cannot take the whole buffer from the others.
 """
 
 from __future__ import annotations
@@ -64,6 +65,7 @@ class EarlyBuffer:
     def __init__(self, counters: ReceiverCounters, max_bytes: int, ttl: float, rounds_per_peer: int) -> None:
         self.counters = counters
         self.max_bytes = max_bytes
+        self.round_bytes = max(max_bytes // 4, 1)  # one round's share
         self.ttl = ttl
         self.rounds_per_peer = rounds_per_peer
         self.entries: list[EarlyEntry] = []
@@ -86,14 +88,18 @@ class EarlyBuffer:
 
     def admit(self, key: Key, nbytes: int, now: float) -> bool:
         """Whether ``nbytes`` more of round ``key`` fit (after expiring old entries): a peer may hold at most
-        ``rounds_per_peer`` rounds here, all peers together ``max_bytes``; a refusal is counted (``early_refused``)
-        either way, and the input is dropped (a datagram's blocks then reach error feedback as lost)."""
+        ``rounds_per_peer`` rounds here, one round ``round_bytes``, all peers together ``max_bytes``; a refusal is
+        counted (``early_refused``) either way, and the input is dropped (a datagram's blocks then reach error
+        feedback as lost)."""
         self.expire(now)
         if self.size + nbytes > self.max_bytes:
             self.counters.early_refused += 1
             return False
         rounds = {e.key for e in self.entries if e.key[0] == key[0]}
         if key not in rounds and len(rounds) >= self.rounds_per_peer:
+            self.counters.early_refused += 1
+            return False
+        if sum(len(e.data) for e in self.entries if e.key == key) + nbytes > self.round_bytes:
             self.counters.early_refused += 1
             return False
         return True
