@@ -9,9 +9,10 @@ import trio
 
 from dgt import wire
 from dgt.errors import ProtocolError
+from dgt.harness.endpoints import connected_pair
 from dgt.protocol.bulk import BulkReceiver, bulk_frames
 from dgt.protocol.receiver import RoundReceiver
-from dgt.transport import Endpoint, TransportConfig
+from dgt.transport import TransportConfig
 
 TOKEN = 0xB01C
 
@@ -121,12 +122,7 @@ def test_a_bulk_frame_in_a_datagram_is_counted_and_dropped():
 
 
 async def _pair(cfg):
-    a = await Endpoint.open(0, TOKEN, cfg)
-    b = await Endpoint.open(1, TOKEN, cfg)
-    async with trio.open_nursery() as n:
-        n.start_soon(a.connect, {1: b.address})
-        n.start_soon(b.connect, {0: a.address})
-    return a, b
+    return await connected_pair(TOKEN, cfg)
 
 
 async def test_lossless_unawaited_rounds_travel_as_bulk_and_land_in_place():

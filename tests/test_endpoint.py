@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from dgt import wire
 from dgt.errors import ProtocolError
 from dgt.estimator import ContributionEstimator
+from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.transport import (
     BlockingEndpoint,
@@ -32,12 +33,7 @@ SIZES = [30000, 1024, 7, 20000, 777]
 
 
 async def pair(cfg_a=None, cfg_b=None, host="127.0.0.1", token_b=TOKEN):
-    a = await Endpoint.open(0, TOKEN, cfg_a or TransportConfig(peer_timeout=5), host=host)
-    b = await Endpoint.open(1, token_b, cfg_b or cfg_a or TransportConfig(peer_timeout=5), host=host)
-    async with trio.open_nursery() as n:
-        n.start_soon(a.connect, {1: b.address})
-        n.start_soon(b.connect, {0: a.address})
-    return a, b
+    return await connected_pair(TOKEN, cfg_a, cfg_b, host=host, token_b=token_b)
 
 
 def classified(x, layout, p, classes=2):

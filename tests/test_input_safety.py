@@ -88,17 +88,9 @@ def test_refused_dtypes_and_ops_fail_before_any_traffic():
 
 
 async def _pair(cfg=None):
-    from dgt.transport import Endpoint, TransportConfig
+    from dgt.harness.endpoints import connected_pair
 
-    cfg = cfg or TransportConfig(peer_timeout=5)
-    a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
-    b = await Endpoint.open(1, 0x22, cfg, host="127.0.0.1")
-    import trio
-
-    async with trio.open_nursery() as n:
-        n.start_soon(a.connect, {1: b.address})
-        n.start_soon(b.connect, {0: a.address})
-    return a, b
+    return await connected_pair(0x22, cfg)
 
 
 def test_sender_refuses_a_class_array_that_does_not_cover_the_bucket():

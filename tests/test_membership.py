@@ -9,18 +9,15 @@ import torch
 import trio
 
 from dgt import wire
+from dgt.harness.endpoints import connected_pair
 from dgt.transport import Endpoint, TransportConfig, auth, control
 
 TOKEN = 0x22_0022
 
 
 async def _pair(secret_a=b"s3cret", secret_b=b"s3cret", timeout=3.0):
-    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_a), host="127.0.0.1")
-    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_b), host="127.0.0.1")
-    async with trio.open_nursery() as n:
-        n.start_soon(a.connect, {1: b.address})
-        n.start_soon(b.connect, {0: a.address})
-    return a, b
+    return await connected_pair(TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_a),
+                                TransportConfig(peer_timeout=timeout, secret=secret_b))
 
 
 def _attacker_hello(port: int, claimed_rank: int, **fields) -> list[str]:

@@ -6,7 +6,8 @@ import pytest
 import torch
 import trio
 
-from dgt.transport import Endpoint, PeerTimeout, TransportConfig
+from dgt.harness.endpoints import connected_pair
+from dgt.transport import PeerTimeout, TransportConfig
 from dgt.transport.streams import Hop
 
 TOKEN = 0x22_B0D0
@@ -14,13 +15,7 @@ GUARD = 15.0  # seconds: a receive still waiting by then has no bound
 
 
 async def _pair(**cfg):
-    c = TransportConfig(peer_timeout=5, **cfg)
-    a = await Endpoint.open(0, TOKEN, c, host="127.0.0.1")
-    b = await Endpoint.open(1, TOKEN, c, host="127.0.0.1")
-    async with trio.open_nursery() as n:
-        n.start_soon(a.connect, {1: b.address})
-        n.start_soon(b.connect, {0: a.address})
-    return a, b
+    return await connected_pair(TOKEN, TransportConfig(peer_timeout=5, **cfg))
 
 
 def test_a_round_a_live_peer_never_sends_ends_in_peer_timeout_after_round_timeout():

@@ -6,5 +6,6 @@ this package; it needs scikit-learn (the ``dgt[bench]`` / ``dgt[experiment]`` ex
 - :mod:`dgt.harness.digits`: the scikit-learn digits loaders (each variant keeps the split and scaling its users
   were measured with).
 - :mod:`dgt.harness.simulate`: K ranks in one process driving the payload codecs (no transport).
+- :mod:`dgt.harness.endpoints`: two endpoints on loopback, connected (``connected_pair``).
 - :mod:`dgt.harness.local_comm`: LGC's Comm with K ranks as threads of one process (``run_threads``).
 """

@@ -40,6 +40,17 @@ static uint64_t nh_one(const unsigned char *p, size_t n, const uint32_t *k) {
     return acc;
 }
 
+/* Whether every row [starts[i], starts[i] + span) lies inside a buffer of len bytes; else sets ValueError(msg). */
+static int rows_inside(const int64_t *st, Py_ssize_t rows, Py_ssize_t span, Py_ssize_t len, const char *msg) {
+    for (Py_ssize_t i = 0; i < rows; i++) {
+        if (st[i] < 0 || st[i] + span > len) {
+            PyErr_SetString(PyExc_ValueError, msg);
+            return 0;
+        }
+    }
+    return 1;
+}
+
 static PyObject *nh(PyObject *self, PyObject *args) {
     Py_buffer data, starts, key, out;
     Py_ssize_t nbytes;
@@ -52,12 +63,7 @@ static PyObject *nh(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *st = (const int64_t *)starts.buf;
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        if (st[i] < 0 || st[i] + nbytes > data.len) {
-            PyErr_SetString(PyExc_ValueError, "nh: a row reaches outside the data");
-            goto done;
-        }
-    }
+    if (!rows_inside(st, rows, nbytes, data.len, "nh: a row reaches outside the data")) goto done;
     {
         const unsigned char *d = (const unsigned char *)data.buf;
         const uint32_t *k = (const uint32_t *)key.buf;
@@ -113,12 +119,7 @@ static PyObject *tags(PyObject *self, PyObject *args) {
         goto done;
     }
     const int64_t *st = (const int64_t *)starts.buf;
-    for (Py_ssize_t i = 0; i < rows; i++) {
-        if (st[i] < 0 || st[i] + nbytes + 8 > data.len) {
-            PyErr_SetString(PyExc_ValueError, "tags: a row (with its tag) reaches outside the data");
-            goto done;
-        }
-    }
+    if (!rows_inside(st, rows, nbytes + 8, data.len, "tags: a row (with its tag) reaches outside the data")) goto done;
     PyObject *okobj = NULL;
     unsigned char *ok = NULL;
     if (!write) {
