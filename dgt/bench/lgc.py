@@ -18,7 +18,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from dgt.codecs.lgc import LGCCodec, LGCRunner
-from dgt.codecs.lgc.plan import ROLES
+from dgt.codecs.lgc.plan import ROLES, LGCConfig
 from dgt.harness.digits import digits_split_standardised
 from dgt.harness.local_comm import run_threads
 
@@ -347,8 +347,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, dense and warm-up (default 0.9)")
     parser.add_argument("--sparse-momentum", type=float, default=0.0,
                         help="SGD momentum of LGC after the warm-up (default 0)")
-    parser.add_argument("--topk", type=float, default=0.001, help="top-k keep ratio per layer (default 0.001)")
-    parser.add_argument("--innovation", type=float, default=0.01, help="PS innovation share of mu (default 0.01)")
+    parser.add_argument("--topk", type=float, default=LGCConfig.topk,
+                        help="top-k keep ratio per layer (default: the codec's, %(default)s)")
+    parser.add_argument("--innovation", type=float, default=LGCConfig.innovation,
+                        help="PS innovation share of mu (default: the codec's, %(default)s)")
     parser.add_argument("--lgc", default="", help="extra lgc options, e.g. 'ae_opt=adam,momentum_correction=true'")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cpu", help="cpu | cuda")

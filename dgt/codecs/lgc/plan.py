@@ -25,7 +25,7 @@ class LGCConfig:
     variant: str = "ps"  # ps | ring
     warmup: int = 200  # dense iterations
     ae_iters: int = 300  # top-k iterations during which the autoencoder trains
-    topk: float = 0.001  # keep ratio per layer: k = ceil(topk * n_l)
+    topk: float = 0.005  # keep ratio per layer: k = ceil(topk * n_l) (the paper's 0.001 learned too slowly, issue 25)
     innovation: float = 0.01  # PS: share of the mu selected values sent as the innovation
     momentum_correction: bool = False  # DGC-style: u = m u + g; v = v + u; select on v
     momentum: float = 0.9
@@ -105,7 +105,7 @@ class LayerPlan:
     """Where each layer lives in the flat bucket, its role and its exact k."""
 
     def __init__(self, sizes: list[int] | tuple[int, ...], roles: list[str] | tuple[str, ...] | None = None,
-                 topk: float = 0.001) -> None:
+                 topk: float = 0.005) -> None:
         self.sizes = tuple(int(s) for s in sizes)
         if not self.sizes or any(s <= 0 for s in self.sizes):
             raise ValueError("layer sizes must be positive")
