@@ -35,7 +35,7 @@ def test_blocks_in_counts_the_layout_blocks_of_a_slice():
 
 
 def test_an_exchange_counts_the_blocks_of_the_geometry_not_the_elements_over_the_block():
-    """Three 100-element tensors are three blocks (a block never straddles two tensors): 300 / 1024 rounded up said 1."""
+    """Three 100-element tensors are three blocks (a block never straddles two tensors); 300 / 1024 rounded up: 1."""
     ch = Chunking(BucketLayout.of([100, 100, 100], 1024), 1)
     res = torch.zeros(300)
     hops = [Hop(1, 0, recv_from=w, land=res) for w in (1, 2)] + [Hop(2, 0, send_to=1, payload=res)]

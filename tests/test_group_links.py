@@ -2,36 +2,21 @@
 peers (ring: two neighbours; central PS: workers-server; gossip: the mixing matrix's neighbours), and calls that had
 to wait for a connection still run in the order they were made (ranks started on several buckets at once)."""
 
-from contextlib import asynccontextmanager
-
 import torch
 import torch.distributed as dist
 import trio
 import trio.testing
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+from dgt.harness.groups import local_groups
 from dgt.transport import TransportConfig
 
 W = 6
 
 
-@asynccontextmanager
-async def _groups(prefix, connect="lazy"):
-    """W groups in this process, their endpoints' service tasks in one nursery; all closed on the way out."""
-    store, groups = dist.HashStore(), [None] * W
-
-    async with trio.open_nursery() as services:
-        async def one(r):
-            groups[r] = await Group.create(r, W, store=store, config=TransportConfig(peer_timeout=30), timeout=30,
-                                           prefix=prefix, connect=connect, nursery=services)
-
-        async with trio.open_nursery() as n:
-            for r in range(W):
-                n.start_soon(one, r)
-        try:
-            yield groups
-        finally:
-            await _all(groups, lambda r: groups[r].aclose())
+def _groups(prefix, connect="lazy"):
+    return local_groups(W, dist.HashStore(), config=TransportConfig(peer_timeout=30), timeout=30, prefix=prefix,
+                        connect=connect)
 
 
 async def _all(groups, fn):

@@ -9,8 +9,6 @@ hold 256 ranks' hops that wait on each other. Separate processes (the 64-rank ru
 
 import resource
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import pytest
 import torch
@@ -19,6 +17,7 @@ import trio
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
 from dgt.collectives.launch import run_ranks
+from dgt.harness.groups import local_groups
 from dgt.transport import TransportConfig
 
 pytestmark = pytest.mark.scale
@@ -53,24 +52,8 @@ async def _run_all(groups: list[Group], fn) -> list:
     return out
 
 
-@asynccontextmanager
-async def _open(world: int, cfg: TransportConfig, prefix: str) -> AsyncIterator[list[Group]]:
-    """``world`` groups in this process, their endpoints' service tasks in one nursery; all closed on the way out."""
-    store = dist.HashStore()
-    groups: list = [None] * world
-
-    async with trio.open_nursery() as services:
-        async def one(r: int) -> None:
-            groups[r] = await Group.create(r, world, store=store, config=cfg, timeout=120, prefix=prefix,
-                                           nursery=services)
-
-        async with trio.open_nursery() as n:
-            for r in range(world):
-                n.start_soon(one, r)
-        try:
-            yield groups
-        finally:
-            await _run_all(groups, lambda g: g.aclose())
+def _open(world: int, cfg: TransportConfig, prefix: str):
+    return local_groups(world, dist.HashStore(), config=cfg, timeout=120, prefix=prefix)
 
 
 def _links(groups: list[Group]) -> list[int]:

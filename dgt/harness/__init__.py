@@ -7,6 +7,7 @@ this package; its data sets need scikit-learn (the ``dgt[bench]`` / ``dgt[experi
   were measured with).
 - :mod:`dgt.harness.simulate`: K ranks in one process driving the payload codecs (no transport).
 - :mod:`dgt.harness.endpoints`: two endpoints on loopback, connected (``async with connected_pair(...)``).
+- :mod:`dgt.harness.groups`: W ranks' groups in one process, closed together (``async with local_groups(...)``).
 - :mod:`dgt.harness.offline`: ``OfflineTransport``, a Transport with no peers (a Group for construction checks).
 - :mod:`dgt.harness.local_comm`: LGC's Comm with K ranks as threads of one process (``run_threads``).
 """
