@@ -314,6 +314,7 @@ def test_codecs_that_need_state_a_collective_lacks_are_refused():
     from dgt.collectives.gossip import Gossip
     from dgt.collectives.model_server import ModelServer
     from dgt.errors import CodecMismatch
+    from dgt.transport import TransportConfig
 
     g = Group(OfflineTransport(), 0, 2, 1)
     for cls in (ParameterServer, RingAllReduce, Gossip):
@@ -327,7 +328,9 @@ def test_codecs_that_need_state_a_collective_lacks_are_refused():
         ModelServer(g, "dcd", model=torch.zeros(8), lr=0.1)
     # what each is built for still constructs
     assert Gossip(g, "dcd").codec.capabilities.replica_deltas
-    assert ModelServer(g, "slimdp", model=torch.zeros(8), lr=0.1).codec.capabilities.stateful_server
+    # (Slim-DP keeps its own residuals: its group's transport runs without error feedback, as the codec demands)
+    no_feedback = Group(OfflineTransport(cfg=TransportConfig(error_feedback=False)), 0, 2, 1)
+    assert ModelServer(no_feedback, "slimdp", model=torch.zeros(8), lr=0.1).codec.capabilities.stateful_server
     assert ParameterServer(g, "qsgd").codec.name == "qsgd"
 
 

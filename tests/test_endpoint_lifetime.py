@@ -100,3 +100,17 @@ async def test_in_a_callers_nursery_an_error_in_the_service_fails_pending_operat
         # the wait failed at once, not at its timeout (the links end as the service does: PeerClosed)
         assert len(got) == 1 and isinstance(got[0], (PeerClosed, RuntimeError)), got
         assert b.listener.sock.fileno() == -1
+
+
+async def test_awaiting_open_the_old_way_says_how_to_open_an_endpoint_now():
+    with pytest.raises(TypeError, match="async with Endpoint.open"):
+        await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5))
+
+
+async def test_an_endpoint_started_in_a_callers_nursery_closes_with_async_with():
+    before = _tasks()
+    async with trio.open_nursery() as nursery:
+        async with await Endpoint.start(0, TOKEN, TransportConfig(peer_timeout=5), nursery=nursery) as ep:
+            assert ep.address.tcp_port > 0
+        assert ep.listener.sock.fileno() == -1
+    assert _tasks() == before

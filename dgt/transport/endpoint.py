@@ -16,9 +16,9 @@ and dgt.transport.outbound (the send APIs, drop reports, pacing feedback).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -46,7 +46,28 @@ from dgt.transport.stats import LaneStats, RoundResult, TransportStats
 from dgt.transport.stream_watch import StreamWatch
 from dgt.transport.streams import StreamHub
 
-__all__ = ["BYTES_BUCKET", "Endpoint", "PendingSend", "_Link", "_SendTrack"]
+__all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "_Link", "_SendTrack"]
+
+T = TypeVar("T")
+
+
+class OpenBlock(Generic[T]):
+    """What :meth:`Endpoint.open` returns: an async context manager only. Awaiting it raises a TypeError saying
+    how the endpoint is opened now (``await Endpoint.open(...)`` started a hidden system task before issue #24)."""
+
+    def __init__(self, cm: AbstractAsyncContextManager[T]) -> None:
+        self._cm = cm
+
+    async def __aenter__(self) -> T:
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._cm.__aexit__(*exc)
+
+    def __await__(self) -> Generator[Any, None, NoReturn]:
+        raise TypeError("Endpoint.open(...) is an async context manager: write `async with Endpoint.open(...) as ep:` "
+                        "(the endpoint closes when the block ends), or `ep = await Endpoint.start(..., nursery=n)` "
+                        "to run it in a nursery of yours until `await ep.aclose()`")
 
 
 class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
@@ -126,12 +147,19 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         return ep
 
     @classmethod
-    @asynccontextmanager
-    async def open(cls, rank: int, token: int, cfg: TransportConfig | None = None,
-                   host: str = "127.0.0.1") -> AsyncIterator[Endpoint]:
+    def open(cls, rank: int, token: int, cfg: TransportConfig | None = None,
+             host: str = "127.0.0.1") -> OpenBlock[Endpoint]:
         """``async with Endpoint.open(rank, token, cfg) as ep:`` the endpoint, its service tasks in a nursery of
         this block's own: leaving the block closes it (:meth:`aclose`) and no task of it outlives the block. An
-        error in the service cancels the block and is raised from it (the error itself, not a group of it)."""
+        error in the service cancels the block and is raised from it (the error itself, not a group of it).
+        Awaiting it instead (``await Endpoint.open(...)``, the API before issue #24) raises a TypeError that says
+        what to write."""
+        return OpenBlock(cls._serve(rank, token, cfg, host))
+
+    @classmethod
+    @asynccontextmanager
+    async def _serve(cls, rank: int, token: int, cfg: TransportConfig | None,
+                     host: str) -> AsyncIterator[Endpoint]:
         with single_error():
             async with trio.open_nursery() as nursery:
                 ep = await cls.start(rank, token, cfg, host, nursery=nursery)
@@ -139,6 +167,13 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
                     yield ep
                 finally:
                     await ep.aclose()
+
+    async def __aenter__(self) -> Endpoint:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        """``async with ep:`` on an endpoint from :meth:`start` closes it when the block ends."""
+        await self.aclose()
 
     @property
     def address(self) -> PeerAddress:
