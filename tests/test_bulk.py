@@ -121,13 +121,12 @@ def test_a_bulk_frame_in_a_datagram_is_counted_and_dropped():
 # ---- through the endpoint -----------------------------------------------------------------------------------------
 
 
-async def _pair(cfg):
-    return await connected_pair(TOKEN, cfg)
+def _pair(cfg):
+    return connected_pair(TOKEN, cfg)
 
 
 async def test_lossless_unawaited_rounds_travel_as_bulk_and_land_in_place():
-    a, b = await _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10))
-    try:
+    async with _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10)) as (a, b):
         x = torch.randn(100_000)  # 400 kB: 7 frames of at most 64 KiB
         posted = torch.empty_like(x)
         b.post_recv(0, 4, 0, posted)
@@ -144,9 +143,6 @@ async def test_lossless_unawaited_rounds_travel_as_bulk_and_land_in_place():
         # a waited-for or lossy round still goes the round way, with its drop report
         sent, res2 = await _both(a, b, 5, x, wait=True)
         assert sent.report and not res2.bulk and torch.equal(res2.data, x)
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def _both(a, b, bucket, x, **kw):
@@ -163,8 +159,7 @@ async def _both(a, b, bucket, x, **kw):
 
 
 async def test_a_peer_breaking_bulk_order_fails_the_waiter_with_a_protocol_error():
-    a, b = await _pair(TransportConfig(peer_timeout=30))
-    try:
+    async with _pair(TransportConfig(peer_timeout=30)) as (a, b):
         frames = bulk_frames(TOKEN, 0, 8, 0, torch.randn(3000), 4096)
         a._links[1].writer.push_frames([frames[0], frames[2]])  # the middle frame never comes
 
@@ -172,16 +167,12 @@ async def test_a_peer_breaking_bulk_order_fails_the_waiter_with_a_protocol_error
             with trio.fail_after(10):
                 await b.recv_round(0, 8, 0)
         assert not b.bulk.open and b.bulk.allocated == 0
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_post_send_queues_without_a_task_and_adds_a_folded_residual():
     # b drops every datagram it gets (an injected loss): only the reliable lane gets through to it
-    a, b = await _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10, deadline="fixed:0.05",
-                                       drop_fraction=1.0))
-    try:
+    async with _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10, deadline="fixed:0.05",
+                                       drop_fraction=1.0)) as (a, b):
         # one task starts a send and awaits the matching receive: the writer task does the sending
         x = torch.randn(50_000)
         posted = torch.empty_like(x)
@@ -212,6 +203,3 @@ async def test_post_send_queues_without_a_task_and_adds_a_folded_residual():
             sent = await pending.wait()
         assert sent.copied and res.bulk and torch.equal(res.data, y + residual)
         assert a._links[1].sender.residual(3).abs().sum() == 0
-    finally:
-        await a.aclose()
-        await b.aclose()

@@ -9,6 +9,7 @@ import torch
 
 from dgt.collectives.launch import run_ranks
 from dgt.estimator import ContributionEstimator
+from dgt.harness.offline import OfflineTransport
 from dgt.layout import BucketLayout
 
 SEGMENTS = [3000, 5, 20000, 1500]
@@ -26,8 +27,7 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
     from dgt.transport import TransportConfig
 
     async def main():
-        g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)
-        try:
+        async with Group.open(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30) as g:
             if kind == "ring":
                 coll = RingAllReduce(g, codec)
             elif kind == "gossip":
@@ -54,8 +54,6 @@ def _worker(rank, world, kind, codec, cfg_kwargs, rounds=1, opts=None):
                 outs.append((res.tensor, res.stats.to_dict(), g.endpoint.stats().rounds_copied,
                              g.endpoint.streams.exchanges))
             return outs
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 
@@ -176,17 +174,17 @@ def _dying_worker(rank, world, cfg_kwargs):
     from dgt.transport import TransportConfig
 
     async def main():
-        g = await Group.create(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30)
-        ring = RingAllReduce(g, "dense")
-        await ring.allreduce(data(rank), 0, SEGMENTS)
-        if rank == 1:
-            os._exit(17)  # dies between collectives, without closing anything
-        res = await ring.allreduce(data(rank), 0, SEGMENTS)
-        # only reached if the dead rank went unnoticed: say what this rank got, for the failure message
-        truth = sum(data(r) for r in range(world))
-        return {"max_diff_from_sum": float((res.tensor - truth).abs().max()), "stats": repr(res.stats),
-                "stream_exchanges": g.endpoint.streams.exchanges,
-                "links": {k: repr(v.error) for k, v in g.endpoint._links.items()}}
+        async with Group.open(rank, world, config=TransportConfig(**cfg_kwargs), timeout=30) as g:
+            ring = RingAllReduce(g, "dense")
+            await ring.allreduce(data(rank), 0, SEGMENTS)
+            if rank == 1:
+                os._exit(17)  # dies between collectives, without closing anything
+            res = await ring.allreduce(data(rank), 0, SEGMENTS)
+            # only reached if the dead rank went unnoticed: say what this rank got, for the failure message
+            truth = sum(data(r) for r in range(world))
+            return {"max_diff_from_sum": float((res.tensor - truth).abs().max()), "stats": repr(res.stats),
+                    "stream_exchanges": g.endpoint.streams.exchanges,
+                    "links": {k: repr(v.error) for k, v in g.endpoint._links.items()}}
 
     return trio.run(main)
 
@@ -226,7 +224,7 @@ def test_codec_collective_mismatch_is_rejected_at_construction():
         capabilities = Capabilities(summable=False, lossy_tolerant=False)
 
     with pytest.raises(CodecMismatch, match="not summable"):
-        RingAllReduce(Group(None, 0, 2, 1), Gathered())
+        RingAllReduce(Group(OfflineTransport(), 0, 2, 1), Gathered())
 
 
 def _lonely(rank, world):
@@ -265,8 +263,7 @@ def _device_worker(rank, world, device):
     from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
 
     async def main():
-        g = await Group.create(rank, world, timeout=30)
-        try:
+        async with Group.open(rank, world, timeout=30) as g:
             x = data(rank).to(device)
             out = {}
             colls = {"ps-qsgd": ParameterServer(g, "qsgd"), "ps-dgt": ParameterServer(g, "dgt:p=0.3"),
@@ -278,8 +275,6 @@ def _device_worker(rank, world, device):
             got, _ = await Gossip(g, "dcd").exchange(x, 0, SEGMENTS)
             out["gossip-dcd"] = {j: (t.device.type, t.cpu()) for j, t in got.items()}
             return out
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 
@@ -309,7 +304,7 @@ def test_codecs_with_their_own_driver_are_refused_by_the_generic_collectives():
 
     for cls in (ParameterServer, RingAllReduce):
         with pytest.raises(CodecMismatch, match="LGCRunner"):
-            cls(Group(None, 0, 2, 1), "lgc:variant=ring")
+            cls(Group(OfflineTransport(), 0, 2, 1), "lgc:variant=ring")
 
 
 def test_codecs_that_need_state_a_collective_lacks_are_refused():
@@ -319,8 +314,9 @@ def test_codecs_that_need_state_a_collective_lacks_are_refused():
     from dgt.collectives.gossip import Gossip
     from dgt.collectives.model_server import ModelServer
     from dgt.errors import CodecMismatch
+    from dgt.transport import TransportConfig
 
-    g = Group(None, 0, 2, 1)
+    g = Group(OfflineTransport(), 0, 2, 1)
     for cls in (ParameterServer, RingAllReduce, Gossip):
         with pytest.raises(CodecMismatch, match="model server"):
             cls(g, "slimdp")
@@ -332,7 +328,9 @@ def test_codecs_that_need_state_a_collective_lacks_are_refused():
         ModelServer(g, "dcd", model=torch.zeros(8), lr=0.1)
     # what each is built for still constructs
     assert Gossip(g, "dcd").codec.capabilities.replica_deltas
-    assert ModelServer(g, "slimdp", model=torch.zeros(8), lr=0.1).codec.capabilities.stateful_server
+    # (Slim-DP keeps its own residuals: its group's transport runs without error feedback, as the codec demands)
+    no_feedback = Group(OfflineTransport(cfg=TransportConfig(error_feedback=False)), 0, 2, 1)
+    assert ModelServer(no_feedback, "slimdp", model=torch.zeros(8), lr=0.1).codec.capabilities.stateful_server
     assert ParameterServer(g, "qsgd").codec.name == "qsgd"
 
 
@@ -344,8 +342,7 @@ def _import_worker(rank, world):
     from dgt.collectives import Group, ParameterServer, RingAllReduce
 
     async def main():
-        g = await Group.create(rank, world, timeout=30)
-        try:
+        async with Group.open(rank, world, timeout=30) as g:
             colls = [ParameterServer(g, "dgt:p=0.3", server="sharded"), RingAllReduce(g, "dgt:p=0.3"),
                      ParameterServer(g, "qsgd"), RingAllReduce(g, "dense")]
             before, new = set(sys.modules), []
@@ -355,8 +352,6 @@ def _import_worker(rank, world):
                 new.append(sorted(set(sys.modules) - before))
                 before = set(sys.modules)
             return new
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 

@@ -8,6 +8,7 @@ import torch
 
 from dgt import wire
 from dgt.estimator import ContributionEstimator
+from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.protocol import datagram_mac as dm
 from dgt.protocol.receiver import RoundDone, RoundReceiver
@@ -183,15 +184,10 @@ async def test_endpoints_tag_every_datagram_and_the_receiver_takes_them_all(on):
     deadline loss: every block arrives, none counted bad-mac); with the MAC off nothing is tagged."""
     import trio
 
-    from dgt.transport import Endpoint, TransportConfig
+    from dgt.transport import TransportConfig
 
     cfg = TransportConfig(peer_timeout=5, deadline="fixed:2", datagram_mac=on)
-    a = await Endpoint.open(0, TOKEN, cfg)
-    b = await Endpoint.open(1, TOKEN, cfg)
-    try:
-        async with trio.open_nursery() as n:
-            n.start_soon(a.connect, {1: b.address})
-            n.start_soon(b.connect, {0: a.address})
+    async with connected_pair(TOKEN, cfg) as (a, b):
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
         est = ContributionEstimator(layout)
@@ -209,9 +205,6 @@ async def test_endpoints_tag_every_datagram_and_the_receiver_takes_them_all(on):
         assert b.receiver.counters.reasons.get("bad-mac", 0) == 0
         assert bool(res.mask.all()) and torch.equal(res.data, x)
         assert (b.receiver.mac is not None) == on and (a._links[1].sender.mac is not None) == on
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_endpoints_that_disagree_on_the_mac_refuse_to_connect():
@@ -221,17 +214,13 @@ async def test_endpoints_that_disagree_on_the_mac_refuse_to_connect():
     from dgt.errors import DgtError
     from dgt.transport import Endpoint, TransportConfig
 
-    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=True))
-    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=False))
-    try:
+    async with (Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=True)) as a,
+                Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=False)) as b):
         with pytest.raises(DgtError, match="datagram_mac"):
             with trio.fail_after(10):
                 async with trio.open_nursery() as n:
                     n.start_soon(a.connect, {1: b.address})
                     n.start_soon(b.connect, {0: a.address})
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -6,6 +6,7 @@ import torch
 
 from dgt import wire
 from dgt.estimator import ContributionEstimator
+from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.protocol.receiver import RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
@@ -74,17 +75,12 @@ def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
     import trio
 
     from dgt.protocol.datagram_mac import DatagramMac
-    from dgt.transport import Endpoint, TransportConfig, auth
+    from dgt.transport import TransportConfig, auth
 
     cfg = TransportConfig(peer_timeout=5, deadline="fixed:2", check_source=False, secret=b"members only")
 
     async def main():
-        a = await Endpoint.open(0, TOKEN, cfg, host="127.0.0.1")
-        b = await Endpoint.open(1, TOKEN, cfg, host="127.0.0.1")
-        try:
-            async with trio.open_nursery() as n:
-                n.start_soon(a.connect, {1: b.address})
-                n.start_soon(b.connect, {0: a.address})
+        async with connected_pair(TOKEN, cfg) as (a, b):
             guess = DatagramMac(auth.session_key(TOKEN, None))  # the key as derived without a secret
             forger = RoundSender(TOKEN, rank=0, mac=guess, peer=1)
             ports = dict(zip(b.udp, b.address.udp_ports))
@@ -110,9 +106,6 @@ def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
                     res = await b.recv_round(0, 0, rnd, timeout=10)
                 assert bool(res.mask.all()) and torch.equal(res.data, x), rnd
             assert b.receiver.counters.reasons.get("bad-mac", 0) > 0, b.receiver.counters.reasons
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 

@@ -3,6 +3,7 @@ feedback, several lanes, concurrency, hostile datagrams, failures, statistics an
 
 import json
 import socket
+from contextlib import AsyncExitStack
 
 import numpy as np
 import pytest
@@ -32,8 +33,8 @@ TOKEN = 0x5EED_0001
 SIZES = [30000, 1024, 7, 20000, 777]
 
 
-async def pair(cfg_a=None, cfg_b=None, host="127.0.0.1", token_b=TOKEN):
-    return await connected_pair(TOKEN, cfg_a, cfg_b, host=host, token_b=token_b)
+def pair(cfg_a=None, cfg_b=None, host="127.0.0.1", token_b=TOKEN):
+    return connected_pair(TOKEN, cfg_a, cfg_b, host=host, token_b=token_b)
 
 
 def classified(x, layout, p, classes=2):
@@ -55,8 +56,7 @@ async def send_and_recv(a, b, bucket, rnd, x, layout=None, cls=0, order=None, **
 
 
 async def test_lossless_round_is_bit_identical_and_dscp_reads_back():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         layout = BucketLayout(SIZES)
         for rnd, dtype in enumerate((torch.float32, torch.float16, torch.bfloat16)):
             x = torch.randn(layout.numel).to(dtype)
@@ -70,15 +70,11 @@ async def test_lossless_round_is_bit_identical_and_dscp_reads_back():
             assert info["listener"]["dscp"] == 46
             assert all(v["dscp"] == 46 and v["priority"] == 6 for v in info["tcp"].values())
             assert info["udp"][1]["dscp"] == 1 and info["udp"][1]["priority"] == 1
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_lossy_round_keeps_important_blocks_closes_by_deadline_and_feeds_errors_back():
     cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.2, drop_seed=7, deadline="fixed:0.05")
-    a, b = await pair(TransportConfig(peer_timeout=5, deadline="fixed:0.05"), cfg_b)
-    try:
+    async with pair(TransportConfig(peer_timeout=5, deadline="fixed:0.05"), cfg_b) as (a, b):
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
@@ -102,14 +98,10 @@ async def test_lossy_round_keeps_important_blocks_closes_by_deadline_and_feeds_e
         assert sent2.copied and res2.mask.all()
         assert torch.equal(res2.data, y + residual) and torch.allclose(res.data + res2.data, x + y)
         assert a._links[1].sender.residual(1).abs().sum() == 0
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_reusing_a_closed_round_fails_fast_instead_of_hanging():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         x = torch.randn(5000)
         await send_and_recv(a, b, 0, 0, x)
         with trio.fail_after(5):
@@ -117,9 +109,6 @@ async def test_reusing_a_closed_round_fails_fast_instead_of_hanging():
                 await a.send_round(1, 0, 0, x)
         _, res = await send_and_recv(a, b, 0, 1, x)  # the session is fine afterwards
         assert torch.equal(res.data, x)
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_round_refused_by_receiver_limits_fails_fast():
@@ -127,8 +116,7 @@ async def test_round_refused_by_receiver_limits_fails_fast():
     from dgt import wire as w
 
     tight = TransportConfig(peer_timeout=5, limits=w.Limits(max_open_rounds=1), drop_fraction=1.0, deadline=2.0)
-    a, b = await pair(TransportConfig(peer_timeout=5), tight)
-    try:
+    async with pair(TransportConfig(peer_timeout=5), tight) as (a, b):
         layout = BucketLayout([20000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.5)
@@ -137,15 +125,11 @@ async def test_round_refused_by_receiver_limits_fails_fast():
             with pytest.raises(ProtocolError, match="refused .*too-many-rounds"):
                 await a.send_round(1, 1, 0, x)
         assert b.receiver.open_rounds() == [(0, 0, 0)]
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_three_lanes_map_classes_to_dscp_and_reassemble():
     cfg = TransportConfig(lanes=three_lanes(), peer_timeout=5)
-    a, b = await pair(cfg)
-    try:
+    async with pair(cfg) as (a, b):
         assert [v["dscp"] for v in a.socket_info()["udp"].values()] == [18, 1]
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
@@ -156,14 +140,10 @@ async def test_three_lanes_map_classes_to_dscp_and_reassemble():
         lanes = res.stats.lanes
         assert lanes[0].blocks == int((c.cls == 0).sum())
         assert lanes[1].blocks == int((c.cls == 1).sum()) and lanes[2].blocks == int((c.cls == 2).sum())
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_concurrent_buckets_both_directions_and_buffered_results():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         layout = BucketLayout([5000, 3000])
         xs = {(s, k): torch.randn(layout.numel) for s in (0, 1) for k in range(4)}
         results = {}
@@ -203,17 +183,14 @@ async def test_concurrent_buckets_both_directions_and_buffered_results():
             n.start_soon(a.send_round, 1, 98, 0, xs[(0, 1)])
             res = await b.recv_round(0, 98, 0, out=out)
         assert res.data is out and torch.equal(out, xs[(0, 1)])
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_three_endpoints_connect_all_to_all_and_exchange_concurrently():
     # a fixed 10 s deadline: every round closes complete, so the check can be bit-exact (the adaptive deadline closed
     # rounds before a loaded host's datagrams were in: about half the runs at load 5-9)
     cfg = TransportConfig(peer_timeout=5, deadline="fixed:10")
-    eps = [await Endpoint.open(r, TOKEN, cfg) for r in range(3)]
-    try:
+    async with AsyncExitStack() as stack:
+        eps = [await stack.enter_async_context(Endpoint.open(r, TOKEN, cfg)) for r in range(3)]
         addrs = {ep.rank: ep.address for ep in eps}
         async with trio.open_nursery() as n:
             for ep in eps:
@@ -233,14 +210,10 @@ async def test_three_endpoints_connect_all_to_all_and_exchange_concurrently():
                 n.start_soon(recv, d, s)
         for key, x in xs.items():
             assert got[key].stats.closed_by == "complete" and torch.equal(got[key].data, x), key
-    finally:
-        for ep in eps:
-            await ep.aclose()
 
 
 async def test_bytes_and_tensors_lossless_in_order():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         msgs = [b"", b"x", bytes(range(256)) * 40, b"last"]
         async with trio.open_nursery() as n:
             for m in msgs:
@@ -252,17 +225,13 @@ async def test_bytes_and_tensors_lossless_in_order():
             n.start_soon(b.send_tensor, 0, t)
             r = await a.recv_tensor(1)
         assert r.shape == t.shape and torch.equal(r, t)
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
     """A paced sender is still sending a round's unimportant datagrams when the receiver closes it at its
     deadline: the rest is abandoned and the next round goes out without waiting behind it."""
     cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10, congestion_control=False)  # fixed pace
-    a, b = await pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02"))
-    try:
+    async with pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02")) as (a, b):
         layout = BucketLayout([200_000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.1)
@@ -279,16 +248,12 @@ async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
         sent2, res2 = await send_and_recv(a, b, 0, 1, x, layout, 0)
         assert trio.current_time() - t1 < 0.5 and res2.mask.all() and torch.equal(res2.data, x + residual)
         assert a.stats().lanes[1].tx_abandoned == sent.abandoned[1]
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
     cfg_a = TransportConfig(peer_timeout=5, pace_start=50e6)  # congestion control is on by default
     cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.3, drop_seed=1, deadline="fixed:0.3")
-    a, b = await pair(cfg_a, cfg_b)
-    try:
+    async with pair(cfg_a, cfg_b) as (a, b):
         layout = BucketLayout([50_000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
@@ -303,17 +268,13 @@ async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
         for rnd in range(1, 4):  # loopback: no queue, no loss: the rate probes up
             await send_and_recv(a, b, 0, rnd, x, layout, c.cls, c.order)
         assert a.stats().pace_rates[1] > r1
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carries_them():
     """A rate so low that the budget covers one block: the rest is unsent (not lost), the receiver closes the round
     'complete' once the sent block is in, and the next round delivers the kept-back values through the residual."""
     cfg_a = TransportConfig(peer_timeout=5, pace_start=1e5, pace_min=1e5, pace_max=1e5)
-    a, b = await pair(cfg_a, TransportConfig(peer_timeout=5))
-    try:
+    async with pair(cfg_a, TransportConfig(peer_timeout=5)) as (a, b):
         layout = BucketLayout([64 * 1024])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.25)
@@ -338,17 +299,13 @@ async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carrie
         s2, r2 = await send_and_recv(a, b, 0, 2, torch.zeros_like(x), layout, 0)
         assert r2.mask.all() and torch.equal(r2.data[kept], x[kept])
         assert torch.equal(r2.data[~kept], torch.zeros_like(r2.data[~kept]))
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_small_receive_buffer_drops_for_real_and_accounting_matches():
     """A tiny UDP receive buffer and an unpaced burst: the kernel drops datagrams, important blocks still arrive,
     the round closes by its deadline and the drop report matches the mask."""
     cfg_b = TransportConfig(peer_timeout=5, udp_rcvbuf=4096, deadline="fixed:0.05", gro=False)
-    a, b = await pair(TransportConfig(peer_timeout=5), cfg_b)
-    try:
+    async with pair(TransportConfig(peer_timeout=5), cfg_b) as (a, b):
         layout = BucketLayout([300_000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.2)
@@ -356,14 +313,10 @@ async def test_small_receive_buffer_drops_for_real_and_accounting_matches():
         assert res.mask[c.important].all()
         assert res.stats.dropped > 0 and sent.lost_blocks == res.stats.dropped
         assert b.stats().lanes[1].rx_kernel_drops > 0
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_unknown_sources_and_wrong_tokens_are_dropped_and_counted():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         port = b.address.udp_ports[0]
         stranger = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         good = wire.encode_frame(wire.FrameType.DATA, b"\0" * 16, token=TOKEN, rank=0, count=4, flags=2)
@@ -386,17 +339,13 @@ async def test_unknown_sources_and_wrong_tokens_are_dropped_and_counted():
         x = torch.randn(5000)
         _, res = await send_and_recv(a, b, 0, 0, x)
         assert torch.equal(res.data, x)
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(st.lists(st.binary(min_size=0, max_size=300), min_size=1, max_size=20), st.integers(0, 2**32 - 1))
 def test_fuzzed_datagrams_never_crash_the_receiver(blobs, seed):
     async def main():
-        a, b = await pair(TransportConfig(peer_timeout=5, check_source=False))
-        try:
+        async with pair(TransportConfig(peer_timeout=5, check_source=False)) as (a, b):
             rng = np.random.default_rng(seed)
             port = b.address.udp_ports[0]
             fuzz = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -412,16 +361,12 @@ def test_fuzzed_datagrams_never_crash_the_receiver(blobs, seed):
             _, res = await send_and_recv(a, b, 0, 0, x)
             assert torch.equal(res.data, x)
             assert b._fatal is None
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
 
 async def test_closed_peer_fails_pending_operations_with_peer_closed():
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         with trio.fail_after(5):
             async with trio.open_nursery() as n:
 
@@ -434,67 +379,48 @@ async def test_closed_peer_fails_pending_operations_with_peer_closed():
                 await b.aclose()
         with pytest.raises(PeerClosed):
             await a.send_round(1, 0, 0, torch.zeros(10))
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_silent_peer_times_out_within_peer_timeout():
     """A peer whose connection stays open but says nothing (no pings): PeerTimeout within peer_timeout."""
-    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=0.6))
-    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=60, heartbeat=100))
-    try:
-        async with trio.open_nursery() as n:
-            n.start_soon(a.connect, {1: b.address})
-            n.start_soon(b.connect, {0: a.address})
+    async with pair(TransportConfig(peer_timeout=0.6), TransportConfig(peer_timeout=60, heartbeat=100)) as (a, b):
         t0 = trio.current_time()
         with pytest.raises(PeerTimeout, match="silent"):
             await a.recv_round(1, 0, 0)
         assert trio.current_time() - t0 <= 0.6 + 0.3  # within peer_timeout, plus slack for a loaded CI box
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_connect_times_out_on_a_missing_peer_and_on_a_wrong_token():
-    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=0.5))
-    try:
+    async with Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=0.5)) as a:
         ghost = PeerAddress("127.0.0.1", 1, (2,), 1)
         with pytest.raises(PeerTimeout):
             await a.connect({1: ghost})
         with pytest.raises(PeerTimeout):
             await a.connect({2: PeerAddress("127.0.0.1", 1, (2,), 2)})  # rank 2 would dial us: nobody does
-        other = await Endpoint.open(1, TOKEN + 1, TransportConfig(peer_timeout=0.5))
-        try:
+        async with Endpoint.open(1, TOKEN + 1, TransportConfig(peer_timeout=0.5)) as other:
             with pytest.raises(PeerClosed, match="session token"):
                 await a.connect({1: other.address})
             assert other.peers == [] and a.peers == []
-        finally:
-            await other.aclose()
-    finally:
-        await a.aclose()
 
 
 async def test_ipv6_loopback_marks_traffic_class():
+
     try:
-        a, b = await pair(host="::1")
+        with socket.socket(socket.AF_INET6, socket.SOCK_DGRAM) as probe:
+            probe.bind(("::1", 0))
     except OSError:
         pytest.skip("no IPv6 loopback")
-    try:
+    async with pair(host="::1") as (a, b):
         assert a.socket_info()["tcp"][1]["dscp"] == 46 and a.socket_info()["udp"][1]["dscp"] == 1
         layout = BucketLayout([40000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
         _, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
         assert torch.equal(res.data, x)
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_statistics_are_dataclasses_that_turn_into_json():
-    a, b = await pair(TransportConfig(peer_timeout=5, datagram_payload=8000))
-    try:
+    async with pair(TransportConfig(peer_timeout=5, datagram_payload=8000)) as (a, b):
         layout = BucketLayout([60000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
@@ -509,9 +435,6 @@ async def test_statistics_are_dataclasses_that_turn_into_json():
         assert sb.lanes[1].rx_gro_reads > 0
         assert json.loads(sent.to_json())["datagrams"]["1"] == sent.datagrams[1]
         assert res.goodput > 0 and json.loads(json.dumps(res.to_dict()))["stats"]["blocks"] == layout.nblocks
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 def test_blocking_endpoint_and_futures():
@@ -540,8 +463,7 @@ async def test_deadline_starts_when_a_control_frame_follows_round_end_in_the_sam
     from dgt.transport import control
 
     slow_beat = TransportConfig(peer_timeout=30, deadline="fixed:0.01")
-    a, b = await pair(slow_beat, TransportConfig(peer_timeout=30, deadline="fixed:0.01", drop_fraction=1.0))
-    try:
+    async with pair(slow_beat, TransportConfig(peer_timeout=30, deadline="fixed:0.01", drop_fraction=1.0)) as (a, b):
         writer = a._links[1].writer
         plain = writer.push_frames
         ping = control.control(TOKEN, 0, control.PING)
@@ -565,16 +487,12 @@ async def test_deadline_starts_when_a_control_frame_follows_round_end_in_the_sam
         assert res.stats.closed_by == "deadline" and res.stats.dropped > 0
         assert res.stats.deadline_wait < 0.5, res.stats.deadline_wait
         assert trio.current_time() - t0 < 2.0  # the heartbeat period is 7.5 s: a hang would show here
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_posted_receive_lands_in_place_even_when_the_round_opens_first():
     """post_recv names the landing buffer before recv_round is called: a round that opens (and even closes) before
     its receiver asks for it is reassembled straight into that buffer, with no copy at the end."""
-    a, b = await pair()
-    try:
+    async with pair() as (a, b):
         x = torch.randn(300_000)
         posted, late = torch.empty_like(x), torch.empty_like(x)
         b.post_recv(0, 5, 0, posted)
@@ -596,16 +514,12 @@ async def test_posted_receive_lands_in_place_even_when_the_round_opens_first():
         with trio.fail_after(5):
             res7 = await b.recv_round(0, 7, 0)
         assert torch.equal(res7.data, x) and not spare.any()
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def test_lossless_round_nobody_waits_on_asks_for_no_drop_report():
     """A lossless round sent with wait=False carries NO_REPORT: the receiver writes no DROP_REPORT back and the
     sender keeps no state for it; waiting senders and lossy rounds still get their report."""
-    a, b = await pair(TransportConfig(peer_timeout=30, deadline="fixed:0.05"))  # no heartbeat within the test
-    try:
+    async with pair(TransportConfig(peer_timeout=30, deadline="fixed:0.05")) as (a, b):  # no heartbeat within the test
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
         frames_before = b._links[0].writer.frames
@@ -618,6 +532,3 @@ async def test_lossless_round_nobody_waits_on_asks_for_no_drop_report():
         sent, res = await send_and_recv(a, b, 1, 1, x, layout, wait=True)
         assert sent.report and sent.lost_blocks == 0
         assert b._links[0].writer.frames == frames_before + 1
-    finally:
-        await a.aclose()
-        await b.aclose()

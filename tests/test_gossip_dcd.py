@@ -30,8 +30,7 @@ def _rank(rank, world, spec):
     from dgt.collectives import Gossip, Group
 
     async def main():
-        g = await Group.create(rank, world, timeout=30)
-        try:
+        async with Group.open(rank, world, timeout=30) as g:
             proto = make_codec(spec)
             node = proto.make_node(rank, torch.zeros(DIM), mixing_row(ring_matrix(world), rank), LR)
             gossip = Gossip(g, proto)
@@ -41,8 +40,6 @@ def _rank(rank, world, spec):
                 for j in node.neighbours:
                     node.receive(j, got[j])
             return node.x
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 

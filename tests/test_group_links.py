@@ -8,22 +8,15 @@ import trio
 import trio.testing
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+from dgt.harness.groups import local_groups
 from dgt.transport import TransportConfig
 
 W = 6
 
 
-async def _groups(prefix, connect="lazy"):
-    store, groups = dist.HashStore(), [None] * W
-
-    async def one(r):
-        groups[r] = await Group.create(r, W, store=store, config=TransportConfig(peer_timeout=30), timeout=30,
-                                       prefix=prefix, connect=connect)
-
-    async with trio.open_nursery() as n:
-        for r in range(W):
-            n.start_soon(one, r)
-    return groups
+def _groups(prefix, connect="lazy"):
+    return local_groups(W, dist.HashStore(), config=TransportConfig(peer_timeout=30), timeout=30, prefix=prefix,
+                        connect=connect)
 
 
 async def _all(groups, fn):
@@ -43,8 +36,7 @@ def xs(bucket):
 
 
 async def test_collectives_connect_only_to_the_peers_they_need_in_call_order():
-    groups = await _groups("links")
-    try:
+    async with _groups("links") as groups:
         assert [g.connected for g in groups] == [[]] * W
         rings = [RingAllReduce(g) for g in groups]
 
@@ -74,13 +66,10 @@ async def test_collectives_connect_only_to_the_peers_they_need_in_call_order():
         torch.testing.assert_close(res[0].tensor, torch.stack(xs(5)).mean(0), rtol=1e-5, atol=1e-6)
         assert groups[2].connected == [0, 1, 3, 4, 5]
         assert groups[4].connected == [2, 3, 5]
-    finally:
-        await _all(groups, lambda r: groups[r].aclose())
 
 
 async def test_gossip_neighbours_and_connect_all():
-    groups = await _groups("gossip")
-    try:
+    async with _groups("gossip") as groups:
         mixing = torch.zeros(W, W, dtype=torch.float64)
         for i in range(W):  # pairs (0,3), (1,4), (2,5)
             mixing[i, i] = mixing[i, (i + 3) % W] = 0.5
@@ -89,13 +78,8 @@ async def test_gossip_neighbours_and_connect_all():
         x = xs(0)
         torch.testing.assert_close(res[1].tensor, (x[1] + x[4]) / 2)
         assert [g.connected for g in groups] == [[(r + 3) % W] for r in range(W)]
-    finally:
-        await _all(groups, lambda r: groups[r].aclose())
-    groups = await _groups("all", connect="all")
-    try:
+    async with _groups("all", connect="all") as groups:
         assert [g.connected for g in groups] == [[p for p in range(W) if p != r] for r in range(W)]
-    finally:
-        await _all(groups, lambda r: groups[r].aclose())
 
 
 class _FakeEndpoint:
@@ -154,9 +138,8 @@ async def test_a_peer_lost_between_calls_fails_the_next_call_at_once_not_after_t
     (test_killed_rank_fails_the_others_with_a_clear_error took 34 s once under load)."""
     from dgt.errors import PeerClosed
 
-    groups = await _groups("lost")
-    rings = [RingAllReduce(g, "dense") for g in groups]
-    try:
+    async with _groups("lost") as groups:
+        rings = [RingAllReduce(g, "dense") for g in groups]
         await _all(groups, lambda r: rings[r].allreduce(xs(0)[r], 0))
         await groups[1].aclose()  # rank 1 leaves; rank 2 (its higher neighbour) sees the link close
         with trio.fail_after(10):
@@ -169,5 +152,3 @@ async def test_a_peer_lost_between_calls_fails_the_next_call_at_once_not_after_t
                 assert "rank(s) [1] was lost" in str(exc)
             else:
                 raise AssertionError("a call with a lost neighbour must fail")
-    finally:
-        await _all(groups, lambda r: groups[r].aclose() if r != 1 else trio.sleep(0))

@@ -11,7 +11,8 @@ import torch
 import trio
 
 from dgt import wire
-from dgt.transport import Endpoint, TransportConfig, auth, control
+from dgt.harness.endpoints import connected_pair
+from dgt.transport import TransportConfig, auth, control
 
 TOKEN = 0x22_F022
 ODD = [None, 0, -1, 1 << 70, 1.5, "", "x" * 3000, [], [1, 2], {}, {"host": 5}, True, "stream:0", {"a": [None]}]
@@ -89,12 +90,7 @@ def _attack(port: int, seed: int, n: int) -> dict[str, int]:
 def test_fuzzed_handshakes_are_refused_and_the_endpoint_keeps_serving(seed):
     async def main():
         cfg = TransportConfig(peer_timeout=3, connect_timeout=1, secret=b"fuzz")
-        a = await Endpoint.open(0, TOKEN, cfg, host="127.0.0.1")
-        b = await Endpoint.open(1, TOKEN, cfg, host="127.0.0.1")
-        try:
-            async with trio.open_nursery() as n:
-                n.start_soon(a.connect, {1: b.address})
-                n.start_soon(b.connect, {0: a.address})
+        async with connected_pair(TOKEN, cfg) as (a, b):
             seen = await trio.to_thread.run_sync(_attack, b.address.tcp_port, seed, 150)
             assert control.WELCOME not in seen, seen
             assert seen.get("hello->challenge", 0) > 20, seen  # the mutated answers did reach the proof check
@@ -109,8 +105,5 @@ def test_fuzzed_handshakes_are_refused_and_the_endpoint_keeps_serving(seed):
                 n.start_soon(a.send_round, 1, 1, 0, x)
                 res = await b.recv_round(0, 1, 0, timeout=10)
             assert torch.equal(res.data, x)
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dgt.collectives.launch import run_ranks
+from dgt.harness.offline import OfflineTransport
 
 # values float32 cannot hold: a float32 path rounds them (2^40+1 -> 2^40, 16777217 -> 16777216, 1+1e-12 -> 1)
 EXACT = {
@@ -31,14 +32,11 @@ def _exact_worker(rank, world, kind, name):
 
     async def main():
         cfg = TransportConfig(stream_hops=kind.split("/")[1])
-        g = await Group.create(rank, world, config=cfg, timeout=30)
-        try:
+        async with Group.open(rank, world, config=cfg, timeout=30) as g:
             coll = RingAllReduce(g, "dense", op="sum") if kind.startswith("ring") else \
                 ParameterServer(g, "dense", op="sum", server="sharded" if kind.startswith("ps/") else 0)
             res = await coll.allreduce(x)
             return res.tensor
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 
@@ -67,7 +65,7 @@ def test_refused_dtypes_and_ops_fail_before_any_traffic():
     from dgt.collectives.group import Group
     from dgt.errors import InputRejected
 
-    g = Group(None, 0, 2, 1)  # no endpoint: any traffic would fail with another error
+    g = Group(OfflineTransport(), 0, 2, 1)  # no endpoint: any traffic would fail with another error
     cases = [
         (RingAllReduce(g, "dense"), torch.zeros(8, dtype=torch.complex64), "complex64"),
         (RingAllReduce(g, "dense"), torch.zeros(8, dtype=torch.bool), "bool"),
@@ -87,10 +85,10 @@ def test_refused_dtypes_and_ops_fail_before_any_traffic():
         trio.run(Gossip(g, "dgt:p=0.3").mix, torch.zeros(8, dtype=torch.bool))
 
 
-async def _pair(cfg=None):
+def _pair(cfg=None):
     from dgt.harness.endpoints import connected_pair
 
-    return await connected_pair(0x22, cfg)
+    return connected_pair(0x22, cfg)
 
 
 def test_sender_refuses_a_class_array_that_does_not_cover_the_bucket():
@@ -100,8 +98,7 @@ def test_sender_refuses_a_class_array_that_does_not_cover_the_bucket():
     from dgt.layout import BucketLayout
 
     async def main():
-        a, b = await _pair()
-        try:
+        async with _pair() as (a, b):
             x = torch.randn(10 * 1024)
             lay = BucketLayout([x.numel()], 1024)
             ones = torch.ones(10, dtype=torch.int8)
@@ -122,9 +119,6 @@ def test_sender_refuses_a_class_array_that_does_not_cover_the_bucket():
                 n.start_soon(a.send_round, 1, 3, 0, x, lay, 0)
                 res = await b.recv_round(0, 3, 0, timeout=10)
             assert torch.equal(res.data, x) and bool(res.mask.all())
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
@@ -166,22 +160,17 @@ def _mismatch_worker(rank, world, kind, codec, streams):
     async def main():
         cfg = TransportConfig(peer_timeout=20, stream_hops=streams)
         store = store_from_env(rank, world, 30)  # one c10d store for both groups
-        g = await Group.create(rank, world, store=store, config=cfg, timeout=30)
-        t0 = time.monotonic()
-        try:
-            await build(g).allreduce(torch.ones(5000 + (rank == 1)))
-            first = ("no error", 0.0)
-        except RankMismatch as exc:
-            first = (str(exc), time.monotonic() - t0)
-        finally:
-            await g.aclose()
+        async with Group.open(rank, world, store=store, config=cfg, timeout=30) as g:
+            t0 = time.monotonic()
+            try:
+                await build(g).allreduce(torch.ones(5000 + (rank == 1)))
+                first = ("no error", 0.0)
+            except RankMismatch as exc:
+                first = (str(exc), time.monotonic() - t0)
         # after the error: a new group and collective in the same process work (another rendezvous prefix)
-        g = await Group.create(rank, world, config=cfg, timeout=30, store=store, prefix="dgt-again")
-        try:
+        async with Group.open(rank, world, config=cfg, timeout=30, store=store, prefix="dgt-again") as g:
             res = await build(g).allreduce(torch.full((5000,), float(rank)))
             return first, res.tensor
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 
@@ -211,8 +200,7 @@ def _nan_worker(rank, world):
     async def main():
         # half the datagrams are lost: unimportant blocks go to the residual and come back a round later
         cfg = TransportConfig(peer_timeout=10, drop_fraction=0.5, drop_seed=rank)
-        g = await Group.create(rank, world, config=cfg, timeout=30)
-        try:
+        async with Group.open(rank, world, config=cfg, timeout=30) as g:
             ring = RingAllReduce(g, "dgt:p=0.1", op="sum")
             gen = torch.Generator().manual_seed(rank)
             outs = []
@@ -224,8 +212,6 @@ def _nan_worker(rank, world):
             scores_finite = all(bool(torch.isfinite(st.values["estimator"].scores).all())
                                 for st in ring.codec.state_dict().values())
             return outs, ring.codec.nonfinite, scores_finite
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 import trio
 
+from dgt.harness.endpoints import connected_pair
 from dgt.inspect.capture import LiveCapture
 from dgt.inspect.summary import Options, summarize
 
@@ -21,17 +22,10 @@ TOKEN = 0x1D5EC7_0000_0042
 async def _run_pair(cfg, body) -> tuple[list, list, object, object]:
     """Two connected endpoints; ``body(a, b, sent, got)`` exchanges rounds; returns what it collected and the
     endpoints' addresses (their ports tell the capture which flows are ours)."""
-    a = await endpoint.Endpoint.open(0, TOKEN, cfg)
-    b = await endpoint.Endpoint.open(1, TOKEN, cfg)
     sent, got = [], []
-    try:
-        await a.connect({1: b.address})
-        await b.connect({0: a.address})
+    async with connected_pair(TOKEN, cfg) as (a, b):
         await body(a, b, sent, got)
-    finally:
         addr_a, addr_b = a.address, b.address
-        await a.aclose()
-        await b.aclose()
     return sent, got, addr_a, addr_b
 
 

@@ -15,9 +15,9 @@ from dgt.transport import Endpoint, TransportConfig, auth, control
 TOKEN = 0x22_0022
 
 
-async def _pair(secret_a=b"s3cret", secret_b=b"s3cret", timeout=3.0):
-    return await connected_pair(TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_a),
-                                TransportConfig(peer_timeout=timeout, secret=secret_b))
+def _pair(secret_a=b"s3cret", secret_b=b"s3cret", timeout=3.0):
+    return connected_pair(TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_a),
+                          TransportConfig(peer_timeout=timeout, secret=secret_b))
 
 
 def _attacker_hello(port: int, claimed_rank: int, **fields) -> list[str]:
@@ -48,8 +48,7 @@ def _attacker_hello(port: int, claimed_rank: int, **fields) -> list[str]:
 
 def test_stream_lane_hijack_with_the_token_alone_is_refused_and_the_session_stays_correct():
     async def main():
-        a, b = await _pair()
-        try:
+        async with _pair() as (a, b):
             port = b.address.tcp_port
             for fields in ({"stream": True, "direction": 0}, {"stream": True, "direction": 1}, {}):
                 ops = await trio.to_thread.run_sync(lambda f=fields: _attacker_hello(port, 0, **f))
@@ -62,9 +61,6 @@ def test_stream_lane_hijack_with_the_token_alone_is_refused_and_the_session_stay
                 n.start_soon(a.send_round, 1, 5, 0, x)
                 res = await b.recv_round(0, 5, 0, timeout=10)
             assert torch.equal(res.data, x)
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
@@ -74,7 +70,8 @@ def test_members_with_different_secrets_cannot_connect():
 
     async def main():
         with pytest.raises(DgtError, match="session key|refused|did not|hung up|connect"):
-            await _pair(b"one", b"two", timeout=2.0)
+            async with _pair(b"one", b"two", timeout=2.0):
+                pytest.fail("members with different secrets connected")
 
     trio.run(main)
 
@@ -123,38 +120,36 @@ def test_silent_connections_are_capped_and_accept_errors_survived():
     import resource
 
     async def main():
-        a, b = await _pair()
-        b.cfg.max_pending_handshakes = 8
-        socks = []
-        try:
-            socks = _silent(b.address.tcp_port, 40)
-            await trio.sleep(0.5)
-            assert b.receiver.counters.reasons.get("handshake-cap", 0) >= 20, b.receiver.counters.reasons
-            assert b._handshakes <= 8
-            # descriptors run out: accept fails with EMFILE; the endpoint counts it and keeps serving
-            soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-            for s in socks:
-                s.close()
-            await trio.sleep(0.2)
-            import os
-
-            used = len(os.listdir("/proc/self/fd"))
-            resource.setrlimit(resource.RLIMIT_NOFILE, (used + 20, hard))
+        async with _pair() as (a, b):
+            b.cfg.max_pending_handshakes = 8
+            socks = []
             try:
-                socks = _silent(b.address.tcp_port, 30)  # the dialing ends take descriptors too
+                socks = _silent(b.address.tcp_port, 40)
                 await trio.sleep(0.5)
+                assert b.receiver.counters.reasons.get("handshake-cap", 0) >= 20, b.receiver.counters.reasons
+                assert b._handshakes <= 8
+                # descriptors run out: accept fails with EMFILE; the endpoint counts it and keeps serving
+                soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+                for s in socks:
+                    s.close()
+                await trio.sleep(0.2)
+                import os
+
+                used = len(os.listdir("/proc/self/fd"))
+                resource.setrlimit(resource.RLIMIT_NOFILE, (used + 20, hard))
+                try:
+                    socks = _silent(b.address.tcp_port, 30)  # the dialing ends take descriptors too
+                    await trio.sleep(0.5)
+                finally:
+                    for s in socks:
+                        s.close()
+                    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+                assert b.receiver.counters.reasons.get("accept:EMFILE", 0) >= 1, b.receiver.counters.reasons
+                await trio.sleep(0.2)
+                assert await _round_ok(a, b, 9)  # the session survived both
             finally:
                 for s in socks:
                     s.close()
-                resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-            assert b.receiver.counters.reasons.get("accept:EMFILE", 0) >= 1, b.receiver.counters.reasons
-            await trio.sleep(0.2)
-            assert await _round_ok(a, b, 9)  # the session survived both
-        finally:
-            for s in socks:
-                s.close()
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
@@ -166,33 +161,29 @@ def test_a_pending_handshake_holds_a_small_buffer_and_only_control_frames():
     import tracemalloc
 
     async def main():
-        a, b = await _pair()
-        socks = []
-        tracemalloc.start()
-        try:
-            before = tracemalloc.get_traced_memory()[0]
-            socks = _silent(b.address.tcp_port, 16)
-            await trio.sleep(0.5)
-            assert b._handshakes == 16
-            held = tracemalloc.get_traced_memory()[0] - before
-            assert held < 16 * 64 * 1024, held  # was >= 16 MiB
-            # a BULK header announcing a 16 MiB payload, token right, no hello: refused before any payload is read
-            s = socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5)
-            socks.append(s)
-            s.sendall(wire.encode_header(wire.FrameType.BULK, token=TOKEN, rank=0, length=16 << 20))
-            await trio.sleep(0.3)
-            assert b._handshakes == 16 and b.receiver.counters.reasons.get("handshake", 0) >= 1
-            assert tracemalloc.get_traced_memory()[0] - before < 16 * 64 * 1024
-        finally:
-            tracemalloc.stop()
-            for s in socks:
-                s.close()
-        try:
+        async with _pair() as (a, b):
+            socks = []
+            tracemalloc.start()
+            try:
+                before = tracemalloc.get_traced_memory()[0]
+                socks = _silent(b.address.tcp_port, 16)
+                await trio.sleep(0.5)
+                assert b._handshakes == 16
+                held = tracemalloc.get_traced_memory()[0] - before
+                assert held < 16 * 64 * 1024, held  # was >= 16 MiB
+                # a BULK header announcing a 16 MiB payload, token right, no hello: refused before any payload is read
+                s = socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5)
+                socks.append(s)
+                s.sendall(wire.encode_header(wire.FrameType.BULK, token=TOKEN, rank=0, length=16 << 20))
+                await trio.sleep(0.3)
+                assert b._handshakes == 16 and b.receiver.counters.reasons.get("handshake", 0) >= 1
+                assert tracemalloc.get_traced_memory()[0] - before < 16 * 64 * 1024
+            finally:
+                tracemalloc.stop()
+                for s in socks:
+                    s.close()
             await trio.sleep(0.2)
             assert await _round_ok(a, b, 4)  # an authenticated link still stages whole rounds
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
@@ -240,9 +231,7 @@ def test_a_member_without_a_live_session_link_cannot_open_a_stream_lane():
 
     async def main():
         cfg = TransportConfig(peer_timeout=3, secret=b"s3cret")
-        a = await Endpoint.open(0, TOKEN, cfg, host="127.0.0.1")
-        b = await Endpoint.open(1, TOKEN, cfg, host="127.0.0.1")
-        try:
+        async with Endpoint.open(0, TOKEN, cfg, host="127.0.0.1") as a, Endpoint.open(1, TOKEN, cfg, "127.0.0.1") as b:
             port = b.address.tcp_port
             for direction in (0, 1):
                 with pytest.raises(ProtocolError, match="no live session link"):
@@ -256,9 +245,6 @@ def test_a_member_without_a_live_session_link_cannot_open_a_stream_lane():
                 n.start_soon(a.exchange, [Hop(2, 0, send_to=1, payload=x)])
                 await b.exchange([Hop(2, 0, recv_from=0, land=land)])
             assert torch.equal(land, x) and 0 in b.streams.lanes
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
@@ -268,16 +254,15 @@ def test_other_accept_errors_are_counted_and_survived_too():
     import errno
 
     async def main():
-        a, b = await _pair()
-        real, fails = b.listener.accept, [errno.ENFILE, errno.ENOBUFS, errno.ECONNABORTED]
+        async with _pair() as (a, b):
+            real, fails = b.listener.accept, [errno.ENFILE, errno.ENOBUFS, errno.ECONNABORTED]
 
-        async def accept():
-            if fails:
-                raise OSError(fails.pop(0), "injected")
-            return await real()
+            async def accept():
+                if fails:
+                    raise OSError(fails.pop(0), "injected")
+                return await real()
 
-        b.listener.accept = accept  # the loop calls it anew for each connection
-        try:
+            b.listener.accept = accept  # the loop calls it anew for each connection
             before = b.receiver.counters.reasons.get("handshake", 0)
             with socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5) as s:
                 s.sendall(b"not a hello" * 10)  # wakes the accept under way; the next ones fail as injected
@@ -292,8 +277,5 @@ def test_other_accept_errors_are_counted_and_survived_too():
             reasons = b.receiver.counters.reasons
             assert all(reasons.get(f"accept:{n}", 0) == 1 for n in ("ENFILE", "ENOBUFS", "ECONNABORTED")), reasons
             assert await _round_ok(a, b, 6)
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)

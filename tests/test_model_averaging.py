@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dgt.collectives.launch import run_ranks
+from dgt.harness.offline import OfflineTransport
 from dgt.harness.simulate import train_model_averaging
 
 SPEC = "olandraj:c=6,M=4,F=0.03,seed=0"
@@ -26,8 +27,7 @@ def _rank(rank, world, spec, epochs, lr, batch, seed):
     shards = Shards(data, world, seed)
 
     async def main():
-        g = await Group.create(rank, world, timeout=30)
-        try:
+        async with Group.open(rank, world, timeout=30) as g:
             w0 = model.init(seed)
             ms = ModelServer(g, spec, model=w0, lr=lr, segments=model.segments, average=True)
             local, sent = w0.clone(), []
@@ -39,8 +39,6 @@ def _rank(rank, world, spec, epochs, lr, batch, seed):
                 sent.append(sum(res.stats.to_dict()["bytes_sent"].values()))
             last = getattr(ms.push_tx, "last_stats", {})
             return {"local": local, "sent": sent, "bits": last.get("bits_per_param"), "bytes": last.get("bytes")}
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 
@@ -70,7 +68,7 @@ def test_model_server_checks_the_communication_frequency():
     from dgt.collectives import Group
     from dgt.collectives.model_server import ModelServer
 
-    g = Group(None, 0, 2, 1)
+    g = Group(OfflineTransport(), 0, 2, 1)
     for bad in (0, -1, 1.5):
         with pytest.raises(ValueError, match="every"):
             ModelServer(g, "dense", model=torch.zeros(8), lr=0.1, every=bad)

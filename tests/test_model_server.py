@@ -65,11 +65,8 @@ def _train(rank, world, specs, rounds, lr, seed, cfg_kwargs=None, device="cpu", 
         return out
 
     async def main():
-        g = await Group.create(rank, world, config=TransportConfig(**(cfg_kwargs or {})), timeout=30)
-        try:
+        async with Group.open(rank, world, config=TransportConfig(**(cfg_kwargs or {})), timeout=30) as g:
             return [await one(g, i, spec) for i, spec in enumerate(specs)]
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 

@@ -26,8 +26,7 @@ def _rank(rank: int, world: int, epochs: int, lr: float, batch: int, seed: int) 
     steps = math.ceil(shards.parts[rank].numel() / batch)
 
     async def main() -> dict:
-        g = await Group.create(rank, world, timeout=30)
-        try:
+        async with Group.open(rank, world, timeout=30) as g:
             w0 = model.init(seed)
             ms = ModelServer(g, SPEC, model=w0, lr=lr, segments=model.segments, average=True, every=steps)
             local, bits, sent = w0.clone(), [], []
@@ -40,8 +39,6 @@ def _rank(rank: int, world: int, epochs: int, lr: float, batch: int, seed: int) 
                     if res.stats.bytes_sent:
                         bits.append(ms.push_tx.last_stats["bits_per_param"])
             return {"local": local, "bits": bits, "sent": sent, "steps": steps}
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from dgt.collectives.launch import run_ranks
+from dgt.harness.endpoints import connected_pair
 
 PEER_TIMEOUT = 20
 
@@ -30,21 +31,19 @@ def _worker(rank, world, kind, codec, streams, what):
 
     async def main():
         cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams)
-        g = await Group.create(rank, world, config=cfg, timeout=30)
-        coll = build(g)
-        if what.endswith("-warm"):  # a first call that matches: the stream lanes are open when the mismatch comes
-            res = await coll.allreduce(torch.ones(5000))
-            assert float(res.tensor[0]) == (3.0 if op == "sum" else 1.0)
-        t0 = time.monotonic()
-        try:
-            res = await coll.allreduce(torch.ones(5000, dtype=dtype))
-            return ("no error", time.monotonic() - t0, float(res.tensor[0]))
-        except RankMismatch as exc:
-            return (str(exc), time.monotonic() - t0, None)
-        except Exception as exc:  # noqa: BLE001 - the test reports what came instead
-            return (f"{type(exc).__name__}: {exc}", time.monotonic() - t0, None)
-        finally:
-            await g.aclose()
+        async with Group.open(rank, world, config=cfg, timeout=30) as g:
+            coll = build(g)
+            if what.endswith("-warm"):  # a first call that matches: the stream lanes are open when the mismatch comes
+                res = await coll.allreduce(torch.ones(5000))
+                assert float(res.tensor[0]) == (3.0 if op == "sum" else 1.0)
+            t0 = time.monotonic()
+            try:
+                res = await coll.allreduce(torch.ones(5000, dtype=dtype))
+                return ("no error", time.monotonic() - t0, float(res.tensor[0]))
+            except RankMismatch as exc:
+                return (str(exc), time.monotonic() - t0, None)
+            except Exception as exc:  # noqa: BLE001 - the test reports what came instead
+                return (f"{type(exc).__name__}: {exc}", time.monotonic() - t0, None)
 
     return trio.run(main)
 
@@ -113,16 +112,11 @@ def test_two_ranks_that_see_one_size_or_dtype_mismatch_give_the_same_reason():
     import trio
 
     from dgt.errors import RankMismatch, shape_mismatch
-    from dgt.transport import Endpoint, TransportConfig
+    from dgt.transport import TransportConfig
 
     async def main():
         cfg = TransportConfig(peer_timeout=5, stream_hops="off")
-        a = await Endpoint.open(0, 0x22, cfg, host="127.0.0.1")
-        b = await Endpoint.open(1, 0x22, cfg, host="127.0.0.1")
-        try:
-            async with trio.open_nursery() as n:
-                n.start_soon(a.connect, {1: b.address})
-                n.start_soon(b.connect, {0: a.address})
+        async with connected_pair(0x22, cfg) as (a, b):
             seen = []
             for tx, rx, peer, mine, theirs in ((a, b, 0, torch.float64, torch.float32),
                                                (b, a, 1, torch.float32, torch.float64)):
@@ -133,8 +127,5 @@ def test_two_ranks_that_see_one_size_or_dtype_mismatch_give_the_same_reason():
                 seen.append(info.value)
             assert str(seen[0]) == str(seen[1]) == shape_mismatch(7)
             assert "float32" in seen[0].detail and "float64" in seen[0].detail and seen[0].detail != seen[1].detail
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)

@@ -14,14 +14,14 @@ TOKEN = 0x22_B0D0
 GUARD = 15.0  # seconds: a receive still waiting by then has no bound
 
 
-async def _pair(**cfg):
-    return await connected_pair(TOKEN, TransportConfig(peer_timeout=5, **cfg))
+def _pair(**cfg):
+    return connected_pair(TOKEN, TransportConfig(peer_timeout=5, **cfg))
 
 
 def test_a_round_a_live_peer_never_sends_ends_in_peer_timeout_after_round_timeout():
     async def main():
-        a, b = await _pair(round_timeout=0.5)  # the peer stays live (pings): only the receive's own bound ends it
-        try:
+        # the peer stays live (pings): only the receive's own bound ends it
+        async with _pair(round_timeout=0.5) as (a, b):
             with trio.fail_after(GUARD):
                 for recv in (lambda: b.recv_round(0, 7, 0), lambda: b.recv_bytes(0, tag=3),
                              lambda: b.recv_round(0, 7, 1, timeout=0.3)):
@@ -35,17 +35,13 @@ def test_a_round_a_live_peer_never_sends_ends_in_peer_timeout_after_round_timeou
                 n.start_soon(a.send_round, 1, 7, 2, x)
                 res = await b.recv_round(0, 7, 2)
             assert torch.equal(res.data, x)
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)
 
 
 def test_a_stream_hop_whose_peer_never_sends_ends_in_peer_timeout():
     async def main():
-        a, b = await _pair()
-        try:
+        async with _pair() as (a, b):
             x, land_a, land_b = torch.ones(1000), torch.empty(1000), torch.empty(1000)
             async with trio.open_nursery() as n:  # one matching exchange: the lane is open
                 n.start_soon(a.exchange, [Hop(1, 0, send_to=1, payload=x, recv_from=1, land=land_a)])
@@ -55,8 +51,5 @@ def test_a_stream_hop_whose_peer_never_sends_ends_in_peer_timeout():
             with trio.fail_after(GUARD), pytest.raises(PeerTimeout):
                 await b.exchange([Hop(1, 1, recv_from=0, land=land_b)], timeout=0.5)  # rank 0 never sends it
             assert trio.current_time() - t0 < 3.0
-        finally:
-            await a.aclose()
-            await b.aclose()
 
     trio.run(main)

@@ -17,6 +17,7 @@ import trio
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
 from dgt.collectives.launch import run_ranks
+from dgt.harness.groups import local_groups
 from dgt.transport import TransportConfig
 
 pytestmark = pytest.mark.scale
@@ -51,17 +52,8 @@ async def _run_all(groups: list[Group], fn) -> list:
     return out
 
 
-async def _open(world: int, cfg: TransportConfig, prefix: str) -> list[Group]:
-    store = dist.HashStore()
-    groups: list = [None] * world
-
-    async def one(r: int) -> None:
-        groups[r] = await Group.create(r, world, store=store, config=cfg, timeout=120, prefix=prefix)
-
-    async with trio.open_nursery() as n:
-        for r in range(world):
-            n.start_soon(one, r)
-    return groups
+def _open(world: int, cfg: TransportConfig, prefix: str):
+    return local_groups(world, dist.HashStore(), config=cfg, timeout=120, prefix=prefix)
 
 
 def _links(groups: list[Group]) -> list[int]:
@@ -97,9 +89,8 @@ async def test_256_ranks_ring_sharded_ps_and_gossip_equal_the_reference(lossy):
     codec = "dgt:p=0.3,block=256" if lossy else "dense"
     t0 = time.monotonic()
     cfg = TransportConfig(peer_timeout=120, stream_hops="off", block=256, deadline="fixed:2.0")
-    groups = await _open(W, cfg, f"scale-{lossy}")
-    ones = torch.ones(NUMEL)
-    try:
+    async with _open(W, cfg, f"scale-{lossy}") as groups:
+        ones = torch.ones(NUMEL)
         assert _links(groups) == [0] * W  # lazy: nothing connected before a collective needs it
         # ring: two neighbours per rank
         rings = [RingAllReduce(g, codec) for g in groups]
@@ -129,14 +120,11 @@ async def test_256_ranks_ring_sharded_ps_and_gossip_equal_the_reference(lossy):
             want = set(range(W)) - {g.rank} if g.rank in servers else (servers | ring_nb) - {g.rank}
             assert set(g.endpoint.peers) == want, g.rank
         t_ps = time.monotonic() - t0 - t_ring
-    finally:
-        await _run_all(groups, lambda g: g.aclose())
 
     # gossip on a fresh group (its own links only): lossy runs drop 20% of the datagrams
     cfg = TransportConfig(peer_timeout=120, stream_hops="off", block=256, deadline="fixed:0.5",
                           drop_fraction=0.2 if lossy else 0.0, drop_seed=1)
-    groups = await _open(W, cfg, f"scale-gossip-{lossy}")
-    try:
+    async with _open(W, cfg, f"scale-gossip-{lossy}") as groups:
         goss = [Gossip(g, codec) for g in groups]
         res = await _run_all(groups, lambda g: goss[g.rank].exchange(xs[g.rank], 2))
         assert _links(groups) == [2] * W
@@ -159,8 +147,6 @@ async def test_256_ranks_ring_sharded_ps_and_gossip_equal_the_reference(lossy):
             for r in (0, 1, W // 2, W - 1):
                 ref = (xs[(r - 1) % W] + xs[r] + xs[(r + 1) % W]) / 3
                 torch.testing.assert_close(mix[r].tensor, ref, rtol=1e-5, atol=1e-6)
-    finally:
-        await _run_all(groups, lambda g: g.aclose())
     print(f"\nW={W} {codec}: ring {t_ring:.1f} s, sharded PS {t_ps:.1f} s, total {time.monotonic() - t0:.1f} s; "
           f"(missing contributions, blocks dropped): {lost}")
 
@@ -172,16 +158,13 @@ def _ring_rank(rank, world):
 
     async def main():
         t0 = time.monotonic()
-        g = await Group.create(rank, world, timeout=240, config=TransportConfig(peer_timeout=240))
-        try:
+        async with Group.open(rank, world, timeout=240, config=TransportConfig(peer_timeout=240)) as g:
             ring = RingAllReduce(g, "dense")
             t1 = time.monotonic()
             res = await ring.allreduce(x_of(rank), 0)
             # every connection this rank's endpoint ever had (a neighbour that finished first may have closed its own)
             links = len(g.endpoint._links)
             return res.tensor, links, g.rendezvous.ops, time.monotonic() - t1, t1 - t0
-        finally:
-            await g.aclose()
 
     return trio.run(main)
 

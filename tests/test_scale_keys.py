@@ -142,14 +142,10 @@ def test_port_range_binds_every_socket_inside_it_and_says_when_full(monkeypatch)
     taken.bind(("127.0.0.1", lo))  # the first port is busy: the next free one is used
 
     async def main():
-        eps = [await Endpoint.open(r, 1, cfg) for r in range(2)]
-        try:
-            ports = [p for ep in eps for p in (ep.address.tcp_port, *ep.address.udp_ports)]
+        async with Endpoint.open(0, 1, cfg) as a, Endpoint.open(1, 1, cfg) as b:
+            ports = [p for ep in (a, b) for p in (ep.address.tcp_port, *ep.address.udp_ports)]
             assert all(lo <= p <= lo + 15 for p in ports), ports
-            assert lo not in (eps[0].address.tcp_port, eps[1].address.tcp_port)  # busy for TCP: skipped
-        finally:
-            for ep in eps:
-                await ep.aclose()
+            assert lo not in (a.address.tcp_port, b.address.tcp_port)  # busy for TCP: skipped
         with pytest.raises(OSError, match=f"no free port .* {lo}-{lo}"):
             Endpoint(0, 1, TransportConfig(port_range=(lo, lo)))
 

@@ -23,16 +23,11 @@ MODES = [pytest.param("native", marks=pytest.mark.skipif(not NATIVE, reason="nat
 async def pair(mode="auto", timeout=5.0, ranks=(0, 1), **cfg):
     """Two connected endpoints (ranks ``ranks``), closed on the way out."""
     cfg = TransportConfig(peer_timeout=timeout, stream_hops=mode, **cfg)
-    a = await Endpoint.open(ranks[0], TOKEN, cfg)
-    b = await Endpoint.open(ranks[1], TOKEN, cfg)
-    try:
+    async with Endpoint.open(ranks[0], TOKEN, cfg) as a, Endpoint.open(ranks[1], TOKEN, cfg) as b:
         async with trio.open_nursery() as n:
             n.start_soon(a.connect, {ranks[1]: b.address})
             n.start_soon(b.connect, {ranks[0]: a.address})
         yield a, b
-    finally:
-        await a.aclose()
-        await b.aclose()
 
 
 async def both(fa, fb):

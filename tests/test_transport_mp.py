@@ -8,12 +8,15 @@ import socket
 import subprocess
 import sys
 import textwrap
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import torch
 import trio
 
 from dgt.estimator import ContributionEstimator
+from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.transport import Endpoint, PeerAddress, PeerClosed, PeerTimeout, TransportConfig
 
@@ -32,30 +35,30 @@ CHILD = textwrap.dedent(
     SIZES = [40000, 1024, 9, 25000]
 
     async def main():
-        ep = await Endpoint.open(1, 0xABCD0042, TransportConfig(**cfg))
-        print(ep.address.to_json(), flush=True)
-        peer = PeerAddress.from_json(await trio.to_thread.run_sync(sys.stdin.readline))
-        await ep.connect({0: peer})
-        layout = BucketLayout(SIZES)
-        x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
-        if scenario == "rounds":
-            out = [(await ep.send_round(0, 4, 0, x, layout)).to_dict()]
-            est = ContributionEstimator(layout)
-            est.update(x)
-            c = est.classify(0.3)
-            out.append((await ep.send_round(0, 4, 1, x, layout, c.cls, c.order)).to_dict())
-            out.append((await ep.send_round(0, 4, 2, torch.zeros(layout.numel), layout)).to_dict())
-            echo = await ep.recv_round(0, 9, 0)
-            await ep.send_round(0, 9, 1, echo.data * 2)
-            print(json.dumps(out), flush=True)
-            await trio.to_thread.run_sync(sys.stdin.readline)
-            await ep.aclose()
-        else:  # "stall": open a round, send half its important frames, then wait to be killed or stopped
-            link = ep._links[0]
-            plan = link.sender.plan(4, 0, x, layout, 0)
-            link.writer.push_frames(plan.reliable[: len(plan.reliable) // 2])
-            print("stalled", flush=True)
-            await trio.sleep(120)
+        async with Endpoint.open(1, 0xABCD0042, TransportConfig(**cfg)) as ep:
+            print(ep.address.to_json(), flush=True)
+            peer = PeerAddress.from_json(await trio.to_thread.run_sync(sys.stdin.readline))
+            await ep.connect({0: peer})
+            layout = BucketLayout(SIZES)
+            x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
+            if scenario == "rounds":
+                out = [(await ep.send_round(0, 4, 0, x, layout)).to_dict()]
+                est = ContributionEstimator(layout)
+                est.update(x)
+                c = est.classify(0.3)
+                out.append((await ep.send_round(0, 4, 1, x, layout, c.cls, c.order)).to_dict())
+                out.append((await ep.send_round(0, 4, 2, torch.zeros(layout.numel), layout)).to_dict())
+                echo = await ep.recv_round(0, 9, 0)
+                await ep.send_round(0, 9, 1, echo.data * 2)
+                print(json.dumps(out), flush=True)
+                await trio.to_thread.run_sync(sys.stdin.readline)
+                await ep.aclose()
+            else:  # "stall": open a round, send half its important frames, then wait to be killed or stopped
+                link = ep._links[0]
+                plan = link.sender.plan(4, 0, x, layout, 0)
+                link.writer.push_frames(plan.reliable[: len(plan.reliable) // 2])
+                print("stalled", flush=True)
+                await trio.sleep(120)
 
     trio.run(main)
     """
@@ -88,24 +91,27 @@ class Child:
         self.proc.wait(10)
 
 
-async def start(scenario: str, cfg0: TransportConfig, cfg1: dict) -> tuple[Endpoint, Child]:
+@asynccontextmanager
+async def start(scenario: str, cfg0: TransportConfig, cfg1: dict) -> AsyncIterator[tuple[Endpoint, Child]]:
+    """Rank 0 here, rank 1 in a child process running ``scenario``, connected; the child is killed and the endpoint
+    closed on the way out."""
     child = Child(scenario, cfg1)
-    ep = await Endpoint.open(0, TOKEN, cfg0)
     try:
-        addr = PeerAddress.from_json(await child.line())
-        child.send(ep.address.to_json())
-        await ep.connect({1: addr})
-    except BaseException:
+        async with Endpoint.open(0, TOKEN, cfg0) as ep:
+            try:
+                addr = PeerAddress.from_json(await child.line())
+                child.send(ep.address.to_json())
+                await ep.connect({1: addr})
+                yield ep, child
+            finally:
+                child.kill()  # before the endpoint says goodbye
+    finally:
         child.kill()
-        await ep.aclose()
-        raise
-    return ep, child
 
 
 async def test_two_processes_lossless_and_lossy_rounds_with_error_feedback():
     cfg = TransportConfig(peer_timeout=10, drop_fraction=0.2, drop_seed=3, deadline="fixed:0.05")
-    ep, child = await start("rounds", cfg, {"peer_timeout": 10})
-    try:
+    async with start("rounds", cfg, {"peer_timeout": 10}) as (ep, child):
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
         r0 = await ep.recv_round(1, 4, 0)
@@ -129,16 +135,12 @@ async def test_two_processes_lossless_and_lossy_rounds_with_error_feedback():
         child.send("done")
         with trio.fail_after(10):
             await trio.to_thread.run_sync(child.proc.wait)
-    finally:
-        child.kill()
-        await ep.aclose()
 
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 async def test_peer_that_dies_or_stalls_mid_round_fails_pending_operations(how):
     timeout = 2.0
-    ep, child = await start("stall", TransportConfig(peer_timeout=timeout), {"peer_timeout": 30})
-    try:
+    async with start("stall", TransportConfig(peer_timeout=timeout), {"peer_timeout": 30}) as (ep, child):
         assert (await child.line()).strip() == "stalled"
         with trio.fail_after(5):
             while not ep.receiver.open_rounds():  # the round is open, its important blocks half in
@@ -154,11 +156,6 @@ async def test_peer_that_dies_or_stalls_mid_round_fails_pending_operations(how):
         assert not ep.receiver.open_rounds()
         with pytest.raises(PeerClosed if how == "kill" else PeerTimeout):
             await ep.send_round(1, 0, 0, torch.zeros(4))
-    finally:
-        if child.proc.poll() is None:
-            os.kill(child.proc.pid, signal.SIGKILL)
-        child.kill()
-        await ep.aclose()
 
 
 async def test_dscp_marks_on_captured_packets():
@@ -170,41 +167,35 @@ async def test_dscp_marks_on_captured_packets():
         pytest.skip(f"no packet capture here: {exc}")
     cap.setblocking(False)
     cap.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
-    a = await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5))
-    b = await Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=5))
     try:
-        async with trio.open_nursery() as n:
-            n.start_soon(a.connect, {1: b.address})
-            n.start_soon(b.connect, {0: a.address})
-        layout = BucketLayout([60000])
-        x = torch.randn(layout.numel)
-        est = ContributionEstimator(layout)
-        est.update(x)
-        c = est.classify(0.3)
-        async with trio.open_nursery() as n:
-            n.start_soon(a.send_round, 1, 0, 0, x, layout, c.cls, c.order)
-            await b.recv_round(0, 0, 0)
-        tcp_ports = {a.address.tcp_port, b.address.tcp_port}
-        udp_ports = set(a.address.udp_ports) | set(b.address.udp_ports)
-        seen = {"tcp": set(), "udp": set()}
-        while True:
-            try:
-                pkt = cap.recv(256)
-            except BlockingIOError:
-                break
-            ip = pkt[14:]
-            if len(ip) < 24 or ip[0] >> 4 != 4:
-                continue
-            ihl, proto, tos = (ip[0] & 15) * 4, ip[9], ip[1] >> 2
-            sport, dport = int.from_bytes(ip[ihl : ihl + 2], "big"), int.from_bytes(ip[ihl + 2 : ihl + 4], "big")
-            if proto == 6 and {sport, dport} & tcp_ports and (sport in tcp_ports or dport in tcp_ports):
-                seen["tcp"].add(tos)
-            elif proto == 17 and dport in udp_ports:
-                seen["udp"].add(tos)
-        # the listener's accepted socket inherits EF; the dialer marks before connect: every TCP packet is EF
-        assert seen["tcp"] == {46}, seen
-        assert seen["udp"] == {1}, seen
+        async with connected_pair(TOKEN, TransportConfig(peer_timeout=5)) as (a, b):
+            layout = BucketLayout([60000])
+            x = torch.randn(layout.numel)
+            est = ContributionEstimator(layout)
+            est.update(x)
+            c = est.classify(0.3)
+            async with trio.open_nursery() as n:
+                n.start_soon(a.send_round, 1, 0, 0, x, layout, c.cls, c.order)
+                await b.recv_round(0, 0, 0)
+            tcp_ports = {a.address.tcp_port, b.address.tcp_port}
+            udp_ports = set(a.address.udp_ports) | set(b.address.udp_ports)
+            seen = {"tcp": set(), "udp": set()}
+            while True:
+                try:
+                    pkt = cap.recv(256)
+                except BlockingIOError:
+                    break
+                ip = pkt[14:]
+                if len(ip) < 24 or ip[0] >> 4 != 4:
+                    continue
+                ihl, proto, tos = (ip[0] & 15) * 4, ip[9], ip[1] >> 2
+                sport, dport = int.from_bytes(ip[ihl : ihl + 2], "big"), int.from_bytes(ip[ihl + 2 : ihl + 4], "big")
+                if proto == 6 and {sport, dport} & tcp_ports and (sport in tcp_ports or dport in tcp_ports):
+                    seen["tcp"].add(tos)
+                elif proto == 17 and dport in udp_ports:
+                    seen["udp"].add(tos)
+            # the listener's accepted socket inherits EF; the dialer marks before connect: every TCP packet is EF
+            assert seen["tcp"] == {46}, seen
+            assert seen["udp"] == {1}, seen
     finally:
         cap.close()
-        await a.aclose()
-        await b.aclose()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from contextlib import AsyncExitStack
 from functools import partial
 
 from dgt.collectives.launch import run_ranks
@@ -76,33 +77,31 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                     diffs[name] = d if d != d or d > prev else prev
 
     async def dgt_part():
-        groups = {t: await Group.create(rank, world, store=store, prefix=f"bench-allreduce-{t}", timeout=60,
-                                        config=TransportConfig(stream_hops=stream_hops, hop_threads=t))
-                  for t in hop_threads}  # fmt: skip
-        g = groups[hop_threads[0]]
-        portal = trio.lowlevel.current_trio_token()
+        async with AsyncExitStack() as stack:  # the groups, closed in reverse order on the way out
+            groups = {t: await stack.enter_async_context(Group.open(
+                          rank, world, store=store, prefix=f"bench-allreduce-{t}", timeout=60,
+                          config=TransportConfig(stream_hops=stream_hops, hop_threads=t)))
+                      for t in hop_threads}  # fmt: skip
+            g = groups[hop_threads[0]]
+            portal = trio.lowlevel.current_trio_token()
 
-        def call(coll):
-            trio.from_thread.run(partial(coll.allreduce, x, 0, None, out=y), trio_token=portal)
+            def call(coll):
+                trio.from_thread.run(partial(coll.allreduce, x, 0, None, out=y), trio_token=portal)
 
-        def poison():
-            y.fill_(float("nan"))  # a method that left part of the buffer unwritten shows up as NaN
+            def poison():
+                y.fill_(float("nan"))  # a method that left part of the buffer unwritten shows up as NaN
 
-        methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
-        make = {"ring": lambda: RingAllReduce(g, codec, op="sum"),
-                "ps_sharded": lambda: ParameterServer(g, codec, op="sum", server="sharded"),
-                "ps_central": lambda: ParameterServer(g, codec, op="sum", server=0)}
-        for name in collectives:
-            methods[name] = (partial(call, make[name]()), poison)
-        if len(hop_threads) > 1 and "ring" in methods:
-            del methods["ring"]
-            for t, gt in groups.items():
-                methods[f"ring/{t}t"] = (partial(call, RingAllReduce(gt, codec, op="sum")), poison)
-        try:
+            methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
+            make = {"ring": lambda: RingAllReduce(g, codec, op="sum"),
+                    "ps_sharded": lambda: ParameterServer(g, codec, op="sum", server="sharded"),
+                    "ps_central": lambda: ParameterServer(g, codec, op="sum", server=0)}
+            for name in collectives:
+                methods[name] = (partial(call, make[name]()), poison)
+            if len(hop_threads) > 1 and "ring" in methods:
+                del methods["ring"]
+                for t, gt in groups.items():
+                    methods[f"ring/{t}t"] = (partial(call, RingAllReduce(gt, codec, op="sum")), poison)
             await trio.to_thread.run_sync(trials, methods)
-        finally:
-            for gt in groups.values():
-                await gt.aclose()
 
     trio.run(dgt_part)
     dist.barrier()

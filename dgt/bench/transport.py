@@ -176,8 +176,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
         out.view(torch.uint8).numpy()[::4096] = 0  # fault the pages in once, as the raw anchor's buffer is
 
     async def main() -> dict:
-        ep = await Endpoint.open(rank, TOKEN, TransportConfig(**cfg))
-        try:
+        async with Endpoint.open(rank, TOKEN, TransportConfig(**cfg)) as ep:
             conn.send(("addr", ep.address.to_dict()))
             other = await trio.to_thread.run_sync(conn.recv)
             await ep.connect({peer: PeerAddress.from_dict(other)})
@@ -214,8 +213,6 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
                     del r  # done with the result, as a training step is: its buffer can land a later round
                     box.clear()
             return {"t": times, "cpu": cpu, "rows": rows, "stats": ep.stats().to_dict()}
-        finally:
-            await ep.aclose()
 
     return trio.run(main)
 

@@ -33,7 +33,7 @@ def tells_peers(fn: F) -> F:
             return await fn(self, *args, **kwargs)
         except RankMismatch as exc:
             ep = self.group.endpoint
-            if exc.remote is None and ep is not None:
+            if exc.remote is None:
                 ep.abort_peers(str(exc))
                 self.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
             raise
@@ -53,8 +53,7 @@ async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | No
     peer that aborted: wait up to a second for the ABORT in those cases. A peer that aborted before this rank connected
     to it (it hung up on our hello) can only have left its reason in the store."""
     ep = coll.group.endpoint
-    if ep is not None and (isinstance(exc, ConnectionError)
-                           or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye))):
+    if isinstance(exc, ConnectionError) or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye)):
         mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout))
         if mismatch is not None:
             return mismatch
@@ -161,19 +160,21 @@ class Collective:
     def on_streams(self, *tensors: torch.Tensor) -> bool:
         """Whether this call can run as one ordered exchange on stream lanes (dgt.transport.streams): a lossless
         codec, stream hops switched on, and contiguous float32 CPU tensors (received bytes are added on arrival)."""
-        cfg = getattr(self.group.endpoint, "cfg", None)
-        return (cfg is not None and cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
+        cfg = self.group.endpoint.cfg
+        return (cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
                 and all(streamable(t, add=True) for t in tensors))
 
     @staticmethod
-    def count_exchange(stats: CollectiveStats, hops: list[Hop], done: list[HopResult], block: int) -> None:
-        """Bytes and blocks of a stream exchange (hops and their results), all on lane 0."""
+    def count_exchange(stats: CollectiveStats, hops: list[Hop], done: list[HopResult], ch: Chunking,
+                       flat: torch.Tensor) -> None:
+        """Bytes and blocks of a stream exchange (hops and their results), all on lane 0. The blocks landed come
+        from the call's geometry: ``ch`` cut the bucket ``flat`` that every hop lands in."""
         for h, d in zip(hops, done):
             if h.payload is not None:
                 stats.add_sent(0, h.payload.numel() * h.payload.element_size())
             stats.bytes_received[0] = stats.bytes_received.get(0, 0) + d.received
             if h.land is not None:
-                stats.blocks += -(-h.land.numel() // block)
+                stats.blocks += ch.blocks_in(flat, h.land)
 
     def chunking(self, segments: list[int], block: int, k: int) -> Chunking:
         """Block-aligned chunks of a bucket, cached per geometry (a bucket keeps its shape from step to step)."""

@@ -39,3 +39,15 @@ class Chunking:
 
     def chunk(self, flat: torch.Tensor, i: int) -> torch.Tensor:
         return flat[self.edges[i] : self.edges[i + 1]]
+
+    def blocks_in(self, flat: torch.Tensor, part: torch.Tensor) -> int:
+        """How many blocks of the layout lie in ``part``, a contiguous slice of the bucket ``flat`` (a chunk, or the
+        whole bucket): counted on the layout's block starts, as a round's statistics count the blocks it carries."""
+        if part.untyped_storage().data_ptr() != flat.untyped_storage().data_ptr():
+            raise ValueError("blocks_in: the part is not a slice of the bucket")
+        lo = part.storage_offset() - flat.storage_offset()
+        if lo < 0 or lo + part.numel() > flat.numel():
+            raise ValueError(f"blocks_in: elements {lo}..{lo + part.numel()} lie outside the bucket of {flat.numel()}")
+        ends = torch.tensor([lo, lo + part.numel()], dtype=self.layout.block_start.dtype)
+        first, stop = torch.searchsorted(self.layout.block_start, ends).tolist()
+        return int(stop - first)

@@ -5,11 +5,12 @@ matrix's neighbours)."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from dgt.collectives.rendezvous import Rendezvous
-from dgt.errors import PeerClosed
+from dgt.errors import PeerClosed, single_error
 from dgt.transport.contract import Transport
 
 if TYPE_CHECKING:
@@ -24,10 +25,14 @@ CONNECT = ("lazy", "all")
 class Group:
     """What every collective runs on: this rank's transport (the :class:`~dgt.transport.contract.Transport`
     protocol, an :class:`~dgt.transport.Endpoint` in practice), the world size, per-bucket round counters, and the
-    links collectives ask for (:meth:`links`). Tests of construction-time checks pass ``endpoint=None``."""
+    links collectives ask for (:meth:`links`). Build one with :meth:`open` or :meth:`create`; code that checks
+    construction without traffic passes a :class:`dgt.harness.offline.OfflineTransport`."""
 
     def __init__(self, endpoint: Transport, rank: int, world: int, token: int, store: Store | None = None,
                  rendezvous: Rendezvous | None = None, timeout: float = 60.0) -> None:
+        if endpoint is None:
+            raise TypeError("Group needs a transport (an Endpoint: Group.open / Group.create), not None; to check "
+                            "construction without traffic pass dgt.harness.offline.OfflineTransport()")
         self.endpoint = endpoint
         self.store = store  # rank 0 may host it: it must live as long as the group, or late ranks lose it
         self.rank = rank
@@ -55,13 +60,13 @@ class Group:
         timeout: float = 60.0,
         prefix: str = "dgt",
         connect: str = "lazy",
-        nursery: trio.Nursery | None = None,
+        nursery: trio.Nursery,
     ) -> Group:
         """Meet through the c10d store (``store`` or env://) and open this rank's endpoint. ``connect="lazy"``
         (default): no connection yet; each collective connects to the peers it needs on its first call.
         ``connect="all"``: connect to every peer now (for code that drives the endpoint to arbitrary peers).
-        ``nursery``: where the endpoint's service tasks run (the thread bridge passes its own; without one they run
-        as a trio system task that ends with the run, see :meth:`~dgt.transport.Endpoint.open`)."""
+        ``nursery``: the caller's, where the endpoint's service tasks run until :meth:`aclose` (the thread bridge
+        passes its own, see :meth:`~dgt.transport.Endpoint.start`); :meth:`open` brings one of its own."""
         import trio
 
         from dgt.transport import Endpoint, TransportConfig
@@ -77,7 +82,7 @@ class Group:
         need = 3 * (world - 1)
         if cfg.max_pending_handshakes < need:
             cfg = dataclasses.replace(cfg, max_pending_handshakes=need)
-        ep = await Endpoint.open(rank, token, cfg, host=host, nursery=nursery)
+        ep = await Endpoint.start(rank, token, cfg, host=host, nursery=nursery)
         try:
             await trio.to_thread.run_sync(rv.exchange, dataclasses.asdict(ep.address), limiter=trio.CapacityLimiter(1))
             group = cls(ep, rank, world, token, rv.store, rv, timeout)
@@ -87,6 +92,25 @@ class Group:
             await ep.aclose()
             raise
         return group
+
+    @classmethod
+    @asynccontextmanager
+    async def open(cls, rank: int, world: int, *, store: Store | None = None, config: TransportConfig | None = None,
+                   host: str = "127.0.0.1", timeout: float = 60.0, prefix: str = "dgt",
+                   connect: str = "lazy") -> AsyncIterator[Group]:
+        """``async with Group.open(rank, world, ...) as group:`` :meth:`create` (the same arguments but ``nursery``)
+        in a nursery of this block's own: leaving the block closes the group and no task of its endpoint outlives
+        the block; an error in the endpoint's service cancels the block and is raised from it."""
+        import trio
+
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                group = await cls.create(rank, world, store=store, config=config, host=host, timeout=timeout,
+                                         prefix=prefix, connect=connect, nursery=nursery)
+                try:
+                    yield group
+                finally:
+                    await group.aclose()
 
     def next_round(self, collective: str, bucket: int) -> int:
         """Round numbers advance per (collective, bucket); every rank calls collectives in the same order."""

@@ -31,7 +31,7 @@ from dgt.codecs.bucketinfo import set_segments
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
-from dgt.collectives.parts import as_received, send_parts, transport_key, transport_part
+from dgt.collectives.parts import as_received, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 from dgt.wire import HEADER_SIZE
@@ -123,10 +123,9 @@ class ModelServer(Collective):
         if not (pull_caps.merges or replaces):
             raise ValueError(f"a compressed pull needs a codec with merge semantics (slimdp), not "
                              f"{self.pull_codec.name!r}")
-        cfg = getattr(group.endpoint, "cfg", None)
-        self.block = cfg.block if cfg is not None else 1024
+        cfg = group.endpoint.cfg
         for c in (self.codec, self.pull_codec):
-            if cfg is not None and cfg.error_feedback and c.capabilities.lossy_tolerant \
+            if cfg.error_feedback and c.capabilities.lossy_tolerant \
                     and not c.capabilities.transport_feedback:
                 raise ValueError(f"codec {c.name!r} must not get the transport's error feedback (lost blocks folded "
                                  f"into the next round): open the group with TransportConfig(error_feedback=False)")
@@ -236,8 +235,7 @@ class ModelServer(Collective):
     async def _send(self, peer: int, phase: str, rnd: int, parts: list[Part], stats: CollectiveStats) -> None:
         # droppable parts wait for the receiver's drop report: once the last pull returns, every worker has closed
         # its rounds, so ranks may close their endpoints right after the last step
-        tparts = [transport_part(p, self.block) for p in parts]
-        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, tparts, stats)
+        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, parts, stats)
 
     async def _recv(self, peer: int, phase: str, rnd: int, codec: Codec, stats: ModelServerStats) -> list[Received]:
         """The parts ``peer`` sent, in the codec's block geometry, on this collective's device."""

@@ -5,9 +5,10 @@ from __future__ import annotations
 import torch
 import trio
 
-from dgt.codecs.base import RELIABLE, Part, Received
+from dgt.codecs.base import Part, Received
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import RankMismatch, op_mismatch, shape_mismatch
+from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
 # the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
@@ -54,16 +55,19 @@ def host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def transport_part(part: Part, block: int) -> Part:
-    """The part cut in the transport's block size (only the geometry changes; the bytes are the same)."""
-    if part.data.numel() == 0:  # nothing to lose: keep the round off the droppable lanes
-        return Part(part.data, RELIABLE, block, part.name)
+def wire_layout(part: Part, block: int) -> BucketLayout:
+    """The one geometry ``part`` travels in, cut once: its own layout when the codec cut it in the transport's
+    ``block`` (DGT, dense), else the same bytes in ``block``-element blocks (a codec's own size, QSGD buckets...);
+    either way the shared :meth:`BucketLayout.of` instance. Per-block lane classes name the codec's blocks, so such a
+    part must come cut in ``block`` already."""
+    if part.data.numel() == 0:
+        return BucketLayout.of([0], block)
     if part.block_elems == block:
-        return part
+        return part.layout
     if isinstance(part.lane_class, torch.Tensor):
         raise ValueError(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
                          f"the transport cuts {block}-element blocks")
-    return Part(part.data, part.lane_class, block, part.name)
+    return BucketLayout.of(part.segments or [part.data.numel()], block)
 
 
 async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int, parts: list[Part],
@@ -73,15 +77,17 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
     ``wait_report=False``: return once every frame is handed to the kernel, without waiting a round trip for the
     receiver's drop report (the transport keeps a copy and folds the report into error feedback when it comes)."""
     jobs = []
+    block = ep.cfg.block
     for i, part in enumerate(parts):
-        part = transport_part(part, ep.cfg.block)  # a codec's own block size (QSGD buckets...) is cut anew
-        cls = 0 if reliable else part.lane_class
+        layout = wire_layout(part, block)
+        # an empty part has nothing to lose: its round stays off the droppable lanes
+        cls = 0 if reliable or part.data.numel() == 0 else part.lane_class
         if isinstance(cls, torch.Tensor):
             cls = cls.detach().to("cpu")
         order = None if part.order is None else part.order.detach().to("cpu")
-        jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), part.layout, cls,
+        jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), layout, cls,
                      order, wait_report, op))
-        _count_sent(stats, part, cls)
+        _count_sent(stats, part, layout, cls)
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
         await _send_one(stats, *jobs[0])
         return
@@ -90,13 +96,12 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
             nursery.start_soon(_send_one, stats, *job)
 
 
-def _count_sent(stats: CollectiveStats, part: Part, cls) -> None:
+def _count_sent(stats: CollectiveStats, part: Part, layout: BucketLayout, cls) -> None:
     if isinstance(cls, int):
         stats.add_sent(min(cls, 1), part.nbytes)
         return
-    lay = part.layout
     isz = part.data.element_size()
-    rel = int(lay.block_len[cls == 0].sum()) * isz
+    rel = int(layout.block_len[cls == 0].sum()) * isz
     stats.add_sent(0, rel)
     stats.add_sent(1, part.nbytes - rel)
 

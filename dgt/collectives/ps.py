@@ -191,8 +191,8 @@ class ParameterServer(Collective):
         push, pull = transport_key(bucket_id, "push"), transport_key(bucket_id, "pull")
         op = self.call_code
         hops: list[Hop] = []
+        ch = self.chunking(segments, self.codec.capabilities.block, W if self.server == "sharded" else 1)
         if self.server == "sharded":
-            ch = self.chunking(segments, self.codec.capabilities.block, W)
             mine = ch.chunk(res, r)
             for s in range(1, W):
                 to, frm = (r + s) % W, (r - s) % W
@@ -212,7 +212,7 @@ class ParameterServer(Collective):
         stats = CollectiveStats()
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
-        self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
+        self.count_exchange(stats, hops, done, ch, res)
         pushed = done[len(hops) // 2 - 1].finished  # pushes come first, then as many pulls
         stats.phases["push"] = pushed - t0
         stats.phases["pull"] = done[-1].finished - pushed

@@ -151,7 +151,7 @@ class RingAllReduce(Collective):
                             ch.chunk(flat, (own - s - 1) % W), codec=self.call_code))
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
-        self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
+        self.count_exchange(stats, hops, done, ch, flat)
         stats.phases["reduce_scatter"] = stats.phases.get("reduce_scatter", 0.0) + done[W - 2].finished - t0
         stats.phases["all_gather"] = stats.phases.get("all_gather", 0.0) + done[-1].finished - done[W - 2].finished
 
@@ -168,7 +168,7 @@ class RingAllReduce(Collective):
         ticket, ag[0] = ag[0], None  # the exchange gives the ticket back however it ends
         with self.phase(stats, "all_gather"):
             done = await g.endpoint.exchange(hops, ticket=ticket)
-        self.count_exchange(stats, hops, done, g.endpoint.cfg.block)
+        self.count_exchange(stats, hops, done, ch, flat)
 
     def _ag_on_streams(self, flat: torch.Tensor) -> bool:
         """Whether a lossy ring's all-gather can run on stream lanes (stream hops on, a contiguous CPU bucket)."""

@@ -185,10 +185,9 @@ async def _run_async(tr: _Trainer, run: dict[str, Any], rank: int, world: int, s
     from dgt.collectives import Group
 
     # every link at once when pacing: pace_tcp caps the connections open at that point (a lazy group has none yet)
-    group = await Group.create(rank, world, store=store, config=_transport_config(run, run["family"]),
-                               host=run.get("bind", "127.0.0.1"), timeout=120.0, prefix=prefix,
-                               connect="all" if run.get("pace_rate") else "lazy")
-    try:
+    async with Group.open(rank, world, store=store, config=_transport_config(run, run["family"]),
+                          host=run.get("bind", "127.0.0.1"), timeout=120.0, prefix=prefix,
+                          connect="all" if run.get("pace_rate") else "lazy") as group:
         paced = 0
         if run.get("pace_rate"):
             from dgt.experiment.worker import pace_tcp
@@ -198,9 +197,6 @@ async def _run_async(tr: _Trainer, run: dict[str, Any], rank: int, world: int, s
         res = await step(tr, run, group)
         await trio.to_thread.run_sync(_barrier, store, prefix + "/done", world)
         return {**res, "paced_connections": paced}
-    finally:
-        with trio.move_on_after(5):
-            await group.aclose()
 
 
 async def _ps(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:

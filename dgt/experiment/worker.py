@@ -79,6 +79,17 @@ def _lane_dict(d: dict) -> dict[str, int]:
 
 
 async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> dict[str, Any]:
+    """One rank's run of ``spec``; the group's endpoint serves in a nursery of this call (closed before it ends)."""
+    import trio
+
+    async with trio.open_nursery() as services:
+        try:
+            return await _train(spec, rank, world, bind, emit, services)
+        finally:
+            services.cancel_scope.cancel()  # group.aclose() ended the service already; a close cut short ends here
+
+
+async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, services: Any) -> dict[str, Any]:
     import trio
 
     from dgt.collectives import Group, ParameterServer
@@ -97,7 +108,7 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
                           pace_rate=spec.pace_rate, congestion_control=spec.congestion_control)
     # every link now: TCP pacing below applies to the connections open at this point
     group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp",
-                               connect="all")
+                               connect="all", nursery=services)
     paced = pace_tcp(group.endpoint, spec.pace_rate) if spec.pace_rate else 0
     server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
     ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)

@@ -40,7 +40,7 @@ def group_connector(rank: int, world: int, *, store: Any, config: Any = None, ho
     """The async factory a :class:`~dgt.collectives.worker.TrioWorker` calls in its thread to build its group, with
     the nursery its endpoint runs in (``config``: anything :func:`transport_config` takes)."""
 
-    async def connect(nursery: Any = None) -> Any:
+    async def connect(nursery: Any) -> Any:
         from dgt.collectives import Group
 
         return await Group.create(rank, world, store=store, config=transport_config(config), host=host or local_host(),

@@ -1,10 +1,12 @@
 """DGT transport: endpoint sessions over the reliable and unreliable lanes. This package is the session API the
 collectives, the DDP shim and the experiments import (implementation in dgt.transport.endpoint and its neighbours).
 
-    ep = await Endpoint.open(rank, token, TransportConfig(), host="127.0.0.1")
-    await ep.connect({peer: address})
-    stats = await ep.send_round(peer, bucket, round, flat, cls=classes, order=order)
-    res = await ep.recv_round(peer, bucket, round)   # RoundResult(data, mask, stats, layout)
+    async with Endpoint.open(rank, token, TransportConfig(), host="127.0.0.1") as ep:   # closed when the block ends
+        await ep.connect({peer: address})
+        stats = await ep.send_round(peer, bucket, round, flat, cls=classes, order=order)
+        res = await ep.recv_round(peer, bucket, round)   # RoundResult(data, mask, stats, layout)
+
+(``await Endpoint.start(..., nursery=n)`` runs the endpoint's service in a nursery of the caller's instead.)
 """
 
 from dgt.channels.lanes import LaneSpec, default_lanes, three_lanes

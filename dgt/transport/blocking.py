@@ -41,7 +41,7 @@ class BlockingEndpoint:
         bridge: TrioThread[Endpoint] = TrioThread(f"dgt-endpoint-{rank}", closed=PeerClosed)
 
         async def setup(nursery: trio.Nursery) -> Endpoint:
-            return await Endpoint.open(rank, token, cfg, host, nursery=nursery)
+            return await Endpoint.start(rank, token, cfg, host, nursery=nursery)
 
         return cls(bridge, bridge.start(setup, teardown=Endpoint.aclose, timeout=timeout))
 

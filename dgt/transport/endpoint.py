@@ -16,8 +16,9 @@ and dgt.transport.outbound (the send APIs, drop reports, pacing feedback).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any, Generic, NoReturn, TypeVar
 
 import numpy as np
 import torch
@@ -30,7 +31,7 @@ from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
 from dgt.channels.udp import UdpChannel
 from dgt.channels.udp_scheduler import DatagramScheduler
-from dgt.errors import PeerClosed, RankMismatch
+from dgt.errors import PeerClosed, RankMismatch, single_error
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import RoundReceiver
@@ -45,12 +46,34 @@ from dgt.transport.stats import LaneStats, RoundResult, TransportStats
 from dgt.transport.stream_watch import StreamWatch
 from dgt.transport.streams import StreamHub
 
-__all__ = ["BYTES_BUCKET", "Endpoint", "PendingSend", "_Link", "_SendTrack"]
+__all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "_Link", "_SendTrack"]
+
+T = TypeVar("T")
+
+
+class OpenBlock(Generic[T]):
+    """What :meth:`Endpoint.open` returns: an async context manager only. Awaiting it raises a TypeError saying
+    how the endpoint is opened now (``await Endpoint.open(...)`` started a hidden system task before issue #24)."""
+
+    def __init__(self, cm: AbstractAsyncContextManager[T]) -> None:
+        self._cm = cm
+
+    async def __aenter__(self) -> T:
+        return await self._cm.__aenter__()
+
+    async def __aexit__(self, *exc: Any) -> bool | None:
+        return await self._cm.__aexit__(*exc)
+
+    def __await__(self) -> Generator[Any, None, NoReturn]:
+        raise TypeError("Endpoint.open(...) is an async context manager: write `async with Endpoint.open(...) as ep:` "
+                        "(the endpoint closes when the block ends), or `ep = await Endpoint.start(..., nursery=n)` "
+                        "to run it in a nursery of yours until `await ep.aclose()`")
 
 
 class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
-    """A rank's DGT session. Create with :meth:`open`, join peers with :meth:`connect`, then send and receive
-    rounds concurrently from any number of tasks; :meth:`aclose` says goodbye and releases every socket."""
+    """A rank's DGT session. Open with ``async with Endpoint.open(...)`` (or :meth:`start` in a nursery of the
+    caller's), join peers with :meth:`connect`, then send and receive rounds concurrently from any number of tasks;
+    :meth:`aclose` says goodbye and releases every socket."""
 
     def __init__(self, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1") -> None:
         self.rank = int(rank)
@@ -113,33 +136,43 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
                                  hop_threads=c.hop_thread_count())
 
     @classmethod
-    async def open(
-        cls,
-        rank: int,
-        token: int,
-        cfg: TransportConfig | None = None,
-        host: str = "127.0.0.1",
-        *,
-        nursery: trio.Nursery | None = None,
-    ) -> Endpoint:
-        """Bind the TCP listener and one UDP socket per unreliable lane (port 0) and start the background tasks
-        in ``nursery``. The thread bridge's owners pass theirs (dgt.transport.bridge; through
-        ``Group.create(nursery=...)``); without one (a caller running its own ``trio.run``: benches, experiment
-        workers, tests) they run as a trio system task that ends with the run (the service tasks catch their own
-        errors, which would otherwise end the run)."""
+    async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,
+                    nursery: trio.Nursery) -> Endpoint:
+        """Bind the TCP listener and one UDP socket per unreliable lane (port 0) and start the service tasks in
+        ``nursery``, which the caller owns (the thread bridge's owners: dgt.transport.bridge, ``Group.create``).
+        The service lasts until :meth:`aclose` (or until the nursery is cancelled); an unexpected error in it fails
+        every pending operation and is then raised in ``nursery``. :meth:`open` is this with a nursery of its own."""
         ep = cls(rank, token, cfg, host)
-        started = trio.Event()
-        if nursery is None:
-            trio.lowlevel.spawn_system_task(ep._service, started, name=f"dgt-endpoint-{rank}")
-        else:
-            nursery.start_soon(ep._service, started)
-        await started.wait()
+        await nursery.start(ep._service)
         return ep
+
+    @classmethod
+    def open(cls, rank: int, token: int, cfg: TransportConfig | None = None,
+             host: str = "127.0.0.1") -> OpenBlock[Endpoint]:
+        """``async with Endpoint.open(rank, token, cfg) as ep:`` the endpoint, its service tasks in a nursery of
+        this block's own: leaving the block closes it (:meth:`aclose`) and no task of it outlives the block. An
+        error in the service cancels the block and is raised from it (the error itself, not a group of it).
+        Awaiting it instead (``await Endpoint.open(...)``, the API before issue #24) raises a TypeError that says
+        what to write."""
+        return OpenBlock(cls._serve(rank, token, cfg, host))
+
+    @classmethod
+    @asynccontextmanager
+    async def _serve(cls, rank: int, token: int, cfg: TransportConfig | None,
+                     host: str) -> AsyncIterator[Endpoint]:
+        with single_error():
+            async with trio.open_nursery() as nursery:
+                ep = await cls.start(rank, token, cfg, host, nursery=nursery)
+                try:
+                    yield ep
+                finally:
+                    await ep.aclose()
 
     async def __aenter__(self) -> Endpoint:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        """``async with ep:`` on an endpoint from :meth:`start` closes it when the block ends."""
         await self.aclose()
 
     @property
@@ -151,7 +184,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         """Ranks with a live connection."""
         return [r for r, ln in self._links.items() if ln.error is None]
 
-    async def _service(self, started: trio.Event) -> None:
+    async def _service(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with trio.open_nursery() as n:
                 self._nursery = n
@@ -161,13 +194,14 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
                 n.start_soon(self._guard, self.scheduler.run)
                 n.start_soon(self._guard, self.deadlines.run)
                 n.start_soon(self._guard, self._liveness)
-                started.set()
+                task_status.started()
                 await self._stop.wait()
                 n.cancel_scope.cancel()
         finally:
-            started.set()
             self._teardown(self._fatal or PeerClosed(f"rank {self.rank}: the endpoint was closed"))
             self._stopped.set()
+        if self._fatal is not None:  # after the teardown failed every pending operation with it: the owner's turn
+            raise self._fatal
 
     def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Start ``fn(*args)`` among the endpoint's service tasks (a link's reader, an accepted handshake)."""
