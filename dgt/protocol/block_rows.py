@@ -57,10 +57,16 @@ def add_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: in
 
 
 def zero_rows(dst: torch.Tensor, starts: np.ndarray, block: int) -> None:
-    """``dst[s : s + block] = 0`` for every start in ``starts`` (full blocks of a contiguous 1-D tensor)."""
+    """``dst[s : s + block] = 0`` for every start in ``starts`` (full blocks of a contiguous 1-D tensor). On a CPU
+    tensor the rows are cleared through a byte view with numpy (a memset per row, about twice as fast as
+    ``index_fill_``; all-zero bytes are zero in every dtype)."""
+    raw = dst.detach().view(torch.uint8).numpy() if dst.device.type == "cpu" and dst.is_contiguous() else None
+    isz = dst.element_size()
     for first, rows, idx in row_groups(dst.numel(), starts, block):
-        dst[first : first + rows * block].view(rows, block).index_fill_(0, idx, 0)
-
+        if raw is not None:
+            raw[first * isz : (first + rows * block) * isz].reshape(rows, block * isz)[idx.numpy()] = 0
+        else:
+            dst[first : first + rows * block].view(rows, block).index_fill_(0, idx, 0)
 
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: int) -> None:
