@@ -13,6 +13,7 @@ BENCHES: dict[str, str] = {
     "codecs": "encode+decode throughput and compression ratio of every payload codec vs a memory pass",
     "ddp": "DDP training step time: Gloo vs the DGT communication hook (lossless, lossy)",
     "lgc": "learned gradient compression: accuracy and compression ratio, PS and ring variants",
+    "hop": "CPU of one lossy ring hop (a DGT round of a chunk), sans-IO on one thread, stage by stage, vs a copy",
 }
 
 

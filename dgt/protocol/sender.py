@@ -11,6 +11,7 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
+from dgt.protocol.block_rows import keep_blocks
 from dgt.protocol.budget import fold_blocks, split_budget
 from dgt.protocol.datagram_mac import DatagramMac, slots, tag_bytes
 from dgt.protocol.datagram_rows import DatagramRows, gather_rows
@@ -120,6 +121,9 @@ class RoundSender:
         self.mac = mac  # datagrams carry a MAC trailer (dgt.protocol.datagram_mac); its nonce names ``peer``
         self.peer = peer
         self._residual: dict[int, torch.Tensor] = {}
+        # buckets whose residual prepare() has already added into a copy: it reads as zero, but is only zeroed when
+        # next used (plan() overwrites it whole when it keeps blocks back: one pass instead of zero + fold)
+        self._spent: set[int] = set()
         self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
             OrderedDict()
         self._closed: OrderedDict[tuple[int, int], None] = OrderedDict()
@@ -138,17 +142,19 @@ class RoundSender:
         flat = flat.detach()
         src = flat.reshape(-1)
         res = self._residual.get(bucket)
+        if res is not None and (bucket in self._spent or res.numel() != src.numel() or res.dtype != src.dtype):
+            res = None  # spent: its values are in an earlier copy already (it reads as zero)
         out = self._spare.pop(bucket, None)
         if out is not None and (out.numel() != src.numel() or out.dtype != src.dtype):
             out = None
-        if res is not None and src.device.type == "cpu" and res.numel() == src.numel() and res.dtype == src.dtype:
+        if res is not None and src.device.type == "cpu":
             out = torch.add(src, res) if out is None else torch.add(src, res, out=out)  # copy and add in one pass
-            res.zero_()
         else:
             out = flat.to("cpu", copy=True).contiguous().view(-1) if out is None else out.copy_(src)
-            if res is not None and res.numel() == out.numel() and res.dtype == out.dtype:
+            if res is not None:
                 out += res
-                res.zero_()
+        if res is not None:
+            self._spent.add(bucket)  # instead of zeroing it now: see _live_residual and plan()
         self._copies[bucket] = weakref.ref(out)
         return out
 
@@ -172,7 +178,15 @@ class RoundSender:
         return spare[:n]
 
     def residual(self, bucket: int) -> torch.Tensor | None:
-        return self._residual.get(bucket)
+        return self._live_residual(bucket)
+
+    def _live_residual(self, bucket: int) -> torch.Tensor | None:
+        """The bucket's residual, zeroed first if :meth:`prepare` already added it into a copy."""
+        res = self._residual.get(bucket)
+        if res is not None and bucket in self._spent:
+            res.zero_()
+        self._spent.discard(bucket)
+        return res
 
     def on_drop_report(self, frame: wire.Frame) -> DropInfo:
         """Fold the blocks the receiver missed into the residual; mark the round closed (stop sending its tail)."""
@@ -204,7 +218,7 @@ class RoundSender:
         return DropInfo(frame.bucket, frame.round, n_missing, folded, n_unsent, timing, missing_np)
 
     def _residual_for(self, bucket: int, sent: torch.Tensor) -> torch.Tensor:
-        res = self._residual.get(bucket)
+        res = self._live_residual(bucket)
         if res is None or res.numel() != sent.numel() or res.dtype != sent.dtype:
             res = torch.zeros_like(sent)
             self._residual[bucket] = res
@@ -291,7 +305,7 @@ class RoundSender:
             unsent_mask = np.zeros(layout.nblocks, dtype=bool)
             unsent_mask[unsent] = True
             if self.error_feedback:
-                fold_blocks(self._residual_for(bucket, flat), flat, layout, torch.from_numpy(unsent))
+                self._fold_unsent(bucket, flat, layout, unsent, unsent_mask)
         if self.error_feedback and (len(unimp) or len(unsent)):
             self._pending[(bucket, round)] = (flat, layout, unsent_mask)
             if self._staged is not None:  # reused once the report says the round is over
@@ -300,6 +314,21 @@ class RoundSender:
                 self._stages.pop(self._pending.popitem(last=False)[0], None)
                 self.unreported += 1
         return plan
+
+    def _fold_unsent(self, bucket: int, flat: torch.Tensor, layout: BucketLayout, unsent: np.ndarray,
+                     mask: np.ndarray) -> None:
+        """The blocks the send budget kept back go into the residual. When the residual reads as zero (spent by
+        this round's prepare, or none yet), it is written whole in one pass (``flat`` on those blocks, zero
+        elsewhere) instead of being zeroed and then added to block by block."""
+        res = self._residual.get(bucket)
+        fresh = res is None or bucket in self._spent
+        if fresh and flat.device.type == "cpu" and flat.is_contiguous() and flat.dim() == 1:
+            if res is None or res.numel() != flat.numel() or res.dtype != flat.dtype:
+                res = self._residual[bucket] = torch.empty_like(flat)
+            keep_blocks(res, flat, layout, mask)
+            self._spent.discard(bucket)
+            return
+        fold_blocks(self._residual_for(bucket, flat), flat, layout, torch.from_numpy(unsent))
 
     def _data_headers(self, n: int, flags: int, lane: int, dt: int, common: dict[str, int], blk: np.ndarray,
                       off: np.ndarray, cnt: np.ndarray, isz: int) -> np.ndarray:
