@@ -16,9 +16,15 @@ last ``current_filter`` readings (:class:`CurrentDelay`): a queue that the lane 
 report, while a stamp taken late because the sending or receiving process was not scheduled (a loaded CPU; on
 loopback that is all the "delay" there is) shows up in single readings and is filtered out. The rate then moves:
 
-* loss above ``loss_threshold`` (datagrams sent that never arrived, or arrived after the round closed):
-  multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (report time - first
-  send)``, sender clock: what the lane got through before the round closed);
+* loss above ``loss_threshold`` (datagrams sent in time that never arrived, or arrived after the round closed):
+  multiplicative back-off by ``beta``, and never above the round's goodput (``delivered bytes / (end - first
+  send)``, sender clock, ``end`` the last moment a datagram could leave and still arrive before the close, or the
+  report time: what the lane got through before the round closed). "Sent in time" (:func:`round_feedback`): a
+  datagram handed to the kernel after ``close - base delay`` (the receiver's close time from the report, mapped to
+  the sender's clock through the base delay, which holds the clock offset and the path's propagation) could not have
+  arrived before the round closed even through an empty queue; it left too late to count, it was not lost on the
+  way, and is not counted as sent (counting it made a loopback lane halve its rate every round: the sender keeps
+  sending a round's tail until the report comes back, after the receiver has closed the round);
 * otherwise towards the delay target: ``rate *= 1 + gain * (target - qdelay) / target``, the step bounded below by
   ``beta``; below the target it probes up, above it backs off in proportion to how far above it is;
 * the time the receiver held the round open for unimportant blocks after the important ones were in counts as
@@ -34,16 +40,23 @@ of a round from it (:mod:`dgt.protocol.budget`). Nothing here reads a clock: eve
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
+
+from dgt.protocol.report import Timing
 
 
 @dataclass(frozen=True)
 class Feedback:
     """What one drop report tells the controller about one round to one peer.
 
-    sent_*: the round's datagrams the sender handed to the kernel before the report (abandoned ones excluded);
-    first_sent/last_sent: sender clock when its first and last datagram left; recv_first/recv_last: receiver clock
-    when its first and last unimportant datagram arrived (None: none arrived); delivered_*: what arrived.
+    sent_*: the round's datagrams the sender handed to the kernel in time to arrive before the round closed (or,
+    without a close time, before the report; abandoned ones excluded); first_sent/last_sent: sender clock when the
+    first and last of them left; recv_first/recv_last: receiver clock when its first and last unimportant datagram
+    arrived (None: none arrived); delivered_*: what arrived; end: sender clock after which a send could not arrive
+    before the close (None: unknown, the report time counts).
     """
 
     sent_datagrams: int
@@ -55,6 +68,7 @@ class Feedback:
     recv_first: float | None = None
     recv_last: float | None = None
     hold: float = 0.0  # seconds the receiver kept the round open for unimportant blocks after the important ones
+    end: float | None = None
 
     @property
     def loss(self) -> float:
@@ -86,10 +100,33 @@ class Feedback:
         return tuple(d for d in (first, last if complete else None) if d is not None)
 
     def goodput(self, now: float) -> float | None:
-        """Bytes/s delivered from the first send to the report (``now``, sender clock); None: nothing was sent."""
-        if self.first_sent is None or now <= self.first_sent:
+        """Bytes/s delivered from the first send to ``end``, or to the report (``now``, sender clock) if that is
+        sooner or ``end`` is unknown; None: nothing was sent in that time."""
+        end = now if self.end is None else min(now, self.end)
+        if self.first_sent is None or end <= self.first_sent:
             return None
-        return self.delivered_bytes / (now - self.first_sent)
+        return self.delivered_bytes / (end - self.first_sent)
+
+
+def round_feedback(sends: Sequence[tuple[float, int, int]], t: Timing, base: float | None) -> Feedback:
+    """The feedback of one round from the sender's send calls (``(sender clock, datagrams, bytes)`` each, every job
+    of the round to that peer), the report's timing ``t`` and the controller's base delay (``LedbatRate.base.value``).
+    With the receiver's close time and a base delay, only the calls made at or before ``t.close - base`` count as
+    sent: the base delay is the smallest ``arrival - send`` seen, so a datagram that left later reached the receiver
+    after it had closed the round, through an empty queue or not. The round's own first sample (first arrival -
+    first send, never below a real delay) stands in for the base when it is smaller or there is none yet. Without
+    a close time (a version 1 trailer) or any sample, every call counts (the rule before the close time)."""
+    a = np.asarray(sends, dtype=np.float64).reshape(-1, 3)
+    if t.first is not None and len(a):  # this round's first sample (the base takes it too): no older one needed
+        sample = t.first - float(a[:, 0].min())
+        base = sample if base is None else min(base, sample)
+    end = None if t.close is None or base is None else t.close - base
+    if end is not None:
+        a = a[a[:, 0] <= end]
+    first = float(a[:, 0].min()) if len(a) else None
+    last = float(a[:, 0].max()) if len(a) else None
+    return Feedback(int(a[:, 1].sum()), int(a[:, 2].sum()), t.datagrams, t.nbytes, first, last, t.first, t.last,
+                    t.wait, end)  # fmt: skip
 
 
 @dataclass
