@@ -119,14 +119,16 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
 def _lane_summary(st: TransportStats) -> dict:
     """What one rank's unreliable lanes did over every trial: datagrams handed to the kernel, abandoned (their
     round had closed), unimportant blocks kept back by the send budget (unsent) and reported missing (lost), and
-    the congestion controller's final rate per peer (bytes/s)."""
+    the congestion controller's final rate per peer (bytes/s); of the rounds it received, how each closed and how
+    long it held them open after their important blocks were in (deadline waits, seconds)."""
     udp = [ln for ln in st.lanes if ln.kind == "udp"]
     return {"udp_datagrams_sent": sum(ln.tx_frames for ln in udp),
             "udp_abandoned": sum(ln.tx_abandoned for ln in udp),
             "unsent_blocks": sum(ln.tx_unsent_blocks for ln in udp),
             "lost_blocks": sum(ln.tx_lost_blocks for ln in udp),
             "delivered_blocks": sum(ln.delivered_blocks for ln in udp),
-            "pace_rates": {str(k): v for k, v in st.pace_rates.items()}}  # fmt: skip
+            "pace_rates": {str(k): v for k, v in st.pace_rates.items()},
+            "closed_by": dict(st.closed_by), "deadline_wait_total": st.deadline_wait_total}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
