@@ -15,7 +15,7 @@ DGRAM = 1448
 CHUNK = 16  # datagrams per send call (one GSO send)
 
 
-def play_round(rate: float, t0: float, *, window: float = 0.02, lag: float = 0.004, hold: float = 0.002,
+def play_round(rate: float, t0: float, *, window: float = 0.02, lag: float = 0.004, hold: float = 0.0005,
                report_delay: float = 0.003, drop_every: int = 0) -> tuple[list[tuple[float, int, int]], Timing, float]:
     """One round on a loopback-like path: the sender's datagrams start ``lag`` after the round (behind its opening
     frame) and are paced at ``rate`` for a budget of ``rate * window`` bytes; the receiver closes the round ``hold``
@@ -102,3 +102,57 @@ def test_goodput_ends_at_the_last_useful_send():
     assert fb.goodput(3.0) == pytest.approx(14480 / 0.02)
     assert fb.goodput(1.01) == pytest.approx(14480 / 0.01)  # a report before the end: the report time
     assert Feedback(10, 14480, 0, 0, first_sent=1.0, end=0.9).goodput(3.0) is None
+
+
+def test_a_sender_that_cannot_reach_the_rate_caps_it_at_what_it_got_out_in_time():
+    """The round's budget asked for 100 send calls' worth; the sender (a loaded CPU) got 40 out by the last useful
+    moment and the rest later or never. The path lost nothing, so no back-off for loss, but the rate comes down to
+    the 40 calls' rate: a higher one only makes the budget promise datagrams that miss their round."""
+    gap = 0.001  # one call of CHUNK datagrams per ms: 23.2 MB/s
+    sends = [(1.0 + i * gap, CHUNK, CHUNK * DGRAM) for i in range(60)]
+    end = 1.0 + 39.5 * gap  # calls 0..39 left in time
+    t = Timing(40 * CHUNK, 1.0 + PROP + OFFSET, 1.039 + PROP + OFFSET, 0.0005, 40 * CHUNK * DGRAM, end + PROP + OFFSET)
+    fb = round_feedback(sends, t, PROP + OFFSET, planned_bytes=100 * CHUNK * DGRAM)
+    assert fb.sent_datagrams == 40 * CHUNK and fb.late_bytes == 60 * CHUNK * DGRAM and fb.loss == 0.0
+    assert fb.send_rate() == pytest.approx(40 * CHUNK * DGRAM / (39.5 * gap))
+    cc = LedbatRate(200e6, min_rate=1e6)
+    assert cc.on_feedback(fb, 1.1) == pytest.approx(fb.send_rate())
+    assert cc.sender_caps == 1 and cc.loss_backoffs == 0 and not cc.slow_start
+    # everything left in time: no cap, the rate is the controller's (slow start doubles it)
+    ok = round_feedback(sends[:40], t, PROP + OFFSET, planned_bytes=40 * CHUNK * DGRAM)
+    assert ok.late_bytes == 0 and ok.send_rate() is None
+    assert LedbatRate(5e6, min_rate=1e6).on_feedback(ok, 1.1) == 10e6
+    # without a close time nothing is known to be late
+    v1 = Timing(t.datagrams, t.first, t.last, t.wait, t.nbytes)
+    assert round_feedback(sends, v1, PROP + OFFSET, planned_bytes=100 * CHUNK * DGRAM).late_bytes == 0
+
+
+def test_the_sender_cap_keeps_a_slow_sender_from_overfilling_its_rounds():
+    """Rounds on a path with room but a sender that gets out only 8 MB/s: without the cap (no planned bytes given,
+    as before) the rate climbs far past it and most of each round's budget misses the round; with it the rate
+    settles near what the sender can do and little is late."""
+    def play(cc: LedbatRate, cap_on: bool, n: int = 20) -> tuple[float, float]:
+        t, late, planned_total = 0.0, 0.0, 0.0
+        for _ in range(n):
+            window, push = 0.02, 8e6
+            planned = cc.rate * window
+            gap = CHUNK * DGRAM / min(cc.rate, push)
+            close = t + window + 0.0005
+            sends, k = [], 0
+            while k * CHUNK * DGRAM < planned and t + k * gap < close + 0.003:
+                sends.append((t + k * gap, CHUNK, CHUNK * DGRAM))
+                k += 1
+            arrived = [s for s in sends if s[0] + PROP <= close]
+            timing = Timing(CHUNK * len(arrived), arrived[0][0] + PROP + OFFSET, arrived[-1][0] + PROP + OFFSET,
+                            0.0005, CHUNK * DGRAM * len(arrived), close + OFFSET)
+            fb = round_feedback(sends, timing, cc.base.value, int(planned) if cap_on else 0)
+            late += planned - fb.sent_bytes
+            planned_total += planned
+            cc.on_feedback(fb, close + 0.003)
+            t += 0.05
+        return cc.rate, late / planned_total
+
+    rate_off, late_off = play(LedbatRate(12.5e6, min_rate=1e6), cap_on=False)
+    rate_on, late_on = play(LedbatRate(12.5e6, min_rate=1e6), cap_on=True)
+    assert rate_off > 50e6 and late_off > 0.5  # what the fix of the false loss alone does with a slow sender
+    assert 6e6 <= rate_on <= 12e6 and late_on < 0.3

@@ -105,7 +105,8 @@ class OutboundMixin(EndpointState):
         now = trio.current_time()
         t = info.timing
         sends = [s for job in track.jobs for s in job.sends]  # one entry per GSO call, not per datagram
-        link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value), now)
+        planned = sum(job.rows.size + sum(map(len, job.odd)) for job in track.jobs)
+        link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned), now)
         link.window.observe(now - track.t0, t.wait)
 
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
