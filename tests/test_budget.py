@@ -13,7 +13,15 @@ from dgt.protocol.budget import RoundWindow, fold_blocks, split_budget, wire_byt
 from dgt.protocol.deadline import FixedGrace
 from dgt.protocol.geometry import Geometry
 from dgt.protocol.receiver import RoundDone, RoundReceiver
-from dgt.protocol.report import TRAILER_SIZE, Timing, decode_report, encode_timing
+from dgt.protocol.report import (
+    TRAILER_SIZE,
+    TRAILER_V1,
+    TRAILER_V1_SIZE,
+    Timing,
+    decode_report,
+    encode_timing,
+    split_report,
+)
 from dgt.protocol.sender import RoundSender
 
 TOKEN = 99
@@ -75,31 +83,44 @@ def test_round_window_learns_the_reliable_part_of_a_round():
 
 
 def test_timing_trailer_round_trip_and_bad_input():
-    t = Timing(42, 12.5, 12.75, 0.003, 60_000)
+    t = Timing(42, 12.5, 12.75, 0.003, 60_000, 12.8)
     bitmap = np.packbits(np.array([1, 0, 1], bool)).tobytes()
     frame = _decode(wire.encode_frame(wire.FrameType.DROP_REPORT, bitmap + encode_timing(t), token=1, rank=0, count=3,
                                       flags=wire.Flags.CLOSED | wire.Flags.TIMING))
     got, back = decode_report(frame)
     assert got.tolist() == [True, False, True]
     assert back.datagrams == 42 and back.first == pytest.approx(12.5) and back.last == pytest.approx(12.75)
-    assert back.wait == pytest.approx(0.003) and back.nbytes == 60_000
+    assert back.wait == pytest.approx(0.003) and back.nbytes == 60_000 and back.close == pytest.approx(12.8)
     none = decode_report(_decode(wire.encode_frame(
         wire.FrameType.DROP_REPORT, bitmap + encode_timing(Timing(0, None, None, 0.0, 0)), token=1, rank=0, count=3,
         flags=wire.Flags.TIMING)))[1]
-    assert none.first is None and none.last is None
+    assert none.first is None and none.last is None and none.close is None
     bare = _decode(wire.encode_frame(wire.FrameType.DROP_REPORT, bitmap, token=1, rank=0, count=3))
     assert decode_report(bare)[1] is None  # a report from a receiver without the trailer
-    short = _decode(wire.encode_frame(wire.FrameType.DROP_REPORT, bitmap + b"\0" * 5, token=1, rank=0, count=3,
-                                      flags=wire.Flags.TIMING))
-    with pytest.raises(wire.WireError):
-        decode_report(short)
+    for bad in (b"\0" * 5, b"", encode_timing(t)[:-1], encode_timing(t) + b"\0", TRAILER_V1.pack(1, 0, 0, 1, 2, 3, 4, 5)
+                + b"\0" * 8):  # short, none, one byte short or over, a version 1 trailer with version 2's size
+        short = _decode(wire.encode_frame(wire.FrameType.DROP_REPORT, bitmap + bad, token=1, rank=0, count=3,
+                                          flags=wire.Flags.TIMING))
+        with pytest.raises(wire.WireError):
+            decode_report(short)
     bad_version = bytearray(bitmap + encode_timing(t))
     bad_version[len(bitmap)] = 9
     frame = _decode(wire.encode_frame(wire.FrameType.DROP_REPORT, bytes(bad_version), token=1, rank=0,
                                                  count=3, flags=wire.Flags.TIMING))
     with pytest.raises(wire.WireError, match="version"):
         decode_report(frame)
-    assert TRAILER_SIZE == 40
+    assert (TRAILER_SIZE, TRAILER_V1_SIZE) == (48, 40)
+
+
+def test_a_version_1_timing_trailer_still_decodes_without_a_close_time():
+    """Receivers before the close time send the 40-byte version 1 trailer: same fields, close None."""
+    bitmap = np.packbits(np.array([1, 1, 0], bool)).tobytes()
+    v1 = TRAILER_V1.pack(1, 0, 0, 7, 2_500_000_000, 2_750_000_000, 1_000_000, 10_136)
+    got, t = decode_report(_decode(wire.encode_frame(wire.FrameType.DROP_REPORT, bitmap + v1, token=1, rank=0,
+                                                     count=3, flags=wire.Flags.CLOSED | wire.Flags.TIMING)))
+    assert got.tolist() == [True, True, False]
+    assert t == Timing(7, 2.5, 2.75, 0.001, 10_136, None)
+    assert split_report(bitmap + v1, 3, True)[1] == t
 
 
 @pytest.mark.parametrize("lost", [(), (0, 1)])  # datagrams 0 and 1: two fragments of block 9
@@ -126,6 +147,7 @@ def test_budget_unsent_blocks_go_to_error_feedback_and_nothing_is_lost(lost):
     assert report.flags & wire.Flags.TIMING
     _, timing = decode_report(report)
     assert timing.datagrams == 12 - len(lost) and timing.first is not None and timing.last >= timing.first
+    assert timing.close == pytest.approx(10.0 if lost else timing.last)  # the deadline, or the last datagram in
     info = sender.on_drop_report(report)
     assert info.unsent_blocks == 9 and info.missing_blocks == (1 if lost else 0)
     sent_blocks = set(order[:3].tolist())

@@ -255,8 +255,14 @@ async def test_datagram_scheduler_orders_lanes_paces_and_abandons_closed_rounds(
             for j in (high, low, stale):
                 await j.done.wait()
             n.cancel_scope.cancel()
-        assert stale.sent == 0 and stale.abandoned == 400
+        assert stale.sent == 0 and stale.abandoned == 400 and stale.sends == []
         assert high.sent == 11 and low.sent == 10
+        # every send call is stamped for the congestion controller: (clock, datagrams, bytes), the odd tail with the
+        # last rows (3 calls of at most 4 rows), in time order, and together they are what the job sent
+        assert [n for _, n, _ in high.sends] == [4, 4, 3] and sum(b for *_, b in high.sends) == high.sent_bytes
+        assert sum(n for _, n, _ in low.sends) == 10 and sum(b for *_, b in low.sends) == low.sent_bytes
+        stamps = [t for t, _, _ in high.sends + low.sends]
+        assert stamps == sorted(stamps) and t0 <= stamps[0] and stamps[-1] <= trio.current_time()
         # paced in chunks of 4 datagrams: everything but the burst and the last chunk waited for tokens
         assert trio.current_time() - t0 >= (10_003 - 2000 - 1000) / 200_000.0 * 0.9
         got = []

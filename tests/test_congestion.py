@@ -116,9 +116,16 @@ def test_a_round_held_open_by_the_lane_counts_as_delay():
     cc = LedbatRate(10e6, target=0.01, slow_start=False, current_filter=1)
     cc.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.0), 0.1)
     assert cc.rate == pytest.approx(12.5e6)
-    # no queue in the samples, but the receiver waited 20 ms for our datagrams after the important blocks
-    cc.on_feedback(Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.01, hold=0.02), 1.1)
-    assert cc.qdelay == pytest.approx(0.0) and cc.rate == pytest.approx(12.5e6 * 0.75)
+    # no queue in the samples, but the receiver waited 4 ms for our datagrams after the important blocks: twice
+    # hold_target (2 ms), so it reads as twice the 10 ms delay target
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.01, hold=0.004), 1.1)
+    assert cc.qdelay == pytest.approx(0.0) and cc.behind == pytest.approx(0.02)
+    assert cc.rate == pytest.approx(12.5e6 * 0.75)
+    cc.on_feedback(Feedback(100, 144800, 100, 144800, 2.0, 2.01, 7.0, 7.01, hold=0.001), 2.1)  # 1 ms: probes up
+    assert cc.behind == pytest.approx(0.005) and cc.rate == pytest.approx(12.5e6 * 0.75 * 1.125)
+    old = LedbatRate(10e6, target=0.01, slow_start=False, current_filter=1, hold_target=0.01)  # hold read as delay
+    old.on_feedback(Feedback(100, 144800, 100, 144800, 1.0, 1.01, 6.0, 6.01, hold=0.004), 1.1)
+    assert old.rate == pytest.approx(10e6 * 1.15)
     ss = LedbatRate(10e6, target=0.01, current_filter=1)
     ss.on_feedback(Feedback(100, 144800, 100, 144800, 0.0, 0.01, 5.0, 5.01, hold=0.03), 0.1)
     assert not ss.slow_start and ss.rate == pytest.approx(5e6)

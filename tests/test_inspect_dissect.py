@@ -139,3 +139,33 @@ def test_bulk_frames_dissect_with_their_elements():
     assert pkt.ftype == FrameType.BULK and pkt.block == 10 and pkt.offset == 4 and pkt.count == 4
     assert isinstance(pkt.payload, DGTBulk) and dissect.values(pkt).tolist() == [4.0, 5.0, 6.0, 7.0]
     assert bytes(pkt) == frames[1]
+
+
+def test_drop_report_timing_trailer_versions_1_and_2():
+    """The dissector and the summary's report parser read both trailer versions and reject a malformed one."""
+    from collections import Counter
+
+    from dgt.inspect.summary import _drop_report
+    from dgt.protocol.report import TRAILER_V1, Timing, encode_timing
+
+    bitmap = np.packbits([1, 0, 1]).tobytes()
+    v2 = encode_timing(Timing(5, 1.0, 1.5, 0.002, 7000, 1.75))
+    v1 = TRAILER_V1.pack(1, 0, 0, 5, 1_000_000_000, 1_500_000_000, 2_000_000, 7000)
+    flags = wire.Flags.CLOSED | wire.Flags.TIMING
+    for trailer, close in ((v2, 1.75), (v1, None)):
+        frame = DGT(wire.encode_frame(FrameType.DROP_REPORT, bitmap + trailer, token=7, rank=0, round=3, bucket=2,
+                                      count=3, flags=flags))  # fmt: skip
+        t = frame[DGTDropReport].timing()
+        assert (t.datagrams, t.nbytes, t.close) == (5, 7000, close) and t.wait == pytest.approx(0.002)
+        assert frame[DGTDropReport].received().tolist() == [True, False, True]
+        assert "5 unimportant datagrams" in frame.summary() and ("closed at" in frame.summary()) == (close is not None)
+    bad = DGT(wire.encode_frame(FrameType.DROP_REPORT, bitmap + v2[:-3], token=7, rank=0, count=3, flags=flags))
+    assert "malformed timing trailer" in bad.summary()
+
+    class _Fr:  # what _drop_report reads of the summary's frame table
+        h = {"count": np.array([3]), "flags": np.array([int(flags)])}
+
+    malformed: Counter[str] = Counter()
+    for payload in (bitmap + v2, bitmap + v1):
+        assert _drop_report(_Fr(), 0, payload, malformed).tolist() == [True, False, True]
+    assert _drop_report(_Fr(), 0, bitmap + v2[:-1], malformed) is None and malformed["drop-report"] == 1

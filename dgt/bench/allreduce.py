@@ -12,8 +12,12 @@ import statistics
 import time
 from contextlib import AsyncExitStack
 from functools import partial
+from typing import TYPE_CHECKING
 
 from dgt.collectives.launch import run_ranks
+
+if TYPE_CHECKING:
+    from dgt.transport.stats import TransportStats
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -53,6 +57,7 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
     ref = torch.empty_like(x)  # Gloo's sum: each of ours must agree with it (to float rounding: add order differs)
     out: dict[str, list[float]] = {}
     diffs: dict[str, float] = {}
+    transport: dict = {}
 
     def trials(methods: dict) -> None:
         """Trial i of every method before trial i + 1 of any, so a drift in the machine's speed (other tenants, CPU
@@ -102,11 +107,27 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                 for t, gt in groups.items():
                     methods[f"ring/{t}t"] = (partial(call, RingAllReduce(gt, codec, op="sum")), poison)
             await trio.to_thread.run_sync(trials, methods)
+            transport.update(_lane_summary(g.endpoint.stats()))
 
     trio.run(dgt_part)
     dist.barrier()
     dist.destroy_process_group()
-    return {"seconds": out, "max_abs_diff": diffs, "scale": float(ref.abs().max())}
+    return {"seconds": out, "max_abs_diff": diffs, "scale": float(ref.abs().max()), "transport": transport}
+
+
+def _lane_summary(st: TransportStats) -> dict:
+    """What one rank's unreliable lanes did over every trial: datagrams handed to the kernel, abandoned (their
+    round had closed), unimportant blocks kept back by the send budget (unsent) and reported missing (lost), and
+    the congestion controller's final rate per peer (bytes/s); of the rounds it received, how each closed and how
+    long it held them open after their important blocks were in (deadline waits, seconds)."""
+    udp = [ln for ln in st.lanes if ln.kind == "udp"]
+    return {"udp_datagrams_sent": sum(ln.tx_frames for ln in udp),
+            "udp_abandoned": sum(ln.tx_abandoned for ln in udp),
+            "unsent_blocks": sum(ln.tx_unsent_blocks for ln in udp),
+            "lost_blocks": sum(ln.tx_lost_blocks for ln in udp),
+            "delivered_blocks": sum(ln.delivered_blocks for ln in udp),
+            "pace_rates": {str(k): v for k, v in st.pace_rates.items()},
+            "closed_by": dict(st.closed_by), "deadline_wait_total": st.deadline_wait_total}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -136,6 +157,7 @@ def run(args: argparse.Namespace) -> dict:
                         f"native loop, {cfg.hop_thread_count()} thread(s)" if len(threads) == 1 else
                         f"native loop, {'/'.join(str(t) for t in threads)} thread(s)")
     # largest difference from Gloo's sum on any rank, relative to the sum's magnitude (NaN: a part never written)
+    out["transport"] = {str(r): res[r].get("transport", {}) for r in sorted(res)}  # per rank, over all trials
     out["max_rel_diff_vs_gloo"] = {k: max(r["max_abs_diff"][k] / max(r["scale"], 1e-30) for r in res.values())
                                    for k in res[0]["max_abs_diff"]}  # fmt: skip
     out["speed_vs_gloo"] = {k: best["gloo"] / v for k, v in best.items() if k != "gloo"}  # best trial vs best

@@ -35,8 +35,9 @@ class DatagramJob:
     sent_bytes: int = 0
     abandoned: int = 0
     seq: int = 0
-    first_sent_at: float | None = None  # clock when its first datagram was handed to the kernel
-    last_sent_at: float | None = None  # ... and its last one so far (the congestion controller's delay samples)
+    # (clock when the call started, datagrams, bytes) per send call: the congestion controller's send times
+    # (dgt.protocol.congestion.round_feedback)
+    sends: list[tuple[float, int, int]] = field(default_factory=list)
 
     @property
     def total(self) -> int:
@@ -154,10 +155,15 @@ class DatagramScheduler:
     async def _send_chunk(self, job: DatagramJob, now: float) -> int:
         """One GSO send of rows; with the last rows also the odd-size tails (a handful), so a round's final
         datagrams leave together instead of one scheduling step later. Returns the bytes sent."""
-        before = job.sent_bytes
-        if job.first_sent_at is None:
-            job.first_sent_at = now
-        job.last_sent_at = now
+        before, n_before = job.sent_bytes, job.sent
+        try:
+            await self._send_rows_then_odd(job, now)
+        finally:  # what left in this call, stamped for the congestion controller (dgt.protocol.congestion)
+            if job.sent > n_before:
+                job.sends.append((now, job.sent - n_before, job.sent_bytes - before))
+        return job.sent_bytes - before
+
+    async def _send_rows_then_odd(self, job: DatagramJob, now: float) -> None:
         chan = self.channels[job.lane]
         pacer = self.pacer_of(job.peer)
         if job.pos < len(job.rows):
@@ -170,7 +176,7 @@ class DatagramScheduler:
             job.sent += len(rows)
             job.sent_bytes += rows.size
             if job.pos < len(job.rows):
-                return job.sent_bytes - before
+                return
         while job.odd_pos < len(job.odd):
             dgram = job.odd[job.odd_pos]
             if pacer is not None:
@@ -179,12 +185,4 @@ class DatagramScheduler:
             job.odd_pos += 1
             job.sent += 1
             job.sent_bytes += len(dgram)
-        return job.sent_bytes - before
 
-
-def sent_summary(jobs: list[DatagramJob]) -> tuple[int, int, float | None, float | None]:
-    """(datagrams, bytes, first send time, last send time) of a round's jobs so far."""
-    firsts = [j.first_sent_at for j in jobs if j.first_sent_at is not None]
-    lasts = [j.last_sent_at for j in jobs if j.last_sent_at is not None]
-    return (sum(j.sent for j in jobs), sum(j.sent_bytes for j in jobs), min(firsts) if firsts else None,
-            max(lasts) if lasts else None)

@@ -27,6 +27,7 @@ from scapy.layers.inet import TCP, UDP
 from scapy.packet import Packet, Padding, bind_layers, split_layers
 
 from dgt import wire
+from dgt.protocol.report import Timing, split_report
 
 FTYPES = {int(t): t.name for t in wire.FrameType}
 DTYPES = {int(t): t.name.lower() for t in wire.WireDType}
@@ -117,7 +118,8 @@ class DGTRoundEnd(Packet):
 
 
 class DGTDropReport(Packet):
-    """Receiver -> sender: packbits bitmap of the blocks that arrived (the header's ``count`` = number of blocks)."""
+    """Receiver -> sender: packbits bitmap of the blocks that arrived (the header's ``count`` = number of blocks),
+    then with flag TIMING the timing trailer, version 1 or 2 (:mod:`dgt.protocol.report`); ``bitmap`` holds both."""
 
     name = "DGT drop report"
     fields_desc = [StrField("bitmap", b"")]
@@ -128,9 +130,24 @@ class DGTDropReport(Packet):
         n = int(under.count) if isinstance(under, DGT) else 8 * len(self.bitmap)
         return np.unpackbits(np.frombuffer(self.bitmap, np.uint8), count=n).astype(bool)
 
+    def timing(self) -> Timing | None:
+        """The timing trailer (None: the frame has no flag TIMING or no header above it); WireError if malformed."""
+        under = self.underlayer
+        if not isinstance(under, DGT) or not int(under.flags) & wire.Flags.TIMING:
+            return None
+        return split_report(self.bitmap, int(under.count), True)[1]
+
     def mysummary(self) -> str:
         got = self.received()
-        return f"drop report: {int(got.sum())}/{len(got)} blocks received"
+        out = f"drop report: {int(got.sum())}/{len(got)} blocks received"
+        try:
+            t = self.timing()
+        except wire.WireError as e:
+            return f"{out}; malformed timing trailer ({e})"
+        if t is not None:
+            out += f"; {t.datagrams} unimportant datagrams, {t.nbytes} B, waited {t.wait * 1e3:.3f} ms"
+            out += "" if t.close is None else f", closed at {t.close:.6f} s (receiver clock)"
+        return out
 
 
 class DGTControl(Packet):

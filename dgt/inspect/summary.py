@@ -36,7 +36,7 @@ from dgt.inspect.rounds import (
     pair,
     segmented_reorder,
 )
-from dgt.protocol.report import TRAILER_SIZE
+from dgt.protocol.report import split_report
 from dgt.wire import Flags, FrameType
 
 EF, CS1, LE = 46, 8, 1
@@ -184,13 +184,13 @@ def _control_frames(fr: Frames, limits: wire.Limits, malformed: Counter[str]) ->
 
 
 def _drop_report(fr: Frames, i: int, p: bytes, malformed: Counter[str]) -> np.ndarray | None:
-    """The received mask of a DROP_REPORT, None if malformed."""
-    nb = int(fr.h["count"][i])
-    nbm = (nb + 7) // 8  # the bitmap, then with flag TIMING the timing trailer (dgt.protocol.report)
-    if len(p) != nbm + (TRAILER_SIZE if fr.h["flags"][i] & Flags.TIMING else 0):
+    """The received mask of a DROP_REPORT, None if malformed: the bitmap, then with flag TIMING a timing trailer of
+    version 1 or 2 (dgt.protocol.report decodes both and checks the size each version has)."""
+    try:
+        return split_report(p, int(fr.h["count"][i]), bool(fr.h["flags"][i] & Flags.TIMING))[0]
+    except wire.WireError:
         malformed["drop-report"] += 1
         return None
-    return np.unpackbits(np.frombuffer(p[:nbm], np.uint8), count=nb).astype(bool)
 
 
 def _session_dscp(p: bytes, session_dscp: dict[int, tuple[int, ...]], malformed: Counter[str]) -> None:

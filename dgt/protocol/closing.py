@@ -16,12 +16,13 @@ from dgt.protocol.stats import RoundStats
 from dgt.wire import Flags, FrameType
 
 
-def timing(r: OpenRound) -> Timing:
-    """The drop report's timing trailer: what arrived on the unreliable lanes and when (dgt.protocol.report). Not
-    cached: a cache keyed by the round kept up to 64 closed rounds, their result buffers included, alive."""
+def timing(r: OpenRound, close: float) -> Timing:
+    """The drop report's timing trailer: what arrived on the unreliable lanes and when, and ``close``, when the round
+    closed (dgt.protocol.report). Not cached: a cache keyed by the round kept up to 64 closed rounds, their result
+    buffers included, alive."""
     unimp = [ls for lane, ls in r.stats.lanes.items() if lane > 0]
     return Timing(sum(ls.frames for ls in unimp), r.first_arrival, r.last_arrival, r.stats.deadline_wait,
-                  sum(ls.bytes for ls in unimp))  # fmt: skip
+                  sum(ls.bytes for ls in unimp), close)  # fmt: skip
 
 
 def zero_blocks(r: OpenRound, sel: np.ndarray) -> None:
@@ -66,7 +67,7 @@ def finalise(r: OpenRound, now: float, why: str, deadline: DeadlinePolicy, token
     report = None
     if r.want_report or st.dropped:  # a lossless round that lost blocks would be a protocol breach: say so
         report = wire.encode_frame(
-            FrameType.DROP_REPORT, np.packbits(mask).tobytes() + encode_timing(timing(r)), token=token,
+            FrameType.DROP_REPORT, np.packbits(mask).tobytes() + encode_timing(timing(r, now)), token=token,
             rank=rank, round=round_, bucket=bucket, count=g.nblocks, flags=Flags.CLOSED | Flags.TIMING,
         )  # fmt: skip
     return RoundDone(sender, bucket, round_, r.data, torch.from_numpy(mask), st, report, r.layout, r.codec)

@@ -13,11 +13,11 @@ import trio
 
 from dgt import wire
 from dgt.channels.slot import Slot
-from dgt.channels.udp_scheduler import DatagramJob, sent_summary
+from dgt.channels.udp_scheduler import DatagramJob
 from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
-from dgt.protocol.congestion import Feedback
+from dgt.protocol.congestion import round_feedback
 from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import DropInfo
 from dgt.transport.checks import check_classes
@@ -104,8 +104,9 @@ class OutboundMixin(EndpointState):
             return
         now = trio.current_time()
         t = info.timing
-        n, nbytes, first, last = sent_summary(track.jobs)
-        link.pacer.on_feedback(Feedback(n, nbytes, t.datagrams, t.nbytes, first, last, t.first, t.last, t.wait), now)
+        sends = [s for job in track.jobs for s in job.sends]  # one entry per GSO call, not per datagram
+        planned = sum(job.rows.size + sum(map(len, job.odd)) for job in track.jobs)
+        link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned), now)
         link.window.observe(now - track.t0, t.wait)
 
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
