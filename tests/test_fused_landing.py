@@ -16,6 +16,7 @@ from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
 from dgt.protocol import datagram_mac as dm
 from dgt.protocol import landing
+from dgt.protocol.datagram_decode import decode_datagrams
 from dgt.protocol.receiver import RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 
@@ -172,3 +173,44 @@ def test_the_c_landing_refuses_a_payload_outside_its_buffer():
     with pytest.raises(ValueError, match="outside"):
         landing.land_fragments_c(r, batch.headers, src, batch.payload_pos, lane, 0.0)
     assert all(np.array_equal(a, b) for a, b in zip(before, (r.got, r.nfrag, r.raw)))  # nothing written
+
+
+def _decoded(batch):
+    return (batch.headers.tobytes(), batch.payload_pos.tolist(), batch.reason.tolist(), bytes(batch.buf))
+
+
+@pytest.mark.parametrize("mac", [False, True])
+@pytest.mark.parametrize("token", [TOKEN, None, TOKEN + 1])
+def test_the_c_decode_and_wire_decode_datagrams_agree(mac, token):
+    """Every reason code: genuine datagrams, each header field broken, the size off, truncated, a read cut short,
+    batches of 1..9 (the small-batch path of ``validate``) and of many."""
+    rng = np.random.default_rng(3)
+    plan = plan_round(dm.DatagramMac(KEY) if mac else None, 0, torch.float32, 4)
+    items = [b for _, b in datagrams(plan)][:60]
+    broken = []
+    for b in items[:12]:
+        broken += [
+            _set(b, 0, ">H", 0x1234), _set(b, 2, "B", 9), _set(b, 3, "B", 200), _set(b, 5, "B", 99),
+            _set(b, 44, ">I", 1 << 30), _set(b, 40, ">I", 3), _set(b, 32, ">Q", (1 << 64) - 2),
+            _set(b, 8, ">Q", 7), _set(b, 16, ">I", 1 << 20), _set(b, 4, "B", b[4] ^ wire.Flags.MAC),
+            _set(_set(b, 3, "B", int(wire.FrameType.BULK)), 28, ">I", 1), b[:-5], b[:30], b"",
+        ]
+    pool = items + broken
+    reads = [[pool[i] for i in rng.choice(len(pool), size=k)] for k in (1, 3, 7, 9, 64, 200)]
+    reads.append(pool)
+    for grams in reads:
+        buf, sizes = b"".join(grams), [len(g) for g in grams]
+        want = wire.decode_datagrams(buf, sizes, token=token)
+        assert _decoded(decode_datagrams(buf, sizes, token=token)) == _decoded(want)
+        assert _decoded(decode_datagrams(buf, sizes, token=token, native=False)) == _decoded(want)
+    every = wire.decode_datagrams(b"".join(pool), [len(g) for g in pool], token=token)
+    want_codes = set(range(len(wire.REASONS)))
+    if token is None:  # no token check
+        want_codes -= {wire.REASONS.index("token")}
+    elif token != TOKEN:  # every header passing the earlier checks fails on the token: none valid, none past it
+        want_codes -= {0, wire.REASONS.index("rank")}
+    assert set(every.reason.tolist()) == want_codes  # the reads held every reason the decode can give
+    cut = b"".join(items[:5])  # the sizes claim more than the read holds
+    sizes = [len(g) for g in items[:5]] + [100]
+    want = wire.decode_datagrams(cut, sizes, token=token)
+    assert _decoded(decode_datagrams(cut, sizes, token=token)) == _decoded(want)

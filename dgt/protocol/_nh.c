@@ -311,6 +311,86 @@ done:
     return res;
 }
 
+/* Reason codes as dgt.wire.REASONS. */
+enum { R_MAGIC = 1, R_VERSION, R_FTYPE, R_DTYPE, R_LENGTH, R_COUNT, R_TOKEN, R_RANK, R_TRUNCATED };
+
+/* The reason code of one 48-byte header, as dgt.wire.validate marks it (the first failing check wins). p: limits
+ * max_payload, max_bucket_elems, max_control, max_rank; ft: DATA, CONTROL, BULK, last frame type. */
+static int check_header(const unsigned char *h, const int64_t *lim, const int64_t *ft, const unsigned char *isz,
+                        Py_ssize_t nisz, int has_token, uint64_t token, unsigned magic, unsigned version) {
+    unsigned ftype = h[3], dt = h[5];
+    int64_t length = be32(h + H_LENGTH), count = be32(h + H_COUNT);
+    uint64_t offset = be64(h + H_OFFSET), block = be32(h + H_BLOCK), end = offset + (uint64_t)count;
+    int bulk = ftype == ft[2], data = ftype == ft[0] || bulk;
+    if (((unsigned)h[0] << 8 | h[1]) != magic) return R_MAGIC;
+    if (h[2] != version) return R_VERSION;
+    if (ftype < ft[0] || ftype > ft[3]) return R_FTYPE;
+    if (dt >= nisz) return R_DTYPE;
+    if (length > lim[0]) return R_LENGTH;
+    if (data && count * isz[dt] != length) return R_COUNT;
+    if (data && (end > (uint64_t)lim[1] || offset > (uint64_t)lim[1])) return R_COUNT;
+    if (bulk && (block > (uint64_t)lim[1] || end > block)) return R_COUNT;
+    if (ftype == ft[1] && length > lim[2]) return R_LENGTH;
+    if (has_token && be64(h + 8) != token) return R_TOKEN;
+    if ((int64_t)be32(h + 16) >= lim[3]) return R_RANK;
+    return 0;
+}
+
+/* decode(buf, sizes, headers_out, pos_out, reason_out, limits, ftypes, itemsizes, has_token, token, magic, version,
+ * flag_mac): dgt.wire.decode_datagrams in one pass (its twin): per datagram its 48-byte header copied out (of a
+ * datagram shorter than a header, the 48 bytes at min(start, len - 48), or zeros when buf is shorter), its payload
+ * position, and its reason code (header checks, then header + length (+ tag) == size, then truncation). */
+static PyObject *decode(PyObject *self, PyObject *args) {
+    Py_buffer buf, sizes, hout, pout, rout, lim, ft, isz;
+    int has_token, fmac;
+    unsigned long long token;
+    unsigned int magic, version;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*y*pKIIi", &buf, &sizes, &hout, &pout, &rout, &lim, &ft, &isz,
+                          &has_token, &token, &magic, &version, &fmac))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = sizes.len / 8;
+    if (sizes.len % 8 || hout.len != n * H_SIZE || pout.len != n * 8 || rout.len != n || lim.len != 32 ||
+        ft.len != 32) {
+        PyErr_SetString(PyExc_ValueError, "decode: int64 sizes, [n, 48] headers, n positions and reasons, 4 limits");
+        goto done;
+    }
+    {
+        const unsigned char *b = buf.buf;
+        const int64_t *sz = sizes.buf, *l = lim.buf, *f = ft.buf;
+        unsigned char *ho = hout.buf;
+        int64_t *po = pout.buf;
+        int8_t *ro = rout.buf;
+        int64_t start = 0, blen = buf.len;
+        for (Py_ssize_t i = 0; i < n; i++) {
+            unsigned char *h = ho + H_SIZE * i;
+            if (blen >= H_SIZE)
+                memcpy(h, b + (start < blen - H_SIZE ? start : blen - H_SIZE), H_SIZE);
+            else
+                memset(h, 0, H_SIZE);
+            int r = check_header(h, l, f, isz.buf, isz.len, has_token, token, magic, version);
+            int64_t tag = (h[H_FLAGS] & fmac) ? 8 : 0;
+            if (!r && (int64_t)be32(h + H_LENGTH) + H_SIZE + tag != sz[i]) r = R_LENGTH;
+            if (sz[i] < H_SIZE) r = R_TRUNCATED;
+            ro[i] = (int8_t)r;
+            po[i] = start + H_SIZE;
+            start += sz[i];
+        }
+    }
+    res = Py_None;
+    Py_INCREF(res);
+done:
+    PyBuffer_Release(&buf);
+    PyBuffer_Release(&sizes);
+    PyBuffer_Release(&hout);
+    PyBuffer_Release(&pout);
+    PyBuffer_Release(&rout);
+    PyBuffer_Release(&lim);
+    PyBuffer_Release(&ft);
+    PyBuffer_Release(&isz);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"tags", tags, METH_VARARGS,
      "tags(buf, starts_int64, nbytes, key_uint32, add, pads_uint64, write): MAC tags of rows buf[s : s + nbytes] "
@@ -318,6 +398,9 @@ static PyMethodDef methods[] = {
     {"land", land, METH_VARARGS,
      "land(...): one round's fragments validated, MAC-checked, de-duplicated, copied and marked in one pass "
      "(see dgt/protocol/fused_landing.py)"},
+    {"decode", decode, METH_VARARGS,
+     "decode(buf, sizes, headers, positions, reasons, ...): dgt.wire.decode_datagrams in one C pass "
+     "(see dgt/protocol/datagram_decode.py)"},
     {"nh", nh, METH_VARARGS,
      "nh(data, starts_int64, nbytes, key_uint32, out_uint64): NH of each row data[s : s + nbytes] (zero-padded to "
      "8 bytes) into out"},
