@@ -16,7 +16,7 @@ from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
 from dgt.protocol import datagram_mac as dm
 from dgt.protocol import landing
-from dgt.protocol.datagram_decode import decode_datagrams
+from dgt.protocol.datagram_decode import all_fragments, decode_datagrams
 from dgt.protocol.receiver import RoundDone, RoundReceiver
 from dgt.protocol.sender import RoundSender
 
@@ -214,3 +214,19 @@ def test_the_c_decode_and_wire_decode_datagrams_agree(mac, token):
     sizes = [len(g) for g in items[:5]] + [100]
     want = wire.decode_datagrams(cut, sizes, token=token)
     assert _decoded(decode_datagrams(cut, sizes, token=token)) == _decoded(want)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_all_fragments_says_whether_screening_has_anything_to_count(native):
+    plan = plan_round(None, 0, torch.float32, 6)
+    items = [b for _, b in datagrams(plan)][:20]
+    control = _set(items[0], 3, "B", int(wire.FrameType.CONTROL))
+    run = _set(items[0], 4, "B", items[0][4] & ~wire.Flags.FRAGMENT)  # a DATA run, not a fragment
+
+    def check(grams):
+        return all_fragments(wire.decode_datagrams(b"".join(grams), [len(g) for g in grams], token=TOKEN), native)
+
+    assert check(items) and check(items[:1]) and check([])
+    assert not check(items + [items[0][:-1]])  # one of the wrong size
+    assert not check([control] + items)
+    assert not check(items[:5] + [run] + items[5:])

@@ -391,6 +391,28 @@ done:
     return res;
 }
 
+/* all_fragments(headers, reasons, data_ftype, fragment_flag): whether every datagram of a decoded read is valid
+ * (reason 0), DATA, and a fragment: the receiver's common case, which then skips its screening masks. */
+static PyObject *all_fragments(PyObject *self, PyObject *args) {
+    Py_buffer hdr, rsn;
+    unsigned int data, frag;
+    if (!PyArg_ParseTuple(args, "y*y*II", &hdr, &rsn, &data, &frag)) return NULL;
+    PyObject *res = NULL;
+    if (hdr.len != rsn.len * H_SIZE) {
+        PyErr_SetString(PyExc_ValueError, "all_fragments: one 48-byte header per reason code");
+    } else {
+        const unsigned char *h = hdr.buf;
+        const int8_t *r = rsn.buf;
+        int all = 1;
+        for (Py_ssize_t i = 0; i < rsn.len && all; i++)
+            all = r[i] == 0 && h[H_SIZE * i + 3] == data && (h[H_SIZE * i + H_FLAGS] & frag);
+        res = PyBool_FromLong(all);
+    }
+    PyBuffer_Release(&hdr);
+    PyBuffer_Release(&rsn);
+    return res;
+}
+
 static PyMethodDef methods[] = {
     {"tags", tags, METH_VARARGS,
      "tags(buf, starts_int64, nbytes, key_uint32, add, pads_uint64, write): MAC tags of rows buf[s : s + nbytes] "
@@ -401,6 +423,8 @@ static PyMethodDef methods[] = {
     {"decode", decode, METH_VARARGS,
      "decode(buf, sizes, headers, positions, reasons, ...): dgt.wire.decode_datagrams in one C pass "
      "(see dgt/protocol/datagram_decode.py)"},
+    {"all_fragments", all_fragments, METH_VARARGS,
+     "all_fragments(headers, reasons, data_ftype, fragment_flag): every datagram a valid DATA fragment"},
     {"nh", nh, METH_VARARGS,
      "nh(data, starts_int64, nbytes, key_uint32, out_uint64): NH of each row data[s : s + nbytes] (zero-padded to "
      "8 bytes) into out"},
