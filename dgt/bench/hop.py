@@ -36,6 +36,7 @@ def run(args: argparse.Namespace) -> dict:
     from dgt.codecs.base import BucketState
     from dgt.codecs.dgt import DGTCodec
     from dgt.layout import BucketLayout
+    from dgt.protocol.datagram_decode import decode_datagrams
     from dgt.protocol.datagram_mac import DatagramMac
     from dgt.protocol.deadline import FixedGrace
     from dgt.protocol.receiver import RoundDone, RoundReceiver
@@ -82,7 +83,7 @@ def run(args: argparse.Namespace) -> dict:
                 batch = rows[i : i + k].pack(stg)
                 t = stage("pack datagrams", t)
                 events += rx.receive_datagrams(
-                    wire.decode_datagrams(batch.tobytes(), [rows.seg] * len(batch), token=token), lane, 0.0005)
+                    decode_datagrams(batch.tobytes(), [rows.seg] * len(batch), token=token), lane, 0.0005)
                 t = stage("receive datagrams", t)
         events += rx.on_time(1.0)
         (done,) = [e for e in events if isinstance(e, RoundDone)]

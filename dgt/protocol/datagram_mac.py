@@ -100,6 +100,11 @@ class DatagramMac:
         tail[:-1] = np.cumsum(terms[::-1], dtype=np.uint64)[::-1]  # wraps mod 2^64, as NH does
         self._tail = tail  # _tail[j]: the padding pairs j.._PAIRS-1 of a message of j pairs
 
+    @property
+    def tail(self) -> np.ndarray:
+        """``tail[j]``: NH of the zero padding after a message of ``j`` word pairs (uint64, read-only use)."""
+        return self._tail
+
     # -- building blocks
     def pads(self, sender: int, receiver: int, bucket: int, round: int, n: int) -> np.ndarray:
         """The pads of slots 0..n-1 of one round (one SHAKE call)."""

@@ -4,14 +4,26 @@ the frames of a batch). Each function returns whether the round may have progres
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from dgt import wire
-from dgt.protocol.datagram_mac import DatagramMac
+from dgt.protocol.datagram_mac import DatagramMac, _nh
 from dgt.protocol.datagram_rows import scatter_rows
 from dgt.protocol.round_state import OpenRound, first_of
 from dgt.protocol.stats import ReceiverCounters
 from dgt.wire import Flags
+
+# the C landing reads these header fields at fixed offsets (dgt/protocol/_nh.c): off when the layout differs
+_C_FIELDS = {"flags": (4, "|u1"), "dtype": (5, "|u1"), "block": (28, ">u4"), "offset": (32, ">u8"),
+             "count": (40, ">u4"), "length": (44, ">u4")}
+_HEADER_FIELDS: dict[str, Any] = dict(wire.HEADER_DTYPE.fields or {})
+FUSED = (
+    _nh is not None and hasattr(_nh, "land") and wire.HEADER_DTYPE.itemsize == wire.HEADER_SIZE == 48
+    and all((_HEADER_FIELDS[f][1], _HEADER_FIELDS[f][0].str) == c for f, c in _C_FIELDS.items())
+)  # fmt: skip
+_NO_MAC = np.zeros(0, np.uint64)
 
 
 def _count_lane(r: OpenRound, lane: int, frames: int, nbytes: int) -> None:
@@ -117,9 +129,65 @@ def land_fragments(
     lane: int,
     now: float,
     mac: tuple[DatagramMac, int, ReceiverCounters] | None = None,
+    native: bool = True,
 ) -> bool:
-    """Validate, de-duplicate and scatter fragments into the round buffer (vectorised over the fragments). With
-    ``mac`` (the datagram MAC, this receiver's rank, its counters) every fragment's MAC trailer is checked."""
+    """Validate, de-duplicate and scatter fragments into the round buffer. With ``mac`` (the datagram MAC, this
+    receiver's rank, its counters) every fragment's MAC trailer is checked. One C call (:func:`land_fragments_c`)
+    when the extension is built (and ``native``, and the MAC's own ``native``), else the numpy twin
+    (:func:`land_fragments_numpy`); both land the same bytes and count the same (tests/test_fused_landing.py)."""
+    if FUSED and native and (mac is None or mac[0].native):
+        return land_fragments_c(r, h, src, pos, lane, now, mac)
+    return land_fragments_numpy(r, h, src, pos, lane, now, mac)
+
+
+def land_fragments_c(
+    r: OpenRound,
+    h: np.ndarray,
+    src: np.ndarray,
+    pos: np.ndarray,
+    lane: int,
+    now: float,
+    mac: tuple[DatagramMac, int, ReceiverCounters] | None = None,
+) -> bool:
+    """:func:`land_fragments_numpy` in one call of the C extension (``_nh.land``): geometry checks, MAC, de-duplication
+    (of several copies of a fragment in one batch the last lands, as in the twin), copy and marks, no numpy call
+    per batch beyond the argument conversion."""
+    g = r.geom
+    key: np.ndarray = _NO_MAC
+    tail, pads = _NO_MAC, _NO_MAC
+    if mac is not None:
+        dm, rank, counters = mac
+        if r.pads is None:
+            r.pads = dm.pads(r.key[0], rank, r.key[1], r.key[2], g.nblocks * g.frags_per_block)
+        key, tail, pads = dm.key, dm.tail, r.pads
+    rejected, bad_mac, dup, kept, kept_bytes, d_done, d_imp = _nh.land(
+        np.ascontiguousarray(h), np.ascontiguousarray(pos, np.int64), src, r.raw, r.got, r.nfrag, r.important,
+        r.lane_of, r.scratch_block(), g.block_start, g.block_end, g.frags_needed, g.nblocks, g.frags_per_block,
+        g.frag, r.isz, int(r.dtype), lane, int(Flags.IMPORTANT), int(Flags.MAC), mac is not None, key, tail, pads)
+    r.stats.rejected += rejected + bad_mac
+    if bad_mac and mac is not None:
+        mac[2].reject("bad-mac", bad_mac)
+    r.stats.duplicated += dup
+    r.n_done += d_done
+    r.n_imp_done += d_imp
+    if kept == 0:
+        return False
+    _count_lane(r, lane, kept, kept_bytes)
+    _note_arrival(r, kept, now)
+    return True
+
+
+def land_fragments_numpy(
+    r: OpenRound,
+    h: np.ndarray,
+    src: np.ndarray,
+    pos: np.ndarray,
+    lane: int,
+    now: float,
+    mac: tuple[DatagramMac, int, ReceiverCounters] | None = None,
+) -> bool:
+    """Validate, de-duplicate and scatter fragments into the round buffer (vectorised over the fragments): the
+    reference for :func:`land_fragments_c`, and the path without the C extension."""
     g = r.geom
     blk = h["block"].astype(np.int64)
     off = h["offset"].astype(np.int64)
