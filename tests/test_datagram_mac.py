@@ -8,37 +8,23 @@ import torch
 
 from dgt import wire
 from dgt.estimator import ContributionEstimator
+from dgt.harness import planned
 from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.protocol import datagram_mac as dm
 from dgt.protocol.receiver import RoundDone, RoundReceiver
-from dgt.protocol.sender import RoundSender
 
 TOKEN = 0xC0FFEE
 KEY = bytes(range(32))
-SIZES = [3000, 1024, 5, 20000, 777]  # odd tensor tails make odd-size datagrams too
+SIZES = planned.SIZES
 SENDER, RECEIVER = 3, 1
 
 
 def plan_round(mac, rnd=0, bucket=0, seed=0, dtype=torch.float32):
-    torch.manual_seed(seed)
-    layout = BucketLayout(SIZES)
-    g = torch.randn(layout.numel).to(dtype)
-    est = ContributionEstimator(layout)
-    est.update(g)
-    c = est.classify(0.3)
-    sender = RoundSender(TOKEN, rank=SENDER, mac=mac, peer=RECEIVER)
-    flat = sender.prepare(bucket, g)
-    return layout, flat, sender.plan(bucket, rnd, flat, layout, c.cls, c.order)
+    return planned.plan_round(TOKEN, SENDER, RECEIVER, mac, rnd, bucket, seed, dtype, SIZES)
 
 
-def datagrams(plan):
-    out = []
-    for lane, rows in plan.datagrams.items():
-        out += [(lane, bytearray(np.asarray(rows)[i].tobytes())) for i in range(len(rows))]
-    for lane, odd in plan.odd.items():
-        out += [(lane, bytearray(b)) for b in odd]
-    return out
+datagrams = planned.plan_datagrams
 
 
 def run(rx, plan, items, t=0.0):

@@ -12,40 +12,26 @@ import pytest
 import torch
 
 from dgt import wire
-from dgt.estimator import ContributionEstimator
-from dgt.layout import BucketLayout
+from dgt.harness import planned
 from dgt.protocol import datagram_mac as dm
 from dgt.protocol import landing
 from dgt.protocol.datagram_decode import all_fragments, decode_datagrams
 from dgt.protocol.receiver import RoundDone, RoundReceiver
-from dgt.protocol.sender import RoundSender
 
 pytestmark = pytest.mark.skipif(not landing.FUSED, reason="the C extension (dgt.protocol._nh) is not built")
 
 TOKEN = 0xC0FFEE
 KEY = bytes(range(32))
-SIZES = [3000, 1024, 5, 20000, 777]  # odd tensor tails make odd-size datagrams too
+SIZES = planned.SIZES
 SENDER, RECEIVER = 3, 1
 
 
 def plan_round(mac, bucket, dtype, seed):
-    torch.manual_seed(seed)
-    layout = BucketLayout(SIZES)
-    g = torch.randn(layout.numel).to(dtype)
-    est = ContributionEstimator(layout)
-    est.update(g)
-    c = est.classify(0.3)
-    sender = RoundSender(TOKEN, rank=SENDER, mac=mac, peer=RECEIVER)
-    return sender.plan(bucket, 0, sender.prepare(bucket, g), layout, c.cls, c.order)
+    return planned.plan_round(TOKEN, SENDER, RECEIVER, mac, 0, bucket, seed, dtype, SIZES)[2]
 
 
 def datagrams(plan):
-    out = []
-    for lane, rows in plan.datagrams.items():
-        out += [(lane, bytes(np.asarray(rows)[i].tobytes())) for i in range(len(rows))]
-    for lane, odd in plan.odd.items():
-        out += [(lane, bytes(b)) for b in odd]
-    return out
+    return [(lane, bytes(b)) for lane, b in planned.plan_datagrams(plan)]
 
 
 def _set(b, at, fmt, value):
