@@ -326,7 +326,11 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mb", type=float, default=100.0, help="bucket size in MB (1e6 bytes; float32)")
-    parser.add_argument("--repeats", type=int, default=3, help="rounds per variant (median and best reported)")
+    parser.add_argument("--repeats", type=int, default=10,
+                        help="rounds per variant (median and best reported; default 10: the lossy variants' "
+                             "congestion controller starts each endpoint pair at its start rate and needs a few rounds "
+                             "to reach the path's rate, so a median over 3 rounds measures that warm-up, not a "
+                             "training run)")
     parser.add_argument("--p", type=float, default=0.3, help="fraction of important blocks for the lossy variant")
     parser.add_argument("--datagram-payload", type=int, default=1400, help="UDP payload bytes per datagram")
     parser.add_argument("--quick", action="store_true", help="skip the GSO-off and fresh-buffer variants")
