@@ -44,16 +44,22 @@ def row_groups(numel: int, starts: np.ndarray, block: int) -> Iterator[tuple[int
         yield first, (numel - first) // block, torch.from_numpy((starts[a:b] - first) // block)
 
 
-def add_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: int) -> None:
-    """``dst[s : s + block] += src[s : s + block]`` for every start in ``starts`` (distinct, full blocks); ``dst``
-    and ``src`` are contiguous 1-D tensors of one dtype and size."""
+def _by_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: int, op: str) -> None:
+    """``dst`` rows ``op`` (``index_add_`` / ``index_copy_``) the same rows of ``src``, chunk by chunk, over the
+    ``[rows, block]`` views of each residue class of ``starts``."""
     step = max(1, CHUNK_BYTES // max(1, block * src.element_size()))
     for first, rows, idx in row_groups(dst.numel(), starts, block):
         d = dst[first : first + rows * block].view(rows, block)
         s = src[first : first + rows * block].view(rows, block)
         for i in range(0, len(idx), step):
             j = idx[i : i + step]
-            d.index_add_(0, j, s.index_select(0, j))
+            getattr(d, op)(0, j, s.index_select(0, j))
+
+
+def add_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: int) -> None:
+    """``dst[s : s + block] += src[s : s + block]`` for every start in ``starts`` (distinct, full blocks); ``dst``
+    and ``src`` are contiguous 1-D tensors of one dtype and size."""
+    _by_rows(dst, src, starts, block, "index_add_")
 
 
 def zero_rows(dst: torch.Tensor, starts: np.ndarray, block: int) -> None:
@@ -71,13 +77,7 @@ def zero_rows(dst: torch.Tensor, starts: np.ndarray, block: int) -> None:
 
 def copy_rows(dst: torch.Tensor, src: torch.Tensor, starts: np.ndarray, block: int) -> None:
     """``dst[s : s + block] = src[s : s + block]`` for every start in ``starts`` (full blocks), bit for bit."""
-    step = max(1, CHUNK_BYTES // max(1, block * src.element_size()))
-    for first, rows, idx in row_groups(dst.numel(), starts, block):
-        d = dst[first : first + rows * block].view(rows, block)
-        s = src[first : first + rows * block].view(rows, block)
-        for i in range(0, len(idx), step):
-            j = idx[i : i + step]
-            d.index_copy_(0, j, s.index_select(0, j))
+    _by_rows(dst, src, starts, block, "index_copy_")
 
 
 def keep_blocks(dst: torch.Tensor, src: torch.Tensor, layout: BucketLayout, keep: np.ndarray) -> None:

@@ -181,17 +181,16 @@ class CurrentDelay:
     drop report): a delay must persist for that many reports before the controller backs off for it."""
 
     readings: int = 4
-    _recent: deque[float] = field(default_factory=deque)
+    _recent: deque[float] = field(init=False)
 
     def __post_init__(self) -> None:
         if self.readings < 1:
             raise ValueError("the current-delay filter needs at least one reading")
+        self._recent = deque(maxlen=self.readings)
 
     def update(self, reading: float) -> float:
         """Take one reading; returns the filtered delay."""
-        self._recent.append(reading)
-        while len(self._recent) > self.readings:
-            self._recent.popleft()
+        self._recent.append(reading)  # the oldest falls out (maxlen)
         return min(self._recent)
 
 

@@ -131,7 +131,6 @@ class RoundSender:
         self._spare: dict[int, torch.Tensor] = {}  # bucket -> a copy whose round is over, for prepare to reuse
         self._stages: dict[tuple[int, int], np.ndarray] = {}  # pending round -> its packed important blocks
         self._stage_spare: dict[int, np.ndarray] = {}  # bucket -> a packing buffer whose round is over
-        self._staged: np.ndarray | None = None  # the packing buffer of the round being planned
         self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
 
     # -- error feedback
@@ -166,15 +165,16 @@ class RoundSender:
             del self._copies[bucket]
             self._spare[bucket] = sent
 
-    def _stage_rows(self, bucket: int, n: int, row: int) -> np.ndarray:
+    def _stage_rows(self, bucket: int, round: int, n: int, row: int) -> np.ndarray:
         """``[n, row]`` uint8 rows to pack scattered important blocks into: the bucket's spare packing buffer (its
         round's report is in, so every frame of it was written) when it is large enough, else a new one with room
         to grow. A fresh buffer of the important part, every round, page-faulted on first touch (~30 MB of a
-        100 MB p = 30 % round)."""
+        100 MB p = 30 % round). Held under the round's key until its report (:meth:`plan` drops it at once if the
+        round waits for none)."""
         spare = self._stage_spare.pop(bucket, None)
         if spare is None or spare.shape[1] != row or len(spare) < n:
             spare = np.empty((n + n // 4, row), np.uint8)
-        self._staged = spare
+        self._stages[(bucket, round)] = spare
         return spare[:n]
 
     def residual(self, bucket: int) -> torch.Tensor | None:
@@ -283,7 +283,6 @@ class RoundSender:
         quiet = Flags.NO_REPORT if not report and len(important) == layout.nblocks else 0
         begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, flags=quiet, **common)
         reliable.append((begin_hdr, memoryview(begin)))
-        self._staged = None
         reliable += self._runs(raw, isz, dt, geom, important, common)
         plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp),
                          unsent_blocks=len(unsent), cls=cls_np.astype(np.int8))
@@ -307,12 +306,12 @@ class RoundSender:
             if self.error_feedback:
                 self._fold_unsent(bucket, flat, layout, unsent, unsent_mask)
         if self.error_feedback and (len(unimp) or len(unsent)):
-            self._pending[(bucket, round)] = (flat, layout, unsent_mask)
-            if self._staged is not None:  # reused once the report says the round is over
-                self._stages[(bucket, round)] = self._staged
+            self._pending[(bucket, round)] = (flat, layout, unsent_mask)  # its packing buffer is reused at the report
             while len(self._pending) > self.max_pending:
                 self._stages.pop(self._pending.popitem(last=False)[0], None)
                 self.unreported += 1
+        else:  # no report will free it
+            self._stages.pop((bucket, round), None)
         return plan
 
     def _fold_unsent(self, bucket: int, flat: torch.Tensor, layout: BucketLayout, unsent: np.ndarray,
@@ -372,7 +371,7 @@ class RoundSender:
             off = geom.block_start[single]
             cnt = np.full(len(single), self.block, dtype=np.int64)
             h = self._data_headers(len(single), Flags.IMPORTANT, 0, dt, common, single, off, cnt, isz)
-            buf = self._stage_rows(common["bucket"], len(single), hs + self.block * isz)
+            buf = self._stage_rows(common["bucket"], common["round"], len(single), hs + self.block * isz)
             buf[:, :hs] = h.view(np.uint8).reshape(-1, hs)
             gather_rows(raw, off * isz, self.block * isz, buf[:, hs:])
             out.append((b"", buf.data.cast("B")))
