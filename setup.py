@@ -7,4 +7,5 @@ from setuptools import Extension, setup
 setup(ext_modules=[
     Extension("dgt.channels._duplex", ["dgt/channels/_duplex.c"], optional=True, extra_compile_args=["-O3"]),
     Extension("dgt.protocol._nh", ["dgt/protocol/_nh.c"], optional=True, extra_compile_args=["-O3"]),
+    Extension("dgt.protocol._blockops", ["dgt/protocol/_blockops.c"], optional=True, extra_compile_args=["-O3"]),
 ])

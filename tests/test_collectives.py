@@ -105,13 +105,15 @@ def test_dgt_lossless_when_nothing_drops():
 
 
 def test_lossy_ring_with_injected_loss_gathers_on_stream_lanes():
-    """DGT ring under 30 % injected datagram loss: the reduce-scatter rounds drop blocks, the all-gather runs as one
-    lossless stream exchange per call (its place in the call order reserved before the reduce-scatter), every rank
+    """DGT ring under 30 % injected datagram loss: the reduce-scatter rounds drop blocks (their important blocks ride
+    the stream lanes, one exchange per hop: dgt.collectives.ring_lossy), the all-gather runs as one lossless stream
+    exchange per call (every place in the call order reserved before the first hop), every rank
     ends with the identical tensor, and each block of the result is the sum of a subset of the ranks' blocks that
     differs from the full sum only where a block was lost or kept back (each such block spoils at most one)."""
     world = 3
     res = run_ranks(_worker, world, "ring", "dgt:p=0.3", {"drop_fraction": 0.3}, 2, timeout=90)
-    assert [res[r][-1][3] for r in range(world)] == [2] * world  # one all-gather exchange per call and rank
+    # per call and rank: world - 1 reduce-scatter hops and one all-gather, each an exchange
+    assert [res[r][-1][3] for r in range(world)] == [2 * world] * world
     for rnd in range(2):
         assert all(torch.equal(res[0][rnd][0], res[r][rnd][0]) for r in range(world))
     out = res[0][0][0] * world  # round 0 (round 1 adds round 0's residuals)

@@ -118,6 +118,13 @@ class Received:
         return self.layout.expand(self.block_mask)
 
 
+BLOCK_MEANS_HINT = "block_abs_mean"
+"""``BucketState.values`` key: the mean |x| of every block (float32, one per block of the state's layout) of the
+next bucket this state's ``encode`` gets, computed by a pass that already read it (a lossy ring hop's sum,
+dgt.protocol.block_ops). A codec that scores blocks by it may take it instead of reading the bucket again; it is
+consumed by that ``encode`` (popped), so it never outlives the bucket it describes."""
+
+
 @dataclass
 class BucketState:
     """Per-bucket codec state (error feedback, EMA scores, cached indices). Reset when the bucket's shape changes.

@@ -11,7 +11,7 @@ from dataclasses import replace
 
 import torch
 
-from dgt.codecs.base import BucketState, Capabilities, Codec, Part, Received
+from dgt.codecs.base import BLOCK_MEANS_HINT, BucketState, Capabilities, Codec, Part, Received
 from dgt.codecs.registry import register
 from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
@@ -59,7 +59,11 @@ class DGTCodec(Codec):
             layout = BucketLayout.of(state.segments or [flat.numel()], self.block)
             est = ContributionEstimator(layout, self.alpha, self.classes)
             state.values["estimator"] = est
-        means = est.layout.block_abs_mean(flat)
+        hint = state.values.pop(BLOCK_MEANS_HINT, None)  # the same scores, from a pass that already read the bucket
+        if hint is not None and hint.shape == (est.layout.nblocks,) and hint.device == flat.device:
+            means = hint
+        else:
+            means = est.layout.block_abs_mean(flat)
         # the common case, one pass: a block's sum of |g| is finite only if each of its elements is (NaN and Inf
         # propagate); a sum that overflowed takes the exact path below, which treats finite values alike
         if bool(torch.isfinite(means).all()):

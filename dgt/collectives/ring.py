@@ -29,6 +29,7 @@ from dgt.collectives.parts import (
     state_key,
     transport_key,
 )
+from dgt.collectives.ring_lossy import LossyHops, lossy_on_streams
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 from dgt.transport.streams import Hop, streamable
@@ -43,6 +44,7 @@ class RingAllReduce(Collective):
         super().__init__(*args, **kwargs)
         check_world(self.group.world, self.name)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
+        self._lossy = LossyHops(self)
 
     @tells_peers
     @one_error
@@ -75,6 +77,10 @@ class RingAllReduce(Collective):
             return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
         own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
         rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
+        if direct and lossy_on_streams(self, ch, flat):
+            assert rs_land is not None
+            await self._lossy_steps(ch, src, flat, bucket_id, rnd, stats, rs_land)
+            return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
         # a lossy direct codec: the all-gather (lossless) runs as one exchange on the stream lanes, whose place in
         # the call order is taken now, before the first await (the reduce-scatter rounds come first)
@@ -97,6 +103,27 @@ class RingAllReduce(Collective):
                 self._post([None] * len(rs_land), bucket_id, "rs", rnd + 1)
             raise
         return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
+
+    async def _lossy_steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
+                           stats: CollectiveStats, rs_land: list[torch.Tensor]) -> None:
+        """A lossy direct codec with stream hops on (dgt.collectives.ring_lossy): each reduce-scatter hop sends
+        its important blocks on the stream lane and the rest as a DGT round; the all-gather is one stream exchange.
+        Every exchange's place in the call order is reserved here, before the first await."""
+        W = self.group.world
+        ep = self.group.endpoint
+        tickets: list[int | None] = [ep.reserve_exchange() for _ in range(W - 1)]
+        ag: list[int | None] = [ep.reserve_exchange()]
+        try:
+            self._post(rs_land, bucket_id, "rs", rnd, zero_lost=False)  # the hop reads the round's mask
+            with self.phase(stats, "reduce_scatter"):
+                await self._lossy.reduce_scatter(ch, src, flat, bucket_id, rnd, stats, rs_land, tickets)
+            await self._stream_gather(ch, flat, bucket_id, rnd, stats, ag)
+        except BaseException:
+            for t in [*tickets, *ag]:
+                if t is not None:  # never ran: later exchanges must not wait for it
+                    ep.forfeit_exchange(t)
+            self._post([None] * len(rs_land), bucket_id, "rs", rnd)  # nothing lands in them after this call
+            raise
 
     async def _steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
                      stats: CollectiveStats, direct: bool, rs_land: list[torch.Tensor] | None,
@@ -241,13 +268,15 @@ class RingAllReduce(Collective):
         caps = self.codec.capabilities
         return caps.in_place and (caps.wire_dtype or flat.dtype) == flat.dtype and flat.device.type == "cpu"
 
-    def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0) -> None:
+    def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0,
+              zero_lost: bool = True) -> None:
         """Post (or, with None entries, withdraw) the landing buffers of steps ``first``, ``first + 1``... of
-        ``phase``."""
+        ``phase`` (``zero_lost``: see ``post_recv``)."""
         g = self.group
         for s, buf in enumerate(landings, first):
             if buf is None or buf.numel():
-                g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf)
+                g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf,
+                                     zero_lost=zero_lost)
 
     def _scratch_for(self, mine: torch.Tensor, step: int) -> torch.Tensor:
         """Where reduce-scatter step ``step`` receives (then adds from): one buffer per step, reused across rounds,

@@ -10,7 +10,7 @@ fails with that error instead of passing unnoticed.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NoReturn
 
 from dgt.errors import PeerClosed
@@ -55,7 +55,7 @@ class OfflineTransport:
     async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
                          layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
                          order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-                         codec: int = 0) -> SendStats:
+                         codec: int = 0, stage: Callable[[torch.Tensor], None] | None = None) -> SendStats:
         self._offline("send_round")
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
@@ -65,7 +65,8 @@ class OfflineTransport:
     def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
         self._offline("post_send")
 
-    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
+                  zero_lost: bool = True) -> None:
         self._offline("post_recv")
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,

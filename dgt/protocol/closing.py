@@ -57,7 +57,8 @@ def finalise(r: OpenRound, now: float, why: str, deadline: DeadlinePolicy, token
     g = r.geom
     mask = r.nfrag >= g.frags_needed
     partial = (r.nfrag > 0) & ~mask
-    zero_blocks(r, partial if r.fresh else ~mask)
+    if r.zero_lost:  # else the caller reads only the blocks of ``mask`` (RoundReceiver.leave_lost)
+        zero_blocks(r, partial if r.fresh else ~mask)
     st = _fill_stats(r, mask, partial, now, why)
     if why in ("complete", "deadline") and r.imp_done_at is not None and r.end is not None and r.end[1]:
         deadline.observe(st.deadline_wait, why == "complete")  # rounds with unimportant blocks teach it

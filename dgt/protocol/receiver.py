@@ -70,6 +70,7 @@ class RoundReceiver:
         self.max_open_bytes = max_open_bytes
         self.rounds: dict[Key, OpenRound] = {}
         self.closed: OrderedDict[Key, None] = OrderedDict()
+        self._leave_lost: OrderedDict[Key, None] = OrderedDict()  # rounds whose caller reads the mask (leave_lost)
         self.counters = ReceiverCounters()
         # input for rounds not open yet, replayed in order; bounded in bytes, in rounds per peer, and in age
         self._early = EarlyBuffer(self.counters, early_bytes, early_ttl, early_rounds_per_peer)
@@ -105,6 +106,14 @@ class RoundReceiver:
         """Whether round ``key`` is open (its ROUND_BEGIN was accepted, it has not closed yet)."""
         return key in self.rounds
 
+    def leave_lost(self, key: Key) -> None:
+        """Round ``key``, when it opens, leaves the blocks it did not get as its buffer held them (no zero-fill at
+        close): its caller reads only the blocks the result's mask says arrived. Bounded (the oldest are forgotten,
+        which only costs the zero-fill)."""
+        self._leave_lost[key] = None
+        while len(self._leave_lost) > 4096:
+            self._leave_lost.popitem(last=False)
+
     def is_closed(self, key: Key) -> bool:
         """Whether round ``key`` closed recently (the closed-round memory is bounded)."""
         return key in self.closed
@@ -130,6 +139,9 @@ class RoundReceiver:
         self.rounds[key] = r = OpenRound(key, layout, frag, f.dtype, f.codec, self._buffer(key, numel, f.dtype))
         r.opened_at = now
         r.want_report = not f.flags & Flags.NO_REPORT
+        if key in self._leave_lost:
+            del self._leave_lost[key]
+            r.zero_lost = False
         events: list[Event] = []
         for e in self._early.take(key, now):
             if e.sizes is None:

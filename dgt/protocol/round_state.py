@@ -153,6 +153,7 @@ class OpenRound:
             self.fresh = buffer is None  # a fresh buffer is all zeros; any other must have its lost blocks zeroed
         else:
             self.fresh = False
+        self.zero_lost = True  # zero the blocks that did not arrive at close (RoundReceiver.leave_lost: not)
         self.data = zeroed(layout.numel, wire.TORCH_OF[dtype]) if buffer is None else buffer
         self.raw: np.ndarray = self.data.view(torch.uint8).numpy()
         self.isz = self.data.element_size()

@@ -48,6 +48,7 @@ class RoundPlan:
     unsent_lanes: dict[int, int] = field(default_factory=dict)  # lane class -> unsent blocks
     unsent_bytes: int = 0  # payload bytes of the unsent blocks
     cls: np.ndarray | None = None  # lane class per block (int8)
+    elsewhere: np.ndarray | None = None  # important blocks left to the caller (``plan(..., elsewhere=True)``)
 
     @property
     def reliable_bytes(self) -> int:
@@ -124,7 +125,8 @@ class RoundSender:
         # buckets whose residual prepare() has already added into a copy: it reads as zero, but is only zeroed when
         # next used (plan() overwrites it whole when it keeps blocks back: one pass instead of zero + fold)
         self._spent: set[int] = set()
-        self._pending: OrderedDict[tuple[int, int], tuple[torch.Tensor, BucketLayout, np.ndarray | None]] = \
+        self._pending: OrderedDict[tuple[int, int],
+                                   tuple[torch.Tensor, BucketLayout, np.ndarray | None, np.ndarray | None]] = \
             OrderedDict()
         self._closed: OrderedDict[tuple[int, int], None] = OrderedDict()
         self._copies: dict[int, weakref.ref[torch.Tensor]] = {}  # bucket -> the latest private copy prepare made
@@ -196,7 +198,7 @@ class RoundSender:
         if entry is None:
             timing = decode_report(frame)[1] if frame.flags & Flags.TIMING else None
             return DropInfo(frame.bucket, frame.round, 0, 0, timing=timing)
-        sent, layout, unsent = entry
+        sent, layout, unsent, skip = entry
         nb = layout.nblocks
         if frame.count != nb:
             raise wire.WireError(f"drop report covers {frame.count} blocks, round had {nb}")
@@ -206,6 +208,8 @@ class RoundSender:
         if unsent is not None:  # kept back by the send budget: already folded when the round was planned
             n_unsent = int(missing_np[unsent].sum())
             missing_np[unsent] = False
+        if skip is not None:  # carried outside the round (plan(elsewhere=True)): not this report's to judge
+            missing_np[skip] = False
         missing = torch.from_numpy(missing_np)
         n_missing = int(missing.sum())
         folded = 0
@@ -249,12 +253,16 @@ class RoundSender:
         report: bool = True,
         budget: int | None = None,
         codec: int | None = None,
+        elsewhere: bool = False,
     ) -> RoundPlan:
         """Frames for one round. ``cls``: lane class per block (0 = reliable) or one class for all; ``order``: the
         unimportant blocks, most important first (default: block order). ``report=False`` asks the receiver for no
         drop report (only honoured for a round with every block on the reliable lane: it has nothing to report).
         ``budget``: datagram bytes the unreliable lanes may carry (None: no limit); the unimportant blocks beyond it
-        are not sent and go straight into the error-feedback residual (``RoundPlan.unsent_blocks``)."""
+        are not sent and go straight into the error-feedback residual (``RoundPlan.unsent_blocks``).
+        ``elsewhere``: the important blocks travel outside this round (a lossy ring hop's stream lane): no frame of
+        them here, ROUND_END announces none, and the drop report's view of them is ignored (neither lost nor
+        folded; ``RoundPlan.elsewhere`` lists them)."""
         if layout.block != self.block:
             raise ValueError(f"layout block {layout.block} != sender block {self.block}")
         if flat.numel() != layout.numel:
@@ -283,9 +291,13 @@ class RoundSender:
         quiet = Flags.NO_REPORT if not report and len(important) == layout.nblocks else 0
         begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, flags=quiet, **common)
         reliable.append((begin_hdr, memoryview(begin)))
-        reliable += self._runs(raw, isz, dt, geom, important, common)
-        plan = RoundPlan(bucket, round, reliable, important_blocks=len(important), unimportant_blocks=len(unimp),
-                         unsent_blocks=len(unsent), cls=cls_np.astype(np.int8))
+        if elsewhere:
+            plan = RoundPlan(bucket, round, reliable, unimportant_blocks=len(unimp), unsent_blocks=len(unsent),
+                             cls=cls_np.astype(np.int8), elsewhere=important)
+        else:
+            reliable += self._runs(raw, isz, dt, geom, important, common)
+            plan = RoundPlan(bucket, round, reliable, important_blocks=len(important),
+                             unimportant_blocks=len(unimp), unsent_blocks=len(unsent), cls=cls_np.astype(np.int8))
         if len(unsent):
             lanes, counts = np.unique(cls_np[unsent], return_counts=True)
             plan.unsent_lanes = dict(zip(lanes.tolist(), counts.tolist()))
@@ -297,7 +309,7 @@ class RoundSender:
             blocks = unimp[cls_np[unimp] == lane]
             if len(blocks):
                 self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common, pads)
-        end = wire.encode_round_end(len(important), len(unimp), len(reliable) - 1, plan.unreliable_frames())
+        end = wire.encode_round_end(plan.important_blocks, len(unimp), len(reliable) - 1, plan.unreliable_frames())
         reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
         unsent_mask = None
         if len(unsent):
@@ -306,7 +318,12 @@ class RoundSender:
             if self.error_feedback:
                 self._fold_unsent(bucket, flat, layout, unsent, unsent_mask)
         if self.error_feedback and (len(unimp) or len(unsent)):
-            self._pending[(bucket, round)] = (flat, layout, unsent_mask)  # its packing buffer is reused at the report
+            skip = None
+            if elsewhere and len(important):
+                skip = np.zeros(layout.nblocks, dtype=bool)
+                skip[important] = True
+            # its packing buffer is reused at the report
+            self._pending[(bucket, round)] = (flat, layout, unsent_mask, skip)
             while len(self._pending) > self.max_pending:
                 self._stages.pop(self._pending.popitem(last=False)[0], None)
                 self.unreported += 1

@@ -18,7 +18,7 @@ The four ways a bucket can leave, from the most general to the fastest:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -57,7 +57,7 @@ class Transport(Protocol):
     async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
                          layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
                          order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-                         codec: int = 0) -> SendStats:
+                         codec: int = 0, stage: Callable[[torch.Tensor], None] | None = None) -> SendStats:
         ...
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
@@ -67,7 +67,8 @@ class Transport(Protocol):
     def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
         ...
 
-    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
+                  zero_lost: bool = True) -> None:
         ...
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,

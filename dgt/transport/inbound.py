@@ -142,14 +142,18 @@ class InboundMixin(EndpointState):
             self._results.popitem(last=False)
             self._stats.results_evicted += 1
 
-    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None) -> None:
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
+                  zero_lost: bool = True) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
 
         A round that opens before its receiver is ready would otherwise be reassembled into a fresh buffer and copied
         at the end; a collective that knows its next rounds (ring steps) posts them up front. ``recv_round`` for the
         round must then pass the same ``out`` (or none: the data is in ``out`` either way). At most a bounded number
         of posts are kept (the oldest are forgotten, which only costs that copy). ``out=None`` withdraws a post that
-        will not be awaited (a collective that failed half-way): a round that opens later gets a buffer of its own."""
+        will not be awaited (a collective that failed half-way): a round that opens later gets a buffer of its own.
+        ``zero_lost=False``: the blocks the round does not get are left as ``out`` held them, not zeroed (a caller
+        that reads only the blocks of the result's mask saves the pass); a round that opened before the post lands
+        in a zeroed buffer of its own and is copied as usual."""
         key = (peer, bucket, round)
         if out is None:
             self._out.pop(key, None)
@@ -157,6 +161,8 @@ class InboundMixin(EndpointState):
         if key in self._results or self.receiver.is_open(key) or self.receiver.is_closed(key) or self.bulk.is_open(key):
             return  # already open or done: too late to land in place
         self._out[key] = out
+        if not zero_lost:
+            self.receiver.leave_lost(key)
         while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
             self._out.popitem(last=False)
 

@@ -4,6 +4,7 @@ frames and datagram jobs, pacing and the drop reports that steer it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
@@ -133,16 +134,21 @@ class OutboundMixin(EndpointState):
         wait: bool = True,
         timeout: float | None = None,
         codec: int = 0,
+        stage: Callable[[torch.Tensor], None] | None = None,
     ) -> SendStats:
         """Send one round of ``bucket`` to ``peer``: blocks of class 0 over TCP (with the round's opening and
         closing frames), class k >= 1 over UDP lane k in ``order`` (most important first). ``cls=0`` sends
         everything reliably (lossless). With ``wait`` (default) returns once the receiver's drop report is in,
         so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
         was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
-        frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``."""
+        frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``.
+        ``stage``: the caller carries the important blocks itself (a lossy ring hop's stream lane): it is called,
+        before anything is sent and before the first await, with the round's data (the bucket plus its
+        error-feedback residual) to take them from; the round then carries only the unimportant ones
+        (:meth:`dgt.protocol.sender.RoundSender.plan`'s ``elsewhere``)."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
-        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec)
+        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec, stage)
 
     @staticmethod
     async def _jobs_done(track: _SendTrack) -> None:
@@ -179,7 +185,7 @@ class OutboundMixin(EndpointState):
 
     async def _send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout | None,
                     cls: torch.Tensor | int, order: torch.Tensor | None, wait: bool, timeout: float | None,
-                    codec: int = 0) -> SendStats:
+                    codec: int = 0, stage: Callable[[torch.Tensor], None] | None = None) -> SendStats:
         link = self._link(peer)
         t0 = trio.current_time()
         flat = flat.detach().reshape(-1)
@@ -195,10 +201,11 @@ class OutboundMixin(EndpointState):
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
-        if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
+        if lossless and not wait and stage is None:  # no report to wait for: no round state at all (BULK frames)
             return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
         # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
-        copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
+        copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless)
+                                            or (stage is not None and not lossless))
         link.dirty.discard(bucket)
         data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
@@ -206,7 +213,9 @@ class OutboundMixin(EndpointState):
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
             budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
         plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
-                                codec=codec)
+                                codec=codec, elsewhere=stage is not None)
+        if stage is not None:
+            stage(data)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip

@@ -26,7 +26,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -56,6 +56,9 @@ class Hop:
     land: torch.Tensor | None = None
     add_src: torch.Tensor | None = None
     codec: int = 0  # the headers' codec byte (a collective's call code, its op): both ends must agree
+    land_later: Callable[[], torch.Tensor] | None = None
+    """Instead of ``land``: called in the worker thread once the hops before this one are done, for a landing
+    whose size depends on what they received (a lossy hop's packed blocks, sized by the mask message before it)."""
 
 
 @dataclass
@@ -297,8 +300,10 @@ class StreamHub:
                 # reach the hop loop, which would take its fd -1 for "no receive" and return 0 bytes as success
                 if ln.error is not None:
                     raise ln.error.with_traceback(None)
-            plan = [self._plan(h, lanes) for h in hops]  # per hop, its pieces
-            results = await self._in_thread(lambda: self._run(plan, timeout))
+            # per hop, its pieces (None: planned in the thread when its turn comes, see Hop.land_later)
+            plan: list[list[tuple[Any, ...]] | None] = [
+                None if h.land_later is not None else self._plan(h, lanes) for h in hops]
+            results = await self._in_thread(lambda: self._run(plan, hops, lanes, timeout))
         except BaseException as exc:
             # a stream left mid-message cannot carry another: fail the lanes, and report the peer's own failure
             # (liveness, a BYE) when that is what ended the hop
@@ -317,7 +322,7 @@ class StreamHub:
                 self._close_pipe()
         self.exchanges += 1
         for pieces in plan:
-            for send, _, _, recv, *_ in pieces:
+            for send, _, _, recv, *_ in pieces or []:
                 if send is not None:
                     send.tx.tx_calls += 1
                 if recv is not None:
@@ -368,10 +373,16 @@ class StreamHub:
                                     codec=h.codec),
                  a, min(a + per, n)) for a in range(0, max(n, 1), per)]
 
-    def _run(self, plan: list[list[tuple[Any, ...]]], timeout: float) -> list[HopResult]:
-        """The worker thread: every hop (every piece of it) in order, no trio."""
+    def _run(self, plan: list[list[tuple[Any, ...]] | None], hops: list[Hop], lanes: dict[int, StreamLane],
+             timeout: float) -> list[HopResult]:
+        """The worker thread: every hop (every piece of it) in order, no trio. A hop planned late (``land_later``)
+        is planned here, its entry of ``plan`` filled in."""
         out = []
-        for pieces in plan:
+        for i, h in enumerate(hops):
+            pieces = plan[i]
+            if pieces is None:
+                assert h.land_later is not None
+                pieces = plan[i] = self._plan(replace(h, land=h.land_later(), land_later=None), lanes)
             sent = got = 0
             for send, header, payload, recv, expect, land, add, label in pieces:
                 s, g = duplex(None if send is None else send.tx.sock, header, payload,

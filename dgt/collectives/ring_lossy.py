@@ -1,0 +1,165 @@
+"""The reduce-scatter hops of a lossy ring (DGT) with the important blocks on stream lanes.
+
+A lossy hop as one DGT round on the session link costs about 16 copies of its chunk in protocol work, most of it the
+important blocks: framed, written and read frame by frame by the link's trio tasks, landed and marked run by run
+(docs/transport.md, issue 26). Here a hop is split by lane, as the paper splits it:
+
+- the **important blocks** (class 0) go as one packed message on the stream lane to the next rank (TCP, marked EF
+  like lane 0), in the native hop loop off the trio thread, preceded by a mask message (a byte per block of the
+  chunk) that tells the receiver which blocks they are (:mod:`dgt.protocol.packed_blocks`: no offsets on the wire);
+- the **unimportant blocks** go as a DGT round on the session link as before (UDP, low priority, paced, the send
+  budget, the deadline, the drop report and error feedback), planned with ``elsewhere``: the round announces no
+  important block and carries none.
+
+Both halves are taken from one copy of the chunk with the error-feedback residual added (``send_round``'s ``stage``),
+so an important block carries what earlier rounds kept back, exactly as it did in the round. The receiver lands the
+round (its lost and unsent blocks zeroed at the deadline), writes the packed important blocks over their blocks, and
+adds the result to its own chunk.
+
+Stream exchanges run in the order they were called on every rank: every hop's place is reserved when the call
+starts, before its first await (as the lossless ring's one exchange takes its ticket).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+import trio
+
+from dgt.codecs.base import BLOCK_MEANS_HINT
+from dgt.collectives.chunks import Chunking
+from dgt.collectives.parts import check_op, host, state_key, transport_key, wire_layout
+from dgt.collectives.stats import CollectiveStats
+from dgt.errors import RankMismatch, shape_mismatch
+from dgt.layout import BucketLayout
+from dgt.protocol.block_ops import combine_blocks, packed_offsets
+from dgt.protocol.packed_blocks import pack_blocks, packed_numel
+from dgt.transport.streams import Hop, streamable
+
+if TYPE_CHECKING:
+    from dgt.collectives.ring import RingAllReduce
+
+MASK_PART, PACKED_PART = 1, 2  # transport key parts of a hop's two stream messages (part 0: its session round)
+
+
+@dataclass
+class _HopBuffers:
+    """Per step, reused across calls: the masks and packed blocks sent and received."""
+
+    tx_mask: torch.Tensor
+    rx_mask: torch.Tensor
+    tx_pack: torch.Tensor
+    rx_pack: torch.Tensor
+
+
+def lossy_on_streams(coll: RingAllReduce, ch: Chunking, flat: torch.Tensor) -> bool:
+    """Whether a lossy ring call can take this path: stream hops on, a lossy summable codec whose chunks are their
+    own wire form (DGT), a contiguous float32 CPU bucket, and no empty chunk (every hop carries a round)."""
+    caps = coll.codec.capabilities
+    return (coll.group.endpoint.cfg.stream_hops != "off" and caps.lossy_tolerant and caps.in_place
+            and flat.dtype == torch.float32 and streamable(flat)
+            and all(ch.edges[i + 1] > ch.edges[i] for i in range(ch.k)))
+
+
+class LossyHops:
+    """The reduce-scatter of one lossy ring call (see the module docstring); the ring owns one, for its buffers."""
+
+    def __init__(self, coll: RingAllReduce) -> None:
+        self.coll = coll
+        self._bufs: dict[tuple[int, int, int], _HopBuffers] = {}
+
+    def buffers(self, step: int, n_send: int, n_recv: int, nb_send: int, nb_recv: int) -> _HopBuffers:
+        key = (step, max(n_send, n_recv), max(nb_send, nb_recv))
+        buf = self._bufs.get(key)
+        if buf is None:
+            if len(self._bufs) >= 64:
+                self._bufs.clear()
+            n, nb = key[1], key[2]
+            buf = self._bufs[key] = _HopBuffers(torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8),
+                                                torch.empty(n, dtype=torch.float32),
+                                                torch.empty(n, dtype=torch.float32))
+        return buf
+
+    async def reduce_scatter(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
+                             stats: CollectiveStats, land: list[torch.Tensor], tickets: list[int | None]) -> None:
+        """W-1 hops: step s sends chunk r-s (``src`` at step 0, the partial sum in ``flat`` after) and adds what
+        the previous rank sends for chunk r-s-1 to this rank's input chunk, into ``flat``. ``land``: per step, the
+        buffer the step's session round lands in (posted). ``tickets``: per step, its reserved exchange; each is set
+        to None once its exchange holds it (the caller forfeits those left)."""
+        W, r = self.coll.group.world, self.coll.group.rank
+        for s in range(W - 1):
+            a, c = (r - s) % W, (r - s - 1) % W
+            await self._hop(ch, ch.chunk(src if s == 0 else flat, a), a, c, ch.chunk(src, c), ch.chunk(flat, c),
+                            land[s], bucket_id, s, rnd, stats, tickets)
+
+    async def _hop(self, ch: Chunking, out: torch.Tensor, a: int, c: int, mine_src: torch.Tensor,
+                   mine: torch.Tensor, land: torch.Tensor, bucket_id: int, s: int, rnd: int, stats: CollectiveStats,
+                   tickets: list[int | None]) -> None:
+        coll = self.coll
+        g = coll.group
+        ep, op = g.endpoint, coll.call_code
+        nxt, prv = (g.rank + 1) % g.world, (g.rank - 1) % g.world
+        block = ep.cfg.block
+        (part,) = coll.codec.encode(out, coll.state(state_key("rs", bucket_id, s), out, ch.segments[a]))
+        layout = wire_layout(part, block)
+        lay_c = BucketLayout.of(ch.segments[c], block)
+        cls = part.lane_class
+        if not isinstance(cls, torch.Tensor):
+            cls = torch.full((layout.nblocks,), int(cls), dtype=torch.int8)
+        cls = cls.detach().to("cpu")
+        imp = (cls == 0).numpy()
+        buf = self.buffers(s, out.numel(), mine.numel(), layout.nblocks, lay_c.nblocks)
+        tx_mask, rx_mask = buf.tx_mask[: layout.nblocks], buf.rx_mask[: lay_c.nblocks]
+        tx_mask.numpy()[:] = imp
+        key = transport_key(bucket_id, "rs", s, 0)
+        staged = trio.Event()
+        packed: list[torch.Tensor] = []
+        got: list[Any] = []
+
+        def stage(data: torch.Tensor) -> None:  # in send_round, before anything is sent
+            packed.append(pack_blocks(data, layout, imp, buf.tx_pack))
+            staged.set()
+
+        def land_packed() -> torch.Tensor:  # in the worker thread, once the mask message is in
+            return buf.rx_pack[: packed_numel(lay_c, rx_mask.numpy() != 0)]
+
+        async def send() -> None:
+            st = await ep.send_round(nxt, key, rnd, host(part.data), layout=layout, cls=cls, order=part.order,
+                                     wait=False, codec=op, stage=stage)
+            isz = part.data.element_size()
+            stats.add_sent(1, part.nbytes - packed[0].numel() * isz - st.unsent_bytes)
+            stats.bytes_unsent += st.unsent_bytes
+
+        async def recv() -> None:
+            res = await ep.recv_round(prv, key, rnd, out=land)
+            stats.add_round(res.stats)
+            check_op(op, res.codec, rnd)
+            got.append(res)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send)
+            nursery.start_soon(recv)
+            await staged.wait()
+            hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, tx_mask, prv, rx_mask, codec=op),
+                    Hop(transport_key(bucket_id, "rs", s, PACKED_PART), rnd, nxt, packed[0], prv,
+                        land_later=land_packed, codec=op)]
+            ticket, tickets[s] = tickets[s], None
+            done = await ep.exchange(hops, ticket=ticket)
+        stats.add_sent(0, packed[0].numel() * packed[0].element_size())
+        stats.bytes_received[0] = stats.bytes_received.get(0, 0) + sum(d.received for d in done)
+        rx_imp = rx_mask.numpy() != 0
+        # the round counts the blocks it never announced as unsent: those on the stream lane were not
+        stats.unsent -= min(int(rx_imp.sum()), stats.unsent)
+        res = got[0]
+        dst = res.data.reshape(-1)
+        if dst.numel() != lay_c.numel or dst.dtype != mine.dtype or res.mask.numel() != lay_c.nblocks:
+            raise RankMismatch(shape_mismatch(rnd), detail=f"rank {prv} sent {dst.numel()} x {dst.dtype} for rs step "
+                               f"{s} of bucket {bucket_id}, this rank expects {lay_c.numel} x {mine.dtype}")
+        received = res.mask.numpy() & ~rx_imp
+        n_packed = packed_numel(lay_c, rx_imp)
+        means = combine_blocks(mine_src, dst, buf.rx_pack[:n_packed], mine, lay_c, received,
+                               packed_offsets(lay_c, rx_imp))
+        if s + 1 < g.world - 1:  # the next hop sends this chunk: its block scores are these
+            coll.state(state_key("rs", bucket_id, s + 1), mine, ch.segments[c]).values[BLOCK_MEANS_HINT] = means

@@ -1,0 +1,98 @@
+/* Whole-block float32 passes of a lossy ring hop, one pass over the chunk each, GIL released.
+ *
+ * combine(src, land, packed, out, starts, lens, received, packed_at, sums): for every block b (elements
+ * starts[b] .. starts[b] + lens[b]):
+ *     packed_at[b] >= 0:  out = src + packed[packed_at[b] ...]   (an important block, from the stream lane)
+ *     received[b] != 0:   out = src + land                       (an unimportant block that came in time)
+ *     otherwise:          out = src                              (lost or kept back: the input alone)
+ * and sums[b] = sum of |out| over the block (float32), the next hop's block scores.
+ *
+ * Every bound is checked before anything is written. The pure-Python twin (torch) is
+ * dgt.protocol.block_ops.combine_blocks_torch; tests check both agree.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+static float add_abs(float *o, const float *a, const float *b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) {
+            float v = a[i + k] + b[i + k];
+            o[i + k] = v;
+            acc[k] += fabsf(v);
+        }
+    for (; i < n; i++) {
+        float v = a[i] + b[i];
+        o[i] = v;
+        acc[0] += fabsf(v);
+    }
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static float copy_abs(float *o, const float *a, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    if (o != a) memcpy(o, a, (size_t)n * sizeof(float));
+    for (; i + 8 <= n; i += 8)
+        for (int k = 0; k < 8; k++) acc[k] += fabsf(a[i + k]);
+    for (; i < n; i++) acc[0] += fabsf(a[i]);
+    return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static PyObject *combine(PyObject *self, PyObject *args) {
+    Py_buffer src, land, packed, out, st, ln, rc, pa, sm;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*y*y*w*", &src, &land, &packed, &out, &st, &ln, &rc, &pa, &sm))
+        return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = src.len / 4, nb = st.len / 8, np_ = packed.len / 4;
+    const int64_t *S = st.buf, *L = ln.buf, *P = pa.buf;
+    const unsigned char *R = rc.buf;
+    const char *why = NULL;
+    if (src.len % 4 || land.len != src.len || out.len != src.len || packed.len % 4)
+        why = "combine: src, land and out are float32 of one size, packed float32";
+    else if (ln.len != st.len || pa.len != st.len || rc.len != nb || sm.len != nb * 4)
+        why = "combine: starts, lens, packed_at (int64), received (bytes) and sums (float32) need one entry per block";
+    for (Py_ssize_t b = 0; b < nb && !why; b++) {
+        if (S[b] < 0 || L[b] < 0 || S[b] > n - L[b]) why = "combine: a block lies outside the chunk";
+        else if (P[b] >= 0 && P[b] > np_ - L[b]) why = "combine: an important block lies outside the packed blocks";
+    }
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
+    } else {
+        const float *s = src.buf, *l = land.buf, *p = packed.buf;
+        float *o = out.buf, *sums = sm.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            int64_t a = S[b], k = L[b];
+            if (P[b] >= 0) sums[b] = add_abs(o + a, s + a, p + P[b], k);
+            else if (R[b]) sums[b] = add_abs(o + a, s + a, l + a, k);
+            else sums[b] = copy_abs(o + a, s + a, k);
+        }
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&land);
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&out);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&ln);
+    PyBuffer_Release(&rc);
+    PyBuffer_Release(&pa);
+    PyBuffer_Release(&sm);
+    return res;
+}
+
+static PyMethodDef methods[] = {
+    {"combine", combine, METH_VARARGS,
+     "combine(src, land, packed, out, starts, lens, received, packed_at, sums): a lossy ring hop's sum per block "
+     "(see dgt/protocol/block_ops.py)"},
+    {NULL, NULL, 0, NULL}};
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_blockops", "Whole-block float32 passes of a lossy hop.",
+                                    -1, methods};
+PyMODINIT_FUNC PyInit__blockops(void) { return PyModule_Create(&module); }

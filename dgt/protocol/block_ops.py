@@ -1,0 +1,89 @@
+"""The receiving end of a lossy ring hop in one pass over the chunk: the sum and the next hop's block scores.
+
+A reduce-scatter hop adds what the previous rank sent for a chunk to this rank's own chunk. With the important blocks
+on the stream lane (packed, :mod:`dgt.protocol.packed_blocks`) and the rest in a DGT round that closed at its
+deadline, a block of the result is this rank's input plus one of three things: the packed block, the round's block
+(if it came in time), or nothing (lost, or kept back by the sender's send budget: its error feedback carries it).
+Done as separate passes that is a zero-fill of the round's missing blocks, an unpack, a full add, and the next hop's
+pass over the result for its block scores (DGT's mean |g|); :func:`combine_blocks` does all of it in one pass and
+returns the scores, which the next hop hands to the codec (``BucketState.values["block_abs_mean"]``).
+
+It runs in C when the optional extension ``dgt.protocol._blockops`` is built (setup.py); :func:`combine_blocks_torch`
+is its pure-Python twin and reference (tests check both agree).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from dgt.layout import BucketLayout
+from dgt.protocol.block_rows import row_groups
+
+_blockops: Any
+try:
+    from dgt.protocol import _blockops  # type: ignore[attr-defined, no-redef]  # optional C extension, no stubs
+except ImportError:  # built without a C compiler
+    _blockops = None
+
+NATIVE = _blockops is not None
+
+
+def packed_offsets(layout: BucketLayout, mask: np.ndarray) -> np.ndarray:
+    """Per block of ``layout``: where it starts in the packed message of the blocks ``mask`` selects (in
+    :func:`dgt.protocol.packed_blocks.pack_blocks`' order), -1 for a block not in it."""
+    mask = np.asarray(mask, dtype=bool)
+    starts, lens, n = layout.block_start.numpy(), layout.block_len.numpy(), layout.block
+    full = lens == n
+    blocks = [np.searchsorted(starts, first + idx.numpy() * n)
+              for first, _, idx in row_groups(layout.numel, starts[mask & full], n)]
+    blocks.append(np.flatnonzero(mask & ~full))
+    order = np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, np.int64)
+    at = np.full(layout.nblocks, -1, dtype=np.int64)
+    if len(order):
+        ends = np.cumsum(lens[order])
+        at[order] = ends - lens[order]
+    return at
+
+
+def combine_blocks(src: torch.Tensor, land: torch.Tensor, packed: torch.Tensor, out: torch.Tensor,
+                   layout: BucketLayout, received: np.ndarray, packed_at: np.ndarray,
+                   native: bool = True) -> torch.Tensor:
+    """``out = src + (packed block | land block | 0)`` per block (see the module docstring) and the blocks' mean
+    |out| (float32, one per block). ``src``, ``land``, ``out``: contiguous 1-D float32 CPU tensors of
+    ``layout.numel`` (``out`` may be ``src``); ``received``: bool per block, the round's blocks that came in time;
+    ``packed_at``: :func:`packed_offsets` of the packed blocks."""
+    for t in (src, land, out, packed):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
+            raise ValueError("combine_blocks: contiguous 1-D float32 CPU tensors")
+    if src.numel() != layout.numel or land.numel() != layout.numel or out.numel() != layout.numel:
+        raise ValueError(f"combine_blocks: {src.numel()} / {land.numel()} / {out.numel()} elements for {layout}")
+    received = np.ascontiguousarray(received, dtype=bool)
+    packed_at = np.ascontiguousarray(packed_at, dtype=np.int64)
+    if len(received) != layout.nblocks or len(packed_at) != layout.nblocks:
+        raise ValueError(f"combine_blocks: {len(received)} / {len(packed_at)} flags for {layout.nblocks} blocks")
+    if _blockops is None or not native:
+        return combine_blocks_torch(src, land, packed, out, layout, received, packed_at)
+    sums = np.empty(layout.nblocks, dtype=np.float32)
+    _blockops.combine(src.numpy(), land.numpy(), packed.numpy(), out.numpy(), layout.block_start.numpy(),
+                      layout.block_len.numpy(), received.view(np.uint8), packed_at, sums)
+    return torch.from_numpy(sums).div_(layout.block_len.to(torch.float32))
+
+
+def combine_blocks_torch(src: torch.Tensor, land: torch.Tensor, packed: torch.Tensor, out: torch.Tensor,
+                         layout: BucketLayout, received: np.ndarray, packed_at: np.ndarray) -> torch.Tensor:
+    """The twin of the C pass, in whole-tensor torch operations (the bound checks included)."""
+    starts, lens = layout.block_start.numpy(), layout.block_len.numpy()
+    imp = packed_at >= 0
+    if bool((packed_at[imp] + lens[imp] > packed.numel()).any()):
+        raise ValueError("combine: an important block lies outside the packed blocks")
+    add = torch.zeros(layout.numel, dtype=torch.float32)
+    take = layout.expand(torch.from_numpy(received & ~imp))
+    add[take] = land[take]
+    for b in np.flatnonzero(imp).tolist():  # the reference: clarity over speed
+        a, k, p = int(starts[b]), int(lens[b]), int(packed_at[b])
+        add[a : a + k] = packed[p : p + k]
+    torch.add(src, add, out=out)
+    return layout.block_abs_mean(out)
