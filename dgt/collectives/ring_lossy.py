@@ -35,7 +35,7 @@ from dgt.collectives.stats import CollectiveStats
 from dgt.errors import RankMismatch, shape_mismatch
 from dgt.layout import BucketLayout
 from dgt.protocol.block_ops import combine_blocks, packed_offsets
-from dgt.protocol.packed_blocks import pack_blocks, packed_numel
+from dgt.protocol.packed_blocks import packed_numel
 from dgt.transport.streams import Hop, streamable
 
 if TYPE_CHECKING:
@@ -46,11 +46,11 @@ MASK_PART, PACKED_PART = 1, 2  # transport key parts of a hop's two stream messa
 
 @dataclass
 class _HopBuffers:
-    """Per step, reused across calls: the masks and packed blocks sent and received."""
+    """Per step, reused across calls: the masks sent and received, the packed blocks received (the sender's packed
+    blocks live in its RoundSender: ``send_round``'s ``stage``)."""
 
     tx_mask: torch.Tensor
     rx_mask: torch.Tensor
-    tx_pack: torch.Tensor
     rx_pack: torch.Tensor
 
 
@@ -78,7 +78,6 @@ class LossyHops:
                 self._bufs.clear()
             n, nb = key[1], key[2]
             buf = self._bufs[key] = _HopBuffers(torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8),
-                                                torch.empty(n, dtype=torch.float32),
                                                 torch.empty(n, dtype=torch.float32))
         return buf
 
@@ -118,8 +117,8 @@ class LossyHops:
         packed: list[torch.Tensor] = []
         got: list[Any] = []
 
-        def stage(data: torch.Tensor) -> None:  # in send_round, before anything is sent
-            packed.append(pack_blocks(data, layout, imp, buf.tx_pack))
+        def stage(important: torch.Tensor) -> None:  # in send_round, before anything is sent: the packed blocks
+            packed.append(important)
             staged.set()
 
         def land_packed() -> torch.Tensor:  # in the worker thread, once the mask message is in

@@ -7,8 +7,15 @@
  *     otherwise:          out = src                              (lost or kept back: the input alone)
  * and sums[b] = sum of |out| over the block (float32), the next hop's block scores.
  *
- * Every bound is checked before anything is written. The pure-Python twin (torch) is
- * dgt.protocol.block_ops.combine_blocks_torch; tests check both agree.
+ * split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at): the sending end of the hop. For every
+ * block b, y = x + res_in (res_in empty: y = x), then by kind[b]:
+ *     0 (important):  packed[packed_at[b] ...] = y   (the stream lane's message)
+ *     1 (kept back):  res_out = y                     (the send budget kept it: error feedback carries it)
+ *     2 (sent):       data = y                        (the round's datagrams read it there)
+ * and res_out (when not empty) is zero on the blocks of kind 0 and 2. res_out may be res_in (in place).
+ *
+ * Every bound is checked before anything is written. The pure-Python twins (torch) are
+ * dgt.protocol.block_ops.combine_blocks_torch and split_blocks_torch; tests check the twins agree.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -88,7 +95,65 @@ static PyObject *combine(PyObject *self, PyObject *args) {
     return res;
 }
 
+static void put(float *o, const float *a, const float *r, int64_t n) {
+    if (r)
+        for (int64_t i = 0; i < n; i++) o[i] = a[i] + r[i];
+    else if (o != a)
+        memcpy(o, a, (size_t)n * sizeof(float));
+}
+
+static PyObject *split(PyObject *self, PyObject *args) {
+    Py_buffer x, ri, packed, ro, data, st, ln, kd, pa;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*y*y*", &x, &ri, &packed, &ro, &data, &st, &ln, &kd, &pa)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = x.len / 4, nb = st.len / 8, np_ = packed.len / 4;
+    const int64_t *S = st.buf, *L = ln.buf, *P = pa.buf;
+    const unsigned char *K = kd.buf;
+    const char *why = NULL;
+    if (x.len % 4 || data.len != x.len || packed.len % 4 || (ri.len && ri.len != x.len) || (ro.len && ro.len != x.len))
+        why = "split: x, data (and res_in, res_out when given) are float32 of one size, packed float32";
+    else if (ln.len != st.len || pa.len != st.len || kd.len != nb)
+        why = "split: starts, lens, packed_at (int64) and kind (bytes) need one entry per block";
+    for (Py_ssize_t b = 0; b < nb && !why; b++) {
+        if (S[b] < 0 || L[b] < 0 || S[b] > n - L[b]) why = "split: a block lies outside the bucket";
+        else if (K[b] > 2) why = "split: a block's kind is not 0, 1 or 2";
+        else if (K[b] == 0 && (P[b] < 0 || P[b] > np_ - L[b])) why = "split: an important block lies outside packed";
+        else if (K[b] == 1 && !ro.len) why = "split: a kept-back block needs res_out";
+    }
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
+    } else {
+        const float *a = x.buf, *r = ri.len ? (const float *)ri.buf : NULL;
+        float *p = packed.buf, *o = ro.len ? (float *)ro.buf : NULL, *d = data.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t b = 0; b < nb; b++) {
+            int64_t s0 = S[b], k = L[b];
+            const float *rb = r ? r + s0 : NULL;
+            if (K[b] == 0) put(p + P[b], a + s0, rb, k);
+            else if (K[b] == 1) put(o + s0, a + s0, rb, k);
+            else put(d + s0, a + s0, rb, k);
+            if (o && K[b] != 1) memset(o + s0, 0, (size_t)k * sizeof(float));
+        }
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&ri);
+    PyBuffer_Release(&packed);
+    PyBuffer_Release(&ro);
+    PyBuffer_Release(&data);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&ln);
+    PyBuffer_Release(&kd);
+    PyBuffer_Release(&pa);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"split", split, METH_VARARGS,
+     "split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at): a lossy hop's send side per block "
+     "(see dgt/protocol/block_ops.py)"},
     {"combine", combine, METH_VARARGS,
      "combine(src, land, packed, out, starts, lens, received, packed_at, sums): a lossy ring hop's sum per block "
      "(see dgt/protocol/block_ops.py)"},

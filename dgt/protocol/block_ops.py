@@ -1,4 +1,11 @@
-"""The receiving end of a lossy ring hop in one pass over the chunk: the sum and the next hop's block scores.
+"""Both ends of a lossy ring hop, each in one pass over the chunk.
+
+The sending end (:func:`split_blocks`): the chunk plus its error-feedback residual goes three ways, by block: the
+important blocks packed for the stream lane, the blocks the send budget keeps back into the residual (which is zero
+everywhere else afterwards), and the blocks sent as datagrams into the round's private copy. As separate passes that
+was a copy with the residual added, a residual rewrite and a pack.
+
+The receiving end: the sum and the next hop's block scores.
 
 A reduce-scatter hop adds what the previous rank sent for a chunk to this rank's own chunk. With the important blocks
 on the stream lane (packed, :mod:`dgt.protocol.packed_blocks`) and the rest in a DGT round that closed at its
@@ -8,8 +15,8 @@ Done as separate passes that is a zero-fill of the round's missing blocks, an un
 pass over the result for its block scores (DGT's mean |g|); :func:`combine_blocks` does all of it in one pass and
 returns the scores, which the next hop hands to the codec (``BucketState.values["block_abs_mean"]``).
 
-It runs in C when the optional extension ``dgt.protocol._blockops`` is built (setup.py); :func:`combine_blocks_torch`
-is its pure-Python twin and reference (tests check both agree).
+Both run in C when the optional extension ``dgt.protocol._blockops`` is built (setup.py); :func:`split_blocks_torch`
+and :func:`combine_blocks_torch` are their pure-Python twins and references (tests check the twins agree).
 """
 
 from __future__ import annotations
@@ -87,3 +94,56 @@ def combine_blocks_torch(src: torch.Tensor, land: torch.Tensor, packed: torch.Te
         add[a : a + k] = packed[p : p + k]
     torch.add(src, add, out=out)
     return layout.block_abs_mean(out)
+
+
+IMPORTANT, KEPT, SENT = 0, 1, 2  # split_blocks' kinds
+
+
+def split_blocks(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Tensor, res_out: torch.Tensor | None,
+                 data: torch.Tensor, layout: BucketLayout, kind: np.ndarray, packed_at: np.ndarray,
+                 native: bool = True) -> None:
+    """Per block, ``y = x + res_in`` (``res_in`` None: ``y = x``) goes to ``packed`` at ``packed_at`` (kind
+    IMPORTANT), to ``res_out`` (KEPT) or to ``data`` (SENT); ``res_out`` (None: no block may be KEPT) is zero on
+    the other blocks and may be ``res_in`` itself. Contiguous 1-D float32 CPU tensors, ``layout.numel`` long
+    except ``packed``."""
+    for t in (x, res_in, packed, res_out, data):
+        if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
+                              or t.dim() != 1):
+            raise ValueError("split_blocks: contiguous 1-D float32 CPU tensors")
+    for t in (x, res_in, res_out, data):
+        if t is not None and t.numel() != layout.numel:
+            raise ValueError(f"split_blocks: {t.numel()} elements for {layout}")
+    kind = np.ascontiguousarray(kind, dtype=np.uint8)
+    packed_at = np.ascontiguousarray(packed_at, dtype=np.int64)
+    if len(kind) != layout.nblocks or len(packed_at) != layout.nblocks:
+        raise ValueError(f"split_blocks: {len(kind)} / {len(packed_at)} flags for {layout.nblocks} blocks")
+    if _blockops is None or not native:
+        split_blocks_torch(x, res_in, packed, res_out, data, layout, kind, packed_at)
+        return
+    none = np.zeros(0, np.float32)
+    _blockops.split(x.numpy(), none if res_in is None else res_in.numpy(), packed.numpy(),
+                    none if res_out is None else res_out.numpy(), data.numpy(), layout.block_start.numpy(),
+                    layout.block_len.numpy(), kind, packed_at)
+
+
+def split_blocks_torch(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Tensor,
+                       res_out: torch.Tensor | None, data: torch.Tensor, layout: BucketLayout, kind: np.ndarray,
+                       packed_at: np.ndarray) -> None:
+    """The twin of the C pass, in whole-tensor torch operations (the bound checks included)."""
+    lens = layout.block_len.numpy()
+    imp = kind == IMPORTANT
+    if bool((kind > SENT).any()):
+        raise ValueError("split: a block's kind is not 0, 1 or 2")
+    if bool(((packed_at[imp] < 0) | (packed_at[imp] + lens[imp] > packed.numel())).any()):
+        raise ValueError("split: an important block lies outside packed")
+    if res_out is None and bool((kind == KEPT).any()):
+        raise ValueError("split: a kept-back block needs res_out")
+    y = x.clone() if res_in is None else x + res_in
+    for b in np.flatnonzero(imp).tolist():  # the reference: clarity over speed
+        a, k, p = int(layout.block_start[b]), int(lens[b]), int(packed_at[b])
+        packed[p : p + k] = y[a : a + k]
+    sent = layout.expand(torch.from_numpy(kind == SENT))
+    data[sent] = y[sent]
+    if res_out is not None:
+        kept = layout.expand(torch.from_numpy(kind == KEPT))
+        res_out.copy_(torch.where(kept, y, torch.zeros((), dtype=y.dtype)))

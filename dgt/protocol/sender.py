@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -11,11 +12,13 @@ import torch
 
 from dgt import wire
 from dgt.layout import BucketLayout
+from dgt.protocol.block_ops import IMPORTANT, KEPT, SENT, packed_offsets, split_blocks
 from dgt.protocol.block_rows import keep_blocks
 from dgt.protocol.budget import fold_blocks, split_budget
 from dgt.protocol.datagram_mac import DatagramMac, slots, tag_bytes
 from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
+from dgt.protocol.packed_blocks import packed_numel
 from dgt.protocol.report import Timing, decode_report
 from dgt.wire import Flags, FrameType
 
@@ -78,6 +81,24 @@ class DropInfo:
     lost_mask: np.ndarray | None = None  # per block: sent and lost
 
 
+@dataclass
+class Selection:
+    """Where a round's blocks go (:meth:`RoundSender.select`): block indices, sent unimportant most important first."""
+
+    geom: Geometry
+    cls_np: np.ndarray  # lane class per block, capped at the sender's lanes
+    important: np.ndarray
+    unimp: np.ndarray  # sent on the unreliable lanes
+    unsent: np.ndarray  # kept back by the send budget
+
+    def unsent_mask(self) -> np.ndarray | None:
+        if not len(self.unsent):
+            return None
+        mask = np.zeros(len(self.cls_np), dtype=bool)
+        mask[self.unsent] = True
+        return mask
+
+
 def raw_bytes(flat: torch.Tensor) -> np.ndarray:
     """A zero-copy uint8 numpy view of a CPU contiguous tensor (works for bfloat16 too)."""
     if flat.device.type != "cpu" or not flat.is_contiguous():
@@ -133,6 +154,7 @@ class RoundSender:
         self._spare: dict[int, torch.Tensor] = {}  # bucket -> a copy whose round is over, for prepare to reuse
         self._stages: dict[tuple[int, int], np.ndarray] = {}  # pending round -> its packed important blocks
         self._stage_spare: dict[int, np.ndarray] = {}  # bucket -> a packing buffer whose round is over
+        self._packed: dict[int, torch.Tensor] = {}  # bucket -> plan_split's packed important blocks
         self.unreported = 0  # rounds whose drop report never came (their losses were not folded back)
 
     # -- error feedback
@@ -263,13 +285,20 @@ class RoundSender:
         ``elsewhere``: the important blocks travel outside this round (a lossy ring hop's stream lane): no frame of
         them here, ROUND_END announces none, and the drop report's view of them is ignored (neither lost nor
         folded; ``RoundPlan.elsewhere`` lists them)."""
+        sel = self.select(flat, layout, cls, order, budget)
+        mask = sel.unsent_mask()
+        if mask is not None and self.error_feedback:
+            self._fold_unsent(bucket, flat, layout, sel.unsent, mask)
+        return self._frame(bucket, round, flat, layout, sel, report, codec, elsewhere)
+
+    def select(self, flat: torch.Tensor, layout: BucketLayout, cls: torch.Tensor | int,
+               order: torch.Tensor | None, budget: int | None) -> Selection:
+        """Which blocks of a round go where: important, unimportant sent (most important first), unsent."""
         if layout.block != self.block:
             raise ValueError(f"layout block {layout.block} != sender block {self.block}")
         if flat.numel() != layout.numel:
             raise ValueError(f"bucket has {flat.numel()} elements, layout {layout.numel}")
-        raw = raw_bytes(flat)
         isz = flat.element_size()
-        dt = wire.wire_dtype(flat.dtype)
         geom = self.geometry(layout, isz)
         if isinstance(cls, int):
             cls_np = np.full(layout.nblocks, cls, dtype=np.int64)
@@ -283,6 +312,57 @@ class RoundSender:
             unimp = order.detach().to("cpu").numpy().astype(np.int64)
             unimp = unimp[cls_np[unimp] > 0]
         unimp, unsent = split_budget(geom, unimp, isz, budget)
+        return Selection(geom, cls_np, important, unimp, unsent)
+
+    def plan_split(self, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+                   cls: torch.Tensor | int, order: torch.Tensor | None, report: bool, budget: int | None,
+                   codec: int | None, stage: Callable[[torch.Tensor], None]) -> tuple[RoundPlan, torch.Tensor]:
+        """:meth:`prepare` and :meth:`plan` with ``elsewhere`` in one pass over the bucket (float32): ``flat`` plus
+        its residual goes to ``stage`` (the important blocks, packed as dgt.protocol.packed_blocks orders them; a
+        view valid until this bucket's next round), to the residual (the blocks the budget keeps back; zero
+        elsewhere) and to the round's private copy (the blocks sent as datagrams). Returns the plan and that copy."""
+        sel = self.select(flat, layout, cls, order, budget)
+        src = flat.detach().reshape(-1)
+        if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
+            raise ValueError("plan_split: a contiguous float32 CPU bucket")
+        data = self._spare.pop(bucket, None)
+        if data is None or data.numel() != src.numel() or data.dtype != src.dtype:
+            data = torch.empty_like(src)
+        self._copies[bucket] = weakref.ref(data)
+        res = self._residual.get(bucket)
+        if res is not None and (res.numel() != src.numel() or res.dtype != src.dtype):
+            res = None
+        res_in = None if res is None or bucket in self._spent else res
+        kept = bool(len(sel.unsent)) and self.error_feedback
+        res_out = (res if res is not None else torch.empty_like(src)) if kept else None
+        imp = sel.cls_np == 0
+        kind = np.full(layout.nblocks, SENT, dtype=np.uint8)
+        kind[imp] = IMPORTANT
+        if kept:
+            kind[sel.unsent] = KEPT
+        n_imp = packed_numel(layout, imp)
+        packed = self._packed.get(bucket)
+        if packed is None or packed.numel() < n_imp:
+            packed = self._packed[bucket] = torch.empty(n_imp + n_imp // 4, dtype=src.dtype)
+        split_blocks(src, res_in, packed, res_out, data, layout, kind, packed_offsets(layout, imp))
+        if res_out is not None:
+            self._residual[bucket] = res_out
+            self._spent.discard(bucket)
+        elif res_in is not None:
+            self._spent.add(bucket)  # consumed: it reads as zero from now on
+        stage(packed[:n_imp])
+        plan = self._frame(bucket, round, data, layout, sel, report, codec, elsewhere=True)
+        if (bucket, round) not in self._pending:  # no report will recycle it
+            self._recycle(bucket, data)
+        return plan, data
+
+    def _frame(self, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout, sel: Selection,
+               report: bool, codec: int | None, elsewhere: bool) -> RoundPlan:
+        """The frames of a round whose blocks ``sel`` sorted (see :meth:`plan`); its pending entry for the report."""
+        raw = raw_bytes(flat)
+        isz = flat.element_size()
+        dt = wire.wire_dtype(flat.dtype)
+        geom, cls_np, important, unimp, unsent = sel.geom, sel.cls_np, sel.important, sel.unimp, sel.unsent
         codec = self.codec if codec is None else codec  # the header's codec byte (a collective's call code)
         common = dict(token=self.token, rank=self.rank, round=round, bucket=bucket, codec=codec)
 
@@ -311,19 +391,13 @@ class RoundSender:
                 self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common, pads)
         end = wire.encode_round_end(plan.important_blocks, len(unimp), len(reliable) - 1, plan.unreliable_frames())
         reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
-        unsent_mask = None
-        if len(unsent):
-            unsent_mask = np.zeros(layout.nblocks, dtype=bool)
-            unsent_mask[unsent] = True
-            if self.error_feedback:
-                self._fold_unsent(bucket, flat, layout, unsent, unsent_mask)
         if self.error_feedback and (len(unimp) or len(unsent)):
             skip = None
             if elsewhere and len(important):
                 skip = np.zeros(layout.nblocks, dtype=bool)
                 skip[important] = True
             # its packing buffer is reused at the report
-            self._pending[(bucket, round)] = (flat, layout, unsent_mask, skip)
+            self._pending[(bucket, round)] = (flat, layout, sel.unsent_mask(), skip)
             while len(self._pending) > self.max_pending:
                 self._stages.pop(self._pending.popitem(last=False)[0], None)
                 self.unreported += 1

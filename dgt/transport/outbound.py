@@ -143,9 +143,9 @@ class OutboundMixin(EndpointState):
         was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
         frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``.
         ``stage``: the caller carries the important blocks itself (a lossy ring hop's stream lane): it is called,
-        before anything is sent and before the first await, with the round's data (the bucket plus its
-        error-feedback residual) to take them from; the round then carries only the unimportant ones
-        (:meth:`dgt.protocol.sender.RoundSender.plan`'s ``elsewhere``)."""
+        before anything is sent and before the first await, with them (plus their error-feedback residual) packed
+        in the order of dgt.protocol.packed_blocks, a view valid until this bucket's next round; the round then
+        carries only the unimportant ones (:meth:`dgt.protocol.sender.RoundSender.plan_split`, float32 only)."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
         return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec, stage)
@@ -203,19 +203,23 @@ class OutboundMixin(EndpointState):
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
         if lossless and not wait and stage is None:  # no report to wait for: no round state at all (BULK frames)
             return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
-        # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
-        copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless)
-                                            or (stage is not None and not lossless))
-        link.dirty.discard(bucket)
-        data = link.sender.prepare(bucket, flat) if copy else flat
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
             budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
-        plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
-                                codec=codec, elsewhere=stage is not None)
-        if stage is not None:
-            stage(data)
+        if stage is not None:  # residual, pack and private copy in one pass (RoundSender.plan_split)
+            copy = True
+            link.dirty.discard(bucket)
+            plan, data = link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,
+                                                stage)
+        else:
+            # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait
+            # for.
+            copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
+            link.dirty.discard(bucket)
+            data = link.sender.prepare(bucket, flat) if copy else flat
+            plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
+                                    codec=codec)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
