@@ -88,20 +88,26 @@ class LossyHops:
         buffer the step's session round lands in (posted). ``tickets``: per step, its reserved exchange; each is set
         to None once its exchange holds it (the caller forfeits those left)."""
         W, r = self.coll.group.world, self.coll.group.rank
+        means = None  # the block scores of the chunk the next hop sends, from the hop that summed it
         for s in range(W - 1):
             a, c = (r - s) % W, (r - s - 1) % W
-            await self._hop(ch, ch.chunk(src if s == 0 else flat, a), a, c, ch.chunk(src, c), ch.chunk(flat, c),
-                            land[s], bucket_id, s, rnd, stats, tickets)
+            means = await self._hop(ch, ch.chunk(src if s == 0 else flat, a), a, c, ch.chunk(src, c),
+                                    ch.chunk(flat, c), land[s], bucket_id, s, rnd, stats, tickets, means)
 
     async def _hop(self, ch: Chunking, out: torch.Tensor, a: int, c: int, mine_src: torch.Tensor,
                    mine: torch.Tensor, land: torch.Tensor, bucket_id: int, s: int, rnd: int, stats: CollectiveStats,
-                   tickets: list[int | None]) -> None:
+                   tickets: list[int | None], means: torch.Tensor | None) -> torch.Tensor:
+        """One hop (see :meth:`reduce_scatter`); ``means``: the block scores of ``out`` when the previous hop
+        computed them. Returns those of the chunk it summed into ``mine`` (the next hop's ``out``)."""
         coll = self.coll
         g = coll.group
         ep, op = g.endpoint, coll.call_code
         nxt, prv = (g.rank + 1) % g.world, (g.rank - 1) % g.world
         block = ep.cfg.block
-        (part,) = coll.codec.encode(out, coll.state(state_key("rs", bucket_id, s), out, ch.segments[a]))
+        state = coll.state(state_key("rs", bucket_id, s), out, ch.segments[a])
+        if means is not None:
+            state.values[BLOCK_MEANS_HINT] = means  # encode consumes it at once
+        (part,) = coll.codec.encode(out, state)
         layout = wire_layout(part, block)
         lay_c = BucketLayout.of(ch.segments[c], block)
         cls = part.lane_class
@@ -158,7 +164,5 @@ class LossyHops:
                                f"{s} of bucket {bucket_id}, this rank expects {lay_c.numel} x {mine.dtype}")
         received = res.mask.numpy() & ~rx_imp
         n_packed = packed_numel(lay_c, rx_imp)
-        means = combine_blocks(mine_src, dst, buf.rx_pack[:n_packed], mine, lay_c, received,
-                               packed_offsets(lay_c, rx_imp))
-        if s + 1 < g.world - 1:  # the next hop sends this chunk: its block scores are these
-            coll.state(state_key("rs", bucket_id, s + 1), mine, ch.segments[c]).values[BLOCK_MEANS_HINT] = means
+        return combine_blocks(mine_src, dst, buf.rx_pack[:n_packed], mine, lay_c, received,
+                              packed_offsets(lay_c, rx_imp))
