@@ -20,7 +20,7 @@ from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import round_feedback
 from dgt.protocol.pacing import Pacer
-from dgt.protocol.sender import DropInfo
+from dgt.protocol.sender import DropInfo, RoundPlan
 from dgt.transport.checks import check_classes
 from dgt.transport.handshake import _Link
 from dgt.transport.session import EndpointState
@@ -204,22 +204,7 @@ class OutboundMixin(EndpointState):
         if lossless and not wait and stage is None:  # no report to wait for: no round state at all (BULK frames)
             return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
-        if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
-            budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
-        if stage is not None:  # residual, pack and private copy in one pass (RoundSender.plan_split)
-            copy = True
-            link.dirty.discard(bucket)
-            plan, data = link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,
-                                                stage)
-        else:
-            # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait
-            # for.
-            copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
-            link.dirty.discard(bucket)
-            data = link.sender.prepare(bucket, flat) if copy else flat
-            plan = link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
-                                    codec=codec)
+        plan, copy = self._plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, codec, stage)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
@@ -267,6 +252,25 @@ class OutboundMixin(EndpointState):
         stats.elapsed = trio.current_time() - t0
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
+
+    def _plan_round(self, link: _Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+                    cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, codec: int,
+                    stage: Callable[[torch.Tensor], None] | None) -> tuple[RoundPlan, bool]:
+        """The round's plan under the link's send budget, and whether it sends from a private copy."""
+        quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
+        budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
+        if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
+            budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
+        if stage is not None:  # residual, pack and private copy in one pass (RoundSender.plan_split)
+            link.dirty.discard(bucket)
+            return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,
+                                          stage)[0], True
+        # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
+        copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
+        link.dirty.discard(bucket)
+        data = link.sender.prepare(bucket, flat) if copy else flat
+        return link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
+                                codec=codec), copy
 
     def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
         """Queue round ``round`` of ``bucket`` to ``peer`` losslessly, without waiting: it goes out as BULK frames
