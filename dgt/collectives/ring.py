@@ -114,7 +114,8 @@ class RingAllReduce(Collective):
         tickets: list[int | None] = [ep.reserve_exchange() for _ in range(W - 1)]
         ag: list[int | None] = [ep.reserve_exchange()]
         try:
-            self._post(rs_land, bucket_id, "rs", rnd, zero_lost=False)  # the hop reads the round's mask
+            # the hop reads the round's mask, and starts its deadline once the stream lane's blocks are in
+            self._post(rs_land, bucket_id, "rs", rnd, zero_lost=False, hold=True)
             with self.phase(stats, "reduce_scatter"):
                 await self._lossy.reduce_scatter(ch, src, flat, bucket_id, rnd, stats, rs_land, tickets)
             await self._stream_gather(ch, flat, bucket_id, rnd, stats, ag)
@@ -123,6 +124,8 @@ class RingAllReduce(Collective):
                 if t is not None:  # never ran: later exchanges must not wait for it
                     ep.forfeit_exchange(t)
             self._post([None] * len(rs_land), bucket_id, "rs", rnd)  # nothing lands in them after this call
+            for s in range(W - 1):  # and no round of this call waits for a stream lane any more
+                ep.important_in((self.group.rank - 1) % W, transport_key(bucket_id, "rs", s, 0), rnd)
             raise
 
     async def _steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
@@ -269,14 +272,14 @@ class RingAllReduce(Collective):
         return caps.in_place and (caps.wire_dtype or flat.dtype) == flat.dtype and flat.device.type == "cpu"
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0,
-              zero_lost: bool = True) -> None:
+              zero_lost: bool = True, hold: bool = False) -> None:
         """Post (or, with None entries, withdraw) the landing buffers of steps ``first``, ``first + 1``... of
-        ``phase`` (``zero_lost``: see ``post_recv``)."""
+        ``phase`` (``zero_lost``, ``hold``: see ``post_recv``)."""
         g = self.group
         for s, buf in enumerate(landings, first):
             if buf is None or buf.numel():
                 g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf,
-                                     zero_lost=zero_lost)
+                                     zero_lost=zero_lost, hold=hold)
 
     def _scratch_for(self, mine: torch.Tensor, step: int) -> torch.Tensor:
         """Where reduce-scatter step ``step`` receives (then adds from): one buffer per step, reused across rounds,

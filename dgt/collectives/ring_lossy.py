@@ -151,7 +151,10 @@ class LossyHops:
                     Hop(transport_key(bucket_id, "rs", s, PACKED_PART), rnd, nxt, packed[0], prv,
                         land_later=land_packed, codec=op)]
             ticket, tickets[s] = tickets[s], None
-            done = await ep.exchange(hops, ticket=ticket)
+            try:
+                done = await ep.exchange(hops, ticket=ticket)
+            finally:  # the round's deadline starts now that its important blocks are in (or will never come)
+                ep.important_in(prv, key, rnd)
         stats.add_sent(0, packed[0].numel() * packed[0].element_size())
         stats.bytes_received[0] = stats.bytes_received.get(0, 0) + sum(d.received for d in done)
         rx_imp = rx_mask.numpy() != 0

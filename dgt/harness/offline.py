@@ -66,8 +66,11 @@ class OfflineTransport:
         self._offline("post_send")
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
-                  zero_lost: bool = True) -> None:
+                  zero_lost: bool = True, hold: bool = False) -> None:
         self._offline("post_recv")
+
+    def important_in(self, peer: int, bucket: int, round: int) -> None:
+        self._offline("important_in")
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]:

@@ -71,6 +71,7 @@ class RoundReceiver:
         self.rounds: dict[Key, OpenRound] = {}
         self.closed: OrderedDict[Key, None] = OrderedDict()
         self._leave_lost: OrderedDict[Key, None] = OrderedDict()  # rounds whose caller reads the mask (leave_lost)
+        self._held: OrderedDict[Key, None] = OrderedDict()  # rounds whose important blocks come elsewhere (hold)
         self.counters = ReceiverCounters()
         # input for rounds not open yet, replayed in order; bounded in bytes, in rounds per peer, and in age
         self._early = EarlyBuffer(self.counters, early_bytes, early_ttl, early_rounds_per_peer)
@@ -114,6 +115,24 @@ class RoundReceiver:
         while len(self._leave_lost) > 4096:
             self._leave_lost.popitem(last=False)
 
+    def hold(self, key: Key) -> None:
+        """Round ``key``'s important blocks travel outside it (a lossy ring hop's stream lane: its ROUND_END
+        announces none): its deadline does not start at ROUND_END but when :meth:`important_in` says they are in,
+        as DGT's deadline starts once every important block is in. (It still closes as soon as it is complete.)
+        Bounded like :meth:`leave_lost`."""
+        self._held[key] = None
+        while len(self._held) > 4096:
+            self._held.popitem(last=False)
+
+    def important_in(self, key: Key, now: float) -> list[Event]:
+        """The important blocks of held round ``key`` are in (see :meth:`hold`): its deadline may start."""
+        self._held.pop(key, None)  # not open yet: it opens unheld
+        r = self.rounds.get(key)
+        if r is None or not r.held:
+            return []
+        r.held = False
+        return self._progress(r, now)
+
     def is_closed(self, key: Key) -> bool:
         """Whether round ``key`` closed recently (the closed-round memory is bounded)."""
         return key in self.closed
@@ -142,6 +161,9 @@ class RoundReceiver:
         if key in self._leave_lost:
             del self._leave_lost[key]
             r.zero_lost = False
+        if key in self._held:
+            del self._held[key]
+            r.held = True
         events: list[Event] = []
         for e in self._early.take(key, now):
             if e.sizes is None:

@@ -154,6 +154,7 @@ class OpenRound:
         else:
             self.fresh = False
         self.zero_lost = True  # zero the blocks that did not arrive at close (RoundReceiver.leave_lost: not)
+        self.held = False  # important blocks elsewhere, not in yet (RoundReceiver.hold / important_in)
         self.data = zeroed(layout.numel, wire.TORCH_OF[dtype]) if buffer is None else buffer
         self.raw: np.ndarray = self.data.view(torch.uint8).numpy()
         self.isz = self.data.element_size()
@@ -193,7 +194,7 @@ class OpenRound:
         return int(self.raw.nbytes + self.got.nbytes + 4 * (self.got.size + len(self.nfrag)))
 
     def important_complete(self) -> bool:
-        if self.end is None:
+        if self.end is None or self.held:
             return False
         return self.n_imp_done >= self.end[0]
 

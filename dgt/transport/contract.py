@@ -68,7 +68,11 @@ class Transport(Protocol):
         ...
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
-                  zero_lost: bool = True) -> None:
+                  zero_lost: bool = True, hold: bool = False) -> None:
+        ...
+
+    def important_in(self, peer: int, bucket: int, round: int) -> None:
+        """The important blocks of a round posted with ``hold`` are in (its deadline may start)."""
         ...
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,

@@ -143,7 +143,7 @@ class InboundMixin(EndpointState):
             self._stats.results_evicted += 1
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
-                  zero_lost: bool = True) -> None:
+                  zero_lost: bool = True, hold: bool = False) -> None:
         """Name the contiguous CPU tensor a future round lands in, before :meth:`recv_round` is called for it.
 
         A round that opens before its receiver is ready would otherwise be reassembled into a fresh buffer and copied
@@ -153,8 +153,11 @@ class InboundMixin(EndpointState):
         will not be awaited (a collective that failed half-way): a round that opens later gets a buffer of its own.
         ``zero_lost=False``: the blocks the round does not get are left as ``out`` held them, not zeroed (a caller
         that reads only the blocks of the result's mask saves the pass); a round that opened before the post lands
-        in a zeroed buffer of its own and is copied as usual."""
+        in a zeroed buffer of its own and is copied as usual. ``hold``: the round's important blocks travel
+        elsewhere; its deadline starts at :meth:`important_in`, not at its ROUND_END."""
         key = (peer, bucket, round)
+        if hold:
+            self.receiver.hold(key)
         if out is None:
             self._out.pop(key, None)
             return
@@ -165,6 +168,11 @@ class InboundMixin(EndpointState):
             self.receiver.leave_lost(key)
         while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
             self._out.popitem(last=False)
+
+    def important_in(self, peer: int, bucket: int, round: int) -> None:
+        """The important blocks of a round posted with ``hold`` are in: its deadline may start."""
+        self._handle(self.receiver.important_in((peer, bucket, round), trio.current_time()))
+        self.deadlines.poke()
 
     async def recv_round(
         self,
