@@ -234,3 +234,28 @@ def test_plan_split_refuses_a_bucket_it_cannot_split_before_touching_anything(ba
     with pytest.raises(ValueError, match="plan_split|elements"):
         tx.plan_split(0, 1, x, layout, cls, None, True, 0, None, staged.append)
     assert not staged and torch.equal(_effective(tx), res) and list(tx._pending) == [(0, 0)]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_bucket_whose_geometry_changes_between_rounds(seed):
+    """The same bucket id with another layout (a residual, private copy and packing buffer of the wrong size left
+    from the last round): plan_split still matches prepare + plan + pack, and the residual is rebuilt alike."""
+    layouts = [BucketLayout([3000, 1024, 7, 5000], 1024), BucketLayout([16384], 1024), BucketLayout([2500], 1024)]
+    rng = np.random.default_rng(seed)
+    a, b = _sender(1024, 1400, True, False), _sender(1024, 1400, True, False)
+    rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01))
+    for rnd in range(9):
+        layout = layouts[int(rng.integers(0, 3))]
+        x, cls, order, budget = _inputs(layout, rng)
+        staged: list[torch.Tensor] = []
+        pa, _ = a.plan_split(0, rnd, x, layout, cls, order, True, budget, None, _keep(staged))
+        data_b = b.prepare(0, x)
+        pb = b.plan(0, rnd, data_b, layout, cls, order, budget=budget, elsewhere=True)
+        want = pack_blocks(data_b, layout, _important(layout, cls), torch.empty(layout.numel))
+        assert torch.equal(staged[0].view(torch.int32), want.view(torch.int32))
+        _same_plan(pa, pb)
+        _same_residual(a, b, f"round {rnd} planned")
+        done = _deliver(rx, pa, rnd, 0.3, rng)
+        report = wire.decode_frames(done.report)[0]
+        _same_info(a.on_drop_report(report), b.on_drop_report(report))
+        _same_residual(a, b, f"round {rnd}'s report")
