@@ -82,7 +82,8 @@ def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
     async def main():
         async with connected_pair(TOKEN, cfg) as (a, b):
             guess = DatagramMac(auth.session_key(TOKEN, None))  # the key as derived without a secret
-            forger = RoundSender(TOKEN, rank=0, mac=guess, peer=1)
+            # the endpoints' own datagram size, so the forgeries match the genuine rounds' geometry and reach the MAC
+            forger = RoundSender(TOKEN, rank=0, mac=guess, peer=1, datagram_payload=cfg.payload_for("127.0.0.1"))
             ports = dict(zip(b.udp, b.address.udp_ports))
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 for rnd in range(1, 21):

@@ -63,6 +63,25 @@ def family_of(host: str) -> socket.AddressFamily:
     return info[0][0]
 
 
+IP_MTU = getattr(socket, "IP_MTU", 14)
+IPV6_MTU = getattr(socket, "IPV6_MTU", 24)
+
+
+def route_mtu(host: str) -> int | None:
+    """The MTU of the route to ``host`` as the kernel knows it (IP_MTU / IPV6_MTU of a connected UDP socket: the
+    outgoing interface's MTU, or a smaller path MTU the kernel has learnt), or None where it cannot be read.
+    Connecting a UDP socket sends nothing."""
+    try:
+        fam = family_of(host)
+        with socket.socket(fam, socket.SOCK_DGRAM) as s:
+            s.connect((host, 9))
+            if fam == socket.AF_INET6:
+                return int(s.getsockopt(socket.IPPROTO_IPV6, IPV6_MTU))
+            return int(s.getsockopt(socket.IPPROTO_IP, IP_MTU))
+    except OSError:
+        return None
+
+
 def canonical_host(host: str) -> str:
     """The textual form the kernel reports in recvfrom addresses, so source checks compare equal strings."""
     fam = family_of(host)

@@ -103,9 +103,11 @@ class UdpChannel:
 
     # -- sending
     async def send_rows(self, rows: np.ndarray | DatagramRows, addr: tuple) -> None:
-        """Send the datagrams ``rows`` (k <= segments_per_send of them, each ``seg`` bytes) to ``addr``: a [k, seg]
-        uint8 array, or :class:`DatagramRows` (headers + views of the bucket), packed with one vectorised gather
-        into a staging buffer this channel reuses from send to send (it stays in cache; no per-datagram copy)."""
+        """Send the datagrams ``rows`` (k of them, each ``seg`` bytes) to ``addr``: a [k, seg] uint8 array, or
+        :class:`DatagramRows` (headers + views of the bucket), packed for the whole batch with one vectorised gather
+        (and one MAC pass) into a staging buffer this channel reuses from send to send, then handed to the kernel
+        ``segments_per_send`` at a time (one GSO ``sendmsg`` each; without GSO one ``sendmsg`` per datagram). A
+        batch of several GSO sends costs one pack and one Python call, not one per 64 KiB."""
         k = len(rows)
         if k == 0:
             return
@@ -123,18 +125,27 @@ class UdpChannel:
             self._stage = stage
 
     async def _send_packed(self, rows: np.ndarray, k: int, seg: int, addr: tuple) -> None:
+        per = self.segments_per_send(seg)
+        pos = 0
         if self.gso and k > 1:
-            data = memoryview(np.ascontiguousarray(rows)).cast("B")
+            flat = memoryview(np.ascontiguousarray(rows[:k])).cast("B")
+            anc = gso_cmsg(seg)
             try:
-                await self._sendmsg(data, gso_cmsg(seg), addr)
-                self.counters.tx_gso_calls += 1
-                self.counters.tx_datagrams += k
+                while pos < k:
+                    n = min(per, k - pos)
+                    if n > 1:
+                        await self._sendmsg(flat[pos * seg : (pos + n) * seg], anc, addr)
+                        self.counters.tx_gso_calls += 1
+                    else:
+                        await self._sendmsg(flat[pos * seg : (pos + 1) * seg], None, addr)
+                    self.counters.tx_datagrams += n
+                    pos += n
                 return
             except OSError as exc:
                 if exc.errno not in GSO_UNSUPPORTED:
                     raise
-                self.gso = False  # this path cannot segment: fall back for good
-        for i in range(k):
+                self.gso = False  # this path cannot segment: fall back for good, from the datagram it failed on
+        for i in range(pos, k):
             await self._sendmsg(memoryview(rows[i]), None, addr)
             self.counters.tx_datagrams += 1
 

@@ -11,6 +11,7 @@ from dgt import wire
 from dgt.channels.duplex import NATIVE
 from dgt.channels.lanes import LaneSpec, default_lanes, validate_lanes
 from dgt.channels.ports import check_port_range, env_port_range
+from dgt.channels.sockopts import route_mtu
 from dgt.protocol.deadline import DeadlinePolicy, make_deadline
 
 
@@ -47,12 +48,28 @@ def usable_cores() -> int:
         return os.cpu_count() or 1
 
 
+FALLBACK_PAYLOAD = 1400  # fits a 1500-byte MTU: IPv6 + UDP + the DGT header + 1400 = 1496
+
+
+def payload_for_mtu(mtu: int | None, ipv6: bool = False) -> int:
+    """The datagram payload (after the DGT header) that fills one IP packet of ``mtu`` bytes without fragmenting;
+    FALLBACK_PAYLOAD for an unknown MTU; at most the 65000 bytes a datagram may carry, at least 64."""
+    if not mtu:
+        return FALLBACK_PAYLOAD
+    return max(64, min(65000, mtu - (48 if ipv6 else 28) - wire.HEADER_SIZE))
+
+
 @dataclass
 class TransportConfig:
     """Everything an endpoint needs to know; every field has a default that works over loopback and LANs.
 
     lanes: lane 0 the TCP lane, then UDP lanes in descending importance (block class k goes to lane k).
-    datagram_payload: UDP payload bytes per datagram (fits a 1500-byte MTU; raise it on loopback or jumbo links).
+    datagram_payload: bytes of block data (and MAC tag) per datagram, after its 48-byte header. None (default):
+        per peer, what the route to that peer carries in one IP packet (its MTU, e.g. 1500 on Ethernet, 9000 with
+        jumbo frames, 65536 over loopback) less the IP, UDP and DGT headers, so no datagram is fragmented and none
+        is smaller than it need be; 1400 where the MTU cannot be read. A block never spans datagrams' worth more
+        than it needs: a fragment is at most one block. Set it where the path MTU is smaller than the first
+        hop's (a tunnel the kernel does not know of).
     pace_rate: bytes/s per peer over all unreliable lanes: fixed without congestion_control, the ceiling with it.
     congestion_control: a less-than-best-effort controller per peer (dgt.protocol.congestion: LEDBAT-like, queuing
         delay target ``cc_target`` seconds, back-off on loss) sets the unreliable lanes' rate from the drop reports,
@@ -75,7 +92,7 @@ class TransportConfig:
     """
 
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
-    datagram_payload: int = 1400
+    datagram_payload: int | None = None
     pace_rate: float | None = None
     congestion_control: bool = True
     cc_target: float = 0.010
@@ -118,7 +135,7 @@ class TransportConfig:
             raise ValueError("drop_fraction must be in [0, 1]")
         if self.peer_timeout <= 0 or self.round_timeout <= 0:
             raise ValueError("peer_timeout and round_timeout must be positive")
-        if self.datagram_payload < 16 or self.datagram_payload > 65000:
+        if self.datagram_payload is not None and not 16 <= self.datagram_payload <= 65000:
             raise ValueError("datagram_payload must be in [16, 65000] bytes")
         make_deadline(self.deadline)  # fail early on a bad spec
         if self.stream_hops not in ("auto", "native", "python", "off"):
@@ -128,6 +145,12 @@ class TransportConfig:
         self.port_range = check_port_range(self.port_range)
         if self.hop_threads not in (0, 1, 2):
             raise ValueError("hop_threads must be 0 (auto), 1 or 2")
+
+    def payload_for(self, host: str) -> int:
+        """``datagram_payload`` for a peer at ``host``: the configured value, else sized by the route's MTU."""
+        if self.datagram_payload is not None:
+            return self.datagram_payload
+        return payload_for_mtu(route_mtu(host), ":" in host)
 
     def native_hops(self) -> bool:
         """Whether stream hops run in the native loop."""

@@ -301,7 +301,7 @@ class HandshakeMixin(EndpointState):
         elif c.pace_rate:
             pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
         sender = RoundSender(
-            self.token, self.rank, block=c.block, datagram_payload=c.datagram_payload,
+            self.token, self.rank, block=c.block, datagram_payload=c.payload_for(host),
             reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
             mac=self._mac, peer=rank,
         )  # fmt: skip
