@@ -133,3 +133,28 @@ def test_one_round_cannot_take_the_whole_early_buffer():
     refused = rx.counters.early_refused
     _feed_udp(rx, _dgrams(_plan(1, 1000.0, genuine)[1])[:8], t=0.0)
     assert rx.counters.early_refused == refused and any(e.key[0] == 1 for e in rx._early)
+
+
+def test_opening_pending_says_which_batches_would_go_to_the_early_buffer():
+    """The ingress lets the reliable lane's reader run before it feeds a batch whose round is not open yet
+    (``opening_pending``), so datagrams that overtook their ROUND_BEGIN land without the early buffer's copy."""
+    rx = RoundReceiver(TOKEN)
+    tx = RoundSender(TOKEN, rank=1)
+    g, plan = _plan(0, 2.0, tx)
+    ((lane, b),) = _dgrams(plan)[:1]
+    batch = wire.decode_datagrams(b, [len(b)], token=TOKEN)
+    assert rx.opening_pending(batch)  # round (1, 0, 0) not open: its datagrams would be buffered
+    junk = wire.decode_datagrams(b"\0" * len(b), [len(b)], token=TOKEN)
+    assert not rx.opening_pending(junk)  # a malformed datagram never makes the ingress wait
+    assert not rx.opening_pending(wire.decode_datagrams(b"", [], token=TOKEN))
+    events = []
+    for h, p in plan.reliable[:1]:  # ROUND_BEGIN: the round opens
+        events += rx.receive_bytes(h + bytes(p), 0, 0.0)
+    assert (1, 0, 0) in rx.rounds and not rx.opening_pending(batch)
+    for h, p in plan.reliable[1:]:
+        events += rx.receive_bytes(h + bytes(p), 0, 0.0)
+    for ln, d in _dgrams(plan):
+        events += rx.receive_datagrams(wire.decode_datagrams(d, [len(d)], token=TOKEN), ln, 0.0)
+    (done,) = [e for e in events if isinstance(e, RoundDone)]
+    assert torch.equal(done.data, g) and rx.counters.early_buffered == 0
+    assert not rx.opening_pending(batch)  # closed: late, never waited for

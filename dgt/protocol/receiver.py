@@ -358,6 +358,21 @@ class RoundReceiver:
             events += self._progressed(r, land_fragments(r, hsel, src, psel, lane, now, mac), now)
         return events
 
+    def opening_pending(self, batch: wire.Batch) -> bool:
+        """Whether the first or the last datagram of ``batch`` is a well-formed one of a round that is neither open nor
+        closed: datagrams often overtake their round's ROUND_BEGIN on the reliable lane, and a caller that lets that
+        lane's reader run first has them land at once instead of through the early buffer (a copy of the batch, then
+        a second pass). A hint from two headers, not a check: what is not open when the batch is fed is buffered."""
+        h = batch.headers
+        if len(h) == 0:
+            return False
+        for i in (0, len(h) - 1):
+            if batch.reason[i] == 0:
+                key = (int(h["rank"][i]), int(h["bucket"][i]), int(h["round"][i]))
+                if key not in self.rounds and key not in self.closed:
+                    return True
+        return False
+
     def _early_datagrams(self, key: Key, lane: int, batch: wire.Batch, sel: np.ndarray, now: float) -> None:
         """Datagrams of a round that is not open (yet): late if it closed, else kept as one block that is replayed
         through this vectorised path when its ROUND_BEGIN arrives (datagrams often overtake it)."""

@@ -42,6 +42,10 @@ class InboundMixin(EndpointState):
                 keep = self._drop_rng.random(len(sizes)) >= frac
                 self._rx_dropped_hook[lane] += int((~keep).sum())
                 batch = wire.Batch(batch.headers[keep], batch.payload_pos[keep], batch.reason[keep], batch.buf)
+            for _ in range(3):  # their round's ROUND_BEGIN may be in the link's socket: let its reader run first
+                if not self.receiver.opening_pending(batch):
+                    break
+                await trio.lowlevel.checkpoint()
             events = self.receiver.receive_datagrams(batch, lane, trio.current_time())
             if events:
                 self._handle(events)
