@@ -18,7 +18,8 @@ ride along without holding the round open.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -33,26 +34,87 @@ from dgt.protocol.geometry import Geometry
 class RoundWindow:
     """The seconds from a round's start to the moment its important blocks were all in at the receiver: a shorter
     round is taken at once (the budget must not hold rounds open), a longer one through an EWMA of weight ``alpha``.
-    Before the first report the budget covers ``initial`` seconds."""
+    Before the first report the budget covers ``initial`` seconds.
+
+    Per bucket it also keeps the shortest window of the last ``history`` intervals of ``interval`` seconds (the
+    *base window*, aged out like LEDBAT's base delay: a bucket moves the same bytes every step, so its fastest recent
+    window is what its important blocks need with the path to themselves) and :meth:`observe` returns how much
+    longer this round's window was, relative to that base: the *slowdown*. (A base over a count of recent windows
+    instead ratchets up: where the lane keeps the important blocks a little slower, every window in it is.)
+    The unimportant blocks ride along only if they are free; when they are not (a FIFO bottleneck that
+    ignores DSCP, or a CPU-bound host such as 4 ranks on 2 cores over loopback, where every datagram costs the
+    important transfer CPU time), the important blocks take longer, the window grows, and through it the budget:
+    more datagrams, slower important blocks, a longer window again. The congestion controller reads the slowdown
+    like queuing delay (:class:`dgt.protocol.congestion.LedbatRate`, ``slowdown_target``) and so breaks that loop."""
 
     alpha: float = 0.25
     floor: float = 0.005  # the budget never covers less than this much time (so the lane keeps probing)
     initial: float = 0.05
     value: float | None = None
+    interval: float = 60.0  # seconds per base-window interval
+    history: int = 10  # intervals the base window is the minimum over (older ones age out)
+    warm: int = 4  # windows of a bucket before its slowdown is read
+    max_buckets: int = 256  # buckets tracked (least recently reported dropped first): memory stays bounded
+    _base: OrderedDict[int, _BaseWindow] = field(default_factory=OrderedDict, repr=False)
 
-    def observe(self, duration: float, wait: float) -> None:
-        """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait."""
+    def observe(self, duration: float, wait: float, bucket: int | None = None, now: float = 0.0) -> float | None:
+        """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait; ``now``:
+        the sender's clock. Returns the round's slowdown against its bucket's base window (``(window - base) /
+        base``, >= 0), or None before ``warm`` windows of the bucket were seen (or without a bucket)."""
         sample = max(duration - max(wait, 0.0), 0.0)
+        slow = None if bucket is None else self._slowdown(bucket, sample, now)
         if self.value is None or sample <= self.value:
             self.value = sample
         else:
             self.value = (1 - self.alpha) * self.value + self.alpha * sample
+        return slow
+
+    def _slowdown(self, bucket: int, sample: float, now: float) -> float | None:
+        b = self._base.get(bucket)
+        if b is None:
+            b = self._base[bucket] = _BaseWindow()
+            while len(self._base) > self.max_buckets:
+                self._base.popitem(last=False)
+        else:
+            self._base.move_to_end(bucket)
+        idx = int(now // self.interval)
+        b.age(idx, self.history)
+        base = b.value() if b.seen >= self.warm and b.mins else None
+        b.update(sample, idx)
+        if base is None:
+            return None
+        return max(sample - base, 0.0) / max(base, 1e-3)
 
     def budget(self, rate: float, debt: float = 0.0) -> int:
         """Bytes the unreliable lanes may carry in the next round at ``rate``, less ``debt``: bytes the pacer still
         owes from earlier rounds (they leave first, so the round's own datagrams could not go out in time). Zero or
         less: the round sends no unimportant block at all."""
         return int(rate * max(self.initial if self.value is None else self.value, self.floor) - max(debt, 0.0))
+
+
+class _BaseWindow:
+    """One bucket's minimum window per interval, for the last ``history`` intervals (RoundWindow's base window)."""
+
+    __slots__ = ("mins", "seen")
+
+    def __init__(self) -> None:
+        self.mins: deque[tuple[int, float]] = deque()  # (interval index, shortest window in it)
+        self.seen = 0
+
+    def age(self, idx: int, history: int) -> None:
+        while self.mins and self.mins[0][0] <= idx - history:
+            self.mins.popleft()
+
+    def update(self, sample: float, idx: int) -> None:
+        self.seen += 1
+        if self.mins and self.mins[-1][0] == idx:
+            if sample < self.mins[-1][1]:
+                self.mins[-1] = (idx, sample)
+        else:
+            self.mins.append((idx, sample))
+
+    def value(self) -> float:
+        return min(m for _, m in self.mins)
 
 
 def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:

@@ -107,8 +107,8 @@ class OutboundMixin(EndpointState):
         t = info.timing
         sends = [s for job in track.jobs for s in job.sends]  # one entry per GSO call, not per datagram
         planned = sum(job.rows.size + sum(map(len, job.odd)) for job in track.jobs)
-        link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned), now)
-        link.window.observe(now - track.t0, t.wait)
+        slowdown = link.window.observe(now - track.t0, t.wait, info.bucket, now)
+        link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned, slowdown), now)
 
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
         link = self._links.get(peer)
