@@ -332,7 +332,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "to reach the path's rate, so a median over 3 rounds measures that warm-up, not a "
                              "training run)")
     parser.add_argument("--p", type=float, default=0.3, help="fraction of important blocks for the lossy variant")
-    parser.add_argument("--datagram-payload", type=int, default=1400, help="UDP payload bytes per datagram")
+    parser.add_argument("--datagram-payload", type=int, default=None,
+                        help="UDP payload bytes per datagram (default: the transport's, sized by the route's MTU: "
+                             "65000 over loopback, so a 4 KiB block is one datagram; 1400 is what fits Ethernet)")
     parser.add_argument("--quick", action="store_true", help="skip the GSO-off and fresh-buffer variants")
     parser.add_argument("--no-datagram-mac", action="store_true",
                         help="DGT variants without the datagram MAC (datagram_mac=False), to measure it")
