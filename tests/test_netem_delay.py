@@ -184,14 +184,18 @@ def _delay_rows(topo: Any) -> list[dict[str, Any]]:
 
 
 def test_ping_rtt_status_and_cleanup(prefix: str) -> None:
-    """25 ms on each of 4 link crossings: RTT 100 ms ± 2 ms; status shows each direction's delay and holdings."""
+    """25 ms on each of 4 link crossings: RTT 100 ms ± 2 ms (+3 ms with the relay); status shows each direction's
+    delay and holdings."""
     from dgt.netem import Topology, nsutil
 
     with Topology(hosts=2, delay="25ms", prefix=prefix) as topo:
         rtts = np.array(topo.call(0, icmp_ping, topo.hosts[1].addr, 12, 0.02, timeout=30))[2:]  # ARP first
         print(f"ping RTT ms: median {np.median(rtts) * 1e3:.2f} min {rtts.min() * 1e3:.2f} "
               f"max {rtts.max() * 1e3:.2f} (backend {'relay' if topo.relay_delay else 'netem'})")
-        assert abs(np.median(rtts) - 0.100) <= 0.002, rtts
+        # the relay backend is a user-space process per direction: each of the 4 crossings adds its wake-up and
+        # copy time, 1.5-1.9 ms in all on this 2-core VM (median of 10 pings, main d62e7d8 and after, 4 runs each)
+        slack = 0.003 if topo.relay_delay else 0.002
+        assert -0.002 <= np.median(rtts) - 0.100 <= slack, rtts
         assert rtts.min() >= 0.100 - 0.0005, rtts
         rows = _delay_rows(topo)
         assert len(rows) == 4 and all(r["delay_s"] == 0.025 for r in rows)
