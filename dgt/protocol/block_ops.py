@@ -44,10 +44,14 @@ def packed_offsets(layout: BucketLayout, mask: np.ndarray) -> np.ndarray:
     mask = np.asarray(mask, dtype=bool)
     starts, lens, n = layout.block_start.numpy(), layout.block_len.numpy(), layout.block
     full = lens == n
-    blocks = [np.searchsorted(starts, first + idx.numpy() * n)
-              for first, _, idx in row_groups(layout.numel, starts[mask & full], n)]
-    blocks.append(np.flatnonzero(mask & ~full))
-    order = np.concatenate(blocks).astype(np.int64) if blocks else np.zeros(0, np.int64)
+    res = starts[full] % n
+    if len(res) == 0 or bool((res == res[0]).all()):  # one residue class (a one-tensor bucket): block order
+        order = np.concatenate((np.flatnonzero(mask & full), np.flatnonzero(mask & ~full))).astype(np.int64)
+    else:
+        blocks = [np.searchsorted(starts, first + idx.numpy() * n)
+                  for first, _, idx in row_groups(layout.numel, starts[mask & full], n)]
+        blocks.append(np.flatnonzero(mask & ~full))
+        order = np.concatenate(blocks).astype(np.int64)
     at = np.full(layout.nblocks, -1, dtype=np.int64)
     if len(order):
         ends = np.cumsum(lens[order])
