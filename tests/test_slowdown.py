@@ -15,7 +15,7 @@ OFFSET, PROP = 1234.5, 0.001
 
 
 def test_round_window_slowdown_is_relative_to_the_buckets_fastest_recent_window():
-    w = RoundWindow(interval=1.0, history=3, warm=4)
+    w = RoundWindow(interval=1.0, history=3, warm=4, slack=0.0)
     for d in (0.012, 0.010, 0.011, 0.013):  # bucket 7 warming up: no reading yet
         assert w.observe(d, 0.0, bucket=7) is None
     assert w.observe(0.015, 0.0, bucket=7) == pytest.approx(0.5)  # 15 ms against the best 10 ms
@@ -30,6 +30,13 @@ def test_round_window_slowdown_is_relative_to_the_buckets_fastest_recent_window(
     # the base is the shortest window of the last 3 one-second intervals: old ones age out
     assert w.observe(0.030, 0.0, bucket=7, now=2.5) == pytest.approx(30 / 9 - 1)
     assert w.observe(0.030, 0.0, bucket=7, now=3.0) == pytest.approx(0.0)  # interval 0 is gone: 30 ms is the base
+
+
+def test_round_window_slack_absorbs_the_jitter_of_small_rounds():
+    w = RoundWindow(warm=1, slack=0.002)
+    w.observe(0.001, 0.0, bucket=1)  # a 1 ms round
+    assert w.observe(0.0028, 0.0, bucket=1) == pytest.approx(0.0)  # 1.8 ms late: within the slack, not a slowdown
+    assert w.observe(0.005, 0.0, bucket=1) == pytest.approx(2.0)  # (5 - 1 - 2) / 1
 
 
 def test_round_window_tracks_a_bounded_number_of_buckets():
@@ -61,13 +68,13 @@ def test_controller_backs_off_for_a_slowdown_above_its_target_and_probes_below_i
         LedbatRate(1e6, slowdown_target=0.0)
 
 
-def _cpu_bound_host(slowdown_target: float, rounds: int = 300) -> tuple[float, float]:
+def _cpu_bound_host(slowdown_target: float, rounds: int = 300, slack: float = 0.0) -> tuple[float, float]:
     """A host where every unimportant byte costs the important transfer time (4 ranks on 2 cores over loopback, or
     a FIFO bottleneck): a round's important blocks take ``W0 * (1 + sent / C)``; the path itself never queues or
     loses anything. Returns the mean bytes sent per round and the mean important time over W0 in the last 100 rounds."""
     W0, C, U = 0.010, 2e6, 4.4e6  # the important blocks alone; bytes that double their time; unimportant bytes
     cc = LedbatRate(12.5e6, slowdown_target=slowdown_target)
-    win = RoundWindow()
+    win = RoundWindow(slack=slack)
     t, sent_tail, stretch = 0.0, [], []
     for i in range(rounds):
         sent = min(U, max(win.budget(cc.rate), 4096))
@@ -89,3 +96,6 @@ def test_the_slowdown_breaks_the_loop_of_budget_and_window_on_a_cpu_bound_host()
     # with it the lane settles where it slows the important blocks by about its target
     sent, stretch = _cpu_bound_host(slowdown_target=0.2)
     assert sent < 1.5e6 and stretch < 1.7  # (its base: the first rounds, which already sent some)
+    # with the default 2 ms of slack (a fifth of these 10 ms windows) it settles a little higher, far from the runaway
+    sent, stretch = _cpu_bound_host(slowdown_target=0.2, slack=RoundWindow().slack)
+    assert sent < 2.2e6 and stretch < 2.1

@@ -54,13 +54,14 @@ class RoundWindow:
     interval: float = 60.0  # seconds per base-window interval
     history: int = 10  # intervals the base window is the minimum over (older ones age out)
     warm: int = 4  # windows of a bucket before its slowdown is read
+    slack: float = 0.002  # seconds over the base that are not a slowdown (scheduling jitter of small rounds)
     max_buckets: int = 256  # buckets tracked (least recently reported dropped first): memory stays bounded
     _base: OrderedDict[int, _BaseWindow] = field(default_factory=OrderedDict, repr=False)
 
     def observe(self, duration: float, wait: float, bucket: int | None = None, now: float = 0.0) -> float | None:
         """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait; ``now``:
-        the sender's clock. Returns the round's slowdown against its bucket's base window (``(window - base) /
-        base``, >= 0), or None before ``warm`` windows of the bucket were seen (or without a bucket)."""
+        the sender's clock. Returns the round's slowdown against its bucket's base window (``(window - base -
+        slack) / base``, >= 0), or None before ``warm`` windows of the bucket were seen (or without a bucket)."""
         sample = max(duration - max(wait, 0.0), 0.0)
         slow = None if bucket is None else self._slowdown(bucket, sample, now)
         if self.value is None or sample <= self.value:
@@ -83,7 +84,7 @@ class RoundWindow:
         b.update(sample, idx)
         if base is None:
             return None
-        return max(sample - base, 0.0) / max(base, 1e-3)
+        return max(sample - base - self.slack, 0.0) / max(base, 1e-3)
 
     def budget(self, rate: float, debt: float = 0.0) -> int:
         """Bytes the unreliable lanes may carry in the next round at ``rate``, less ``debt``: bytes the pacer still
