@@ -47,3 +47,24 @@ def test_bench_times_the_ring_once_per_hop_thread_count():
     assert all(d < 1e-5 for d in out["max_rel_diff_vs_gloo"].values()), out["max_rel_diff_vs_gloo"]
     with pytest.raises(SystemExit, match="hop-threads"):
         allreduce.run(argparse.Namespace(**{**vars(args), "hop_threads": "3"}))
+
+
+def test_bench_reports_each_trial_with_its_cpu_and_unreliable_lane_counters():
+    """Per trial: the slowest rank's time (the best and the median come from these), the mean CPU per rank, and for a
+    lossy codec what the unreliable lanes did in that trial (what makes one trial slower than another)."""
+    args = argparse.Namespace(ranks=2, mb=0.3, repeat=3, codec="dgt:p=0.3", timeout=240.0, stream_hops="auto",
+                              collectives="ring")
+    out = allreduce.run(args)
+    trials = out["per_trial"]
+    assert set(trials) == {"gloo", "ring"} and all(len(v) == 3 for v in trials.values())
+    for name, rows in trials.items():
+        assert min(r["seconds"] for r in rows) == out["seconds"][name]
+        assert all(r["cpu_ms_per_rank"] > 0 for r in rows)
+        assert out["cpu_ms_per_rank_median"][name] == sorted(r["cpu_ms_per_rank"] for r in rows)[1]
+    ring = trials["ring"]
+    for r in ring:
+        assert all(isinstance(r[f], int) and r[f] >= 0 for f in ("datagrams", "unsent_blocks", "lost_blocks"))
+        assert r["deadline_wait_s"] >= 0
+    # every unimportant block of every trial either went out as datagrams or was kept back (or both, in part)
+    assert all(r["datagrams"] + r["unsent_blocks"] > 0 for r in ring)
+    assert all(r["unsent_blocks"] == 0 for r in trials["gloo"])  # no DGT round is planned during Gloo's trials

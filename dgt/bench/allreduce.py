@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING
@@ -56,6 +57,9 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
     y = torch.empty_like(x)  # every method writes the sum into this buffer, reused across trials
     ref = torch.empty_like(x)  # Gloo's sum: each of ours must agree with it (to float rounding: add order differs)
     out: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}  # per trial: this process's CPU seconds (every thread, kernel time included)
+    udp: dict[str, list[list[float]]] = {}  # per trial: the endpoints' unreliable-lane counters it moved (_udp_now)
+    snap: list[Callable[[], list[float]] | None] = [None]  # reads those counters (set once the groups are open)
     diffs: dict[str, float] = {}
     transport: dict = {}
 
@@ -71,10 +75,17 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                 fn, prep = methods[name]
                 prep()
                 dist.barrier()
+                before = snap[0]() if snap[0] is not None else None
+                c0 = time.process_time()
                 t0 = time.perf_counter()
                 fn()
+                elapsed = time.perf_counter() - t0
+                used = time.process_time() - c0
                 if i:
-                    out.setdefault(name, []).append(time.perf_counter() - t0)
+                    out.setdefault(name, []).append(elapsed)
+                    cpu.setdefault(name, []).append(used)
+                    if before is not None and snap[0] is not None:
+                        udp.setdefault(name, []).append([a - b for a, b in zip(snap[0](), before)])
                 if name == "gloo" and i == 0:
                     ref.copy_(y)
                 elif name != "gloo":  # the largest over trials; a NaN (a part never written) stays
@@ -89,6 +100,8 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                       for t in hop_threads}  # fmt: skip
             g = groups[hop_threads[0]]
             portal = trio.lowlevel.current_trio_token()
+            eps = [gr.endpoint for gr in groups.values()]
+            snap[0] = lambda: trio.from_thread.run_sync(_udp_now, eps, trio_token=portal)
 
             def call(coll):
                 trio.from_thread.run(partial(coll.allreduce, x, 0, None, out=y), trio_token=portal)
@@ -112,7 +125,39 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
     trio.run(dgt_part)
     dist.barrier()
     dist.destroy_process_group()
-    return {"seconds": out, "max_abs_diff": diffs, "scale": float(ref.abs().max()), "transport": transport}
+    return {"seconds": out, "cpu": cpu, "udp": udp, "max_abs_diff": diffs, "scale": float(ref.abs().max()),
+            "transport": transport}
+
+
+UDP_FIELDS = ("datagrams", "unsent_blocks", "lost_blocks", "deadline_wait_s")
+
+
+def _udp_now(endpoints: list) -> list[float]:
+    """The counters of ``UDP_FIELDS`` over the endpoints' unreliable lanes, as of now (per trial: the difference)."""
+    total = [0.0] * len(UDP_FIELDS)
+    for ep in endpoints:
+        st = ep.stats()
+        udp = [ln for ln in st.lanes if ln.kind == "udp"]
+        for j, v in enumerate((sum(ln.tx_frames for ln in udp), sum(ln.tx_unsent_blocks for ln in udp),
+                               sum(ln.tx_lost_blocks for ln in udp), st.deadline_wait_total)):
+            total[j] += v
+    return total
+
+
+def _per_trial(res: dict, name: str) -> list[dict]:
+    """Trial by trial: the slowest rank's seconds, the mean CPU milliseconds per rank, and the unreliable lanes'
+    counters summed over ranks (datagrams sent, blocks kept back by the send budget, blocks lost, seconds receivers
+    held rounds open after their important blocks): what makes one trial slower than another."""
+    ranks = [res[r] for r in sorted(res)]
+    rows = []
+    for i, secs in enumerate(zip(*(r["seconds"][name] for r in ranks))):
+        row = {"seconds": max(secs), "cpu_ms_per_rank": 1e3 * sum(r["cpu"][name][i] for r in ranks) / len(ranks)}
+        if all(name in r["udp"] for r in ranks):
+            for j, f in enumerate(UDP_FIELDS):
+                v = sum(r["udp"][name][i][j] for r in ranks)
+                row[f] = v if f == "deadline_wait_s" else int(v)
+        rows.append(row)
+    return rows
 
 
 def _lane_summary(st: TransportStats) -> dict:
@@ -150,6 +195,10 @@ def run(args: argparse.Namespace) -> dict:
     median = {k: statistics.median(v) for k, v in trials.items()}
     out = {"bench": "allreduce", "ranks": args.ranks, "mb": args.mb, "codec": args.codec, "repeat": args.repeat,
            "seconds": best, "median_seconds": median}  # fmt: skip
+    per_trial = {k: _per_trial(res, k) for k in res[0]["seconds"]}
+    out["cpu_ms_per_rank_median"] = {k: statistics.median(t["cpu_ms_per_rank"] for t in v)
+                                     for k, v in per_trial.items()}  # fmt: skip
+    out["per_trial"] = per_trial
     from dgt.transport import TransportConfig
 
     cfg = TransportConfig(stream_hops=hops, hop_threads=threads[0])

@@ -53,12 +53,18 @@ def _print_table(result: dict) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
 
+    def fmt(v: object) -> str:
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
     def walk(prefix: str, obj: object) -> None:
         if isinstance(obj, dict):
             for k, v in obj.items():
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
+        elif isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):  # rows: one line each
+            for i, row in enumerate(obj):
+                table.add_row(f"{prefix}[{i}]", "  ".join(f"{k} {fmt(v)}" for k, v in row.items()))
         else:
-            table.add_row(prefix, f"{obj:.4g}" if isinstance(obj, float) else str(obj))
+            table.add_row(prefix, fmt(obj))
 
     walk("", result)
     Console().print(table)
