@@ -35,7 +35,8 @@ loopback that is all the "delay" there is) shows up in single readings and is fi
   held ~10 ms per hop once the close time stopped the false loss back-offs: 141.5 ms per all-reduce against 125
   before; with 2 ms, 120-122 ms (``docs/transport.md``);
 * the important blocks' *slowdown* counts as queuing delay too: how much longer than their fastest recent time
-  (per bucket, :class:`dgt.protocol.budget.RoundWindow`) they took to arrive, relative, scaled so that
+  (per bucket, :class:`dgt.protocol.budget.RoundWindow`, less its 2 ms of slack; the endpoint reads none from a
+  round with under 64 KiB of datagrams) they took to arrive, relative, scaled so that
   ``slowdown_target`` (20 %) reads as ``target``. The send budget lets unimportant blocks ride along in the time the
   important ones take; where they are not free (a FIFO bottleneck ignoring DSCP, a CPU-bound host) they lengthen
   that time, which raised the budget, which sent more: on a 4-rank lossy ring over loopback (2 cores) every
