@@ -129,6 +129,17 @@ async def test_one_send_of_many_rows_delivers_every_datagram_in_order(offload):
         b.close()
 
 
+async def _scheduled(chan: UdpChannel, pacer: Pacer | None, batch_bytes: int, job: DatagramJob) -> DatagramJob:
+    """``job`` sent by a scheduler of ``chan`` alone (lane 1), until its last datagram left."""
+    sched = DatagramScheduler({1: chan}, lambda p, b, r: False, lambda p: pacer, batch_bytes=batch_bytes)
+    sched.submit(job)
+    async with trio.open_nursery() as n:
+        n.start_soon(sched.run)
+        await job.done.wait()
+        n.cancel_scope.cancel()
+    return job
+
+
 async def test_scheduler_sends_whole_gso_batches_per_step_within_the_pacers_tokens():
     chan = UdpChannel("127.0.0.1", UDP, max_segments=8)
     sink = UdpChannel("127.0.0.1", UDP, rcvbuf=8 << 20)
@@ -138,23 +149,12 @@ async def test_scheduler_sends_whole_gso_batches_per_step_within_the_pacers_toke
         per = chan.segments_per_send(seg)
         assert per == 8
         # unpaced: batch_bytes covers 3 GSO sends (24 rows): 100 rows go out in 5 steps (24 x 4 + 4)
-        sched = DatagramScheduler({1: chan}, lambda p, b, r: False, lambda p: None, batch_bytes=3 * per * seg)
-        job = DatagramJob(0, 1, 0, 0, np.zeros((100, seg), np.uint8), [], addr)
-        sched.submit(job)
-        async with trio.open_nursery() as n:
-            n.start_soon(sched.run)
-            await job.done.wait()
-            n.cancel_scope.cancel()
+        job = await _scheduled(chan, None, 3 * per * seg, DatagramJob(0, 1, 0, 0, np.zeros((100, seg), np.uint8), [],
+                                                                      addr))
         assert [k for _, k, _ in job.sends] == [24, 24, 24, 24, 4] and job.sent == 100
         # paced: tokens for two GSO sends at the start (the burst), then at least one per step as tokens allow
         pacer = Pacer(50e6, 2 * per * seg, now=trio.current_time())
-        sched = DatagramScheduler({1: chan}, lambda p, b, r: False, lambda p: pacer, batch_bytes=1 << 20)
-        job = DatagramJob(0, 1, 0, 1, np.zeros((40, seg), np.uint8), [], addr)
-        sched.submit(job)
-        async with trio.open_nursery() as n:
-            n.start_soon(sched.run)
-            await job.done.wait()
-            n.cancel_scope.cancel()
+        job = await _scheduled(chan, pacer, 1 << 20, DatagramJob(0, 1, 0, 1, np.zeros((40, seg), np.uint8), [], addr))
         counts = [k for _, k, _ in job.sends]
         assert counts[0] == 2 * per and sum(counts) == 40 and all(k % per == 0 or k == counts[-1] for k in counts)
         assert all(k <= 2 * per for k in counts)  # never more than the burst's worth in one step
