@@ -53,7 +53,6 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     store = dist.distributed_c10d._get_default_store()
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
-
     y = torch.empty_like(x)  # every method writes the sum into this buffer, reused across trials
     ref = torch.empty_like(x)  # Gloo's sum: each of ours must agree with it (to float rounding: add order differs)
     out: dict[str, list[float]] = {}
@@ -75,17 +74,12 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                 fn, prep = methods[name]
                 prep()
                 dist.barrier()
-                before = snap[0]() if snap[0] is not None else None
-                c0 = time.process_time()
-                t0 = time.perf_counter()
-                fn()
-                elapsed = time.perf_counter() - t0
-                used = time.process_time() - c0
+                elapsed, used, moved = _timed(fn, snap[0])
                 if i:
                     out.setdefault(name, []).append(elapsed)
                     cpu.setdefault(name, []).append(used)
-                    if before is not None and snap[0] is not None:
-                        udp.setdefault(name, []).append([a - b for a, b in zip(snap[0](), before)])
+                    if moved is not None:
+                        udp.setdefault(name, []).append(moved)
                 if name == "gloo" and i == 0:
                     ref.copy_(y)
                 elif name != "gloo":  # the largest over trials; a NaN (a part never written) stays
@@ -130,6 +124,16 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
 
 
 UDP_FIELDS = ("datagrams", "unsent_blocks", "lost_blocks", "deadline_wait_s")
+
+
+def _timed(fn: Callable[[], object], snap: Callable[[], list[float]] | None) -> tuple[float, float, list[float] | None]:
+    """``fn()``'s wall seconds, this process's CPU seconds over it, and the unreliable-lane counters it moved
+    (``snap`` reads them: :func:`_udp_now`; None without one)."""
+    before = None if snap is None else snap()
+    c0, t0 = time.process_time(), time.perf_counter()
+    fn()
+    elapsed, used = time.perf_counter() - t0, time.process_time() - c0
+    return elapsed, used, None if snap is None or before is None else [a - b for a, b in zip(snap(), before)]
 
 
 def _udp_now(endpoints: list) -> list[float]:
