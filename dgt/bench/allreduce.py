@@ -138,14 +138,9 @@ def _timed(fn: Callable[[], object], snap: Callable[[], list[float]] | None) -> 
 
 def _udp_now(endpoints: list) -> list[float]:
     """The counters of ``UDP_FIELDS`` over the endpoints' unreliable lanes, as of now (per trial: the difference)."""
-    total = [0.0] * len(UDP_FIELDS)
-    for ep in endpoints:
-        st = ep.stats()
-        udp = [ln for ln in st.lanes if ln.kind == "udp"]
-        for j, v in enumerate((sum(ln.tx_frames for ln in udp), sum(ln.tx_unsent_blocks for ln in udp),
-                               sum(ln.tx_lost_blocks for ln in udp), st.deadline_wait_total)):
-            total[j] += v
-    return total
+    keys = ("udp_datagrams_sent", "unsent_blocks", "lost_blocks", "deadline_wait_total")  # _lane_summary's
+    sums = [_lane_summary(ep.stats()) for ep in endpoints]
+    return [float(sum(s[k] for s in sums)) for k in keys]
 
 
 def _per_trial(res: dict, name: str) -> list[dict]:

@@ -78,7 +78,7 @@ def route_mtu(host: str) -> int | None:
             if fam == socket.AF_INET6:
                 return int(s.getsockopt(socket.IPPROTO_IPV6, IPV6_MTU))
             return int(s.getsockopt(socket.IPPROTO_IP, IP_MTU))
-    except OSError:
+    except (OSError, ValueError):  # unresolvable, or not a host name at all (idna refuses it)
         return None
 
 

@@ -195,5 +195,5 @@ class DatagramScheduler:
         per = chan.segments_per_send(seg)
         cap = max(self.batch_bytes // (per * seg), 1)
         if pacer is not None:
-            cap = min(cap, max(int(pacer.bucket.tokens // (per * seg)), 1))
+            cap = min(cap, max(int(pacer.tokens(now) // (per * seg)), 1))
         return per * cap

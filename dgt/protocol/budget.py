@@ -18,7 +18,7 @@ ride along without holding the round open.
 
 from __future__ import annotations
 
-from collections import OrderedDict, deque
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -27,6 +27,7 @@ import torch
 from dgt import wire
 from dgt.layout import BucketLayout
 from dgt.protocol.block_rows import add_rows
+from dgt.protocol.congestion import BaseDelay
 from dgt.protocol.geometry import Geometry
 
 
@@ -55,15 +56,21 @@ class RoundWindow:
     history: int = 10  # intervals the base window is the minimum over (older ones age out)
     warm: int = 4  # windows of a bucket before its slowdown is read
     slack: float = 0.002  # seconds over the base that are not a slowdown (scheduling jitter of small rounds)
+    min_bytes: int = 64 << 10  # datagram bytes below which a round gives no slowdown: a few cannot cause one
     max_buckets: int = 256  # buckets tracked (least recently reported dropped first): memory stays bounded
-    _base: OrderedDict[int, _BaseWindow] = field(default_factory=OrderedDict, repr=False)
+    _base: OrderedDict[int, BaseDelay] = field(default_factory=OrderedDict, repr=False)
 
-    def observe(self, duration: float, wait: float, bucket: int | None = None, now: float = 0.0) -> float | None:
+    def observe(self, duration: float, wait: float, bucket: int | None = None, now: float = 0.0,
+                datagram_bytes: int | None = None) -> float | None:
         """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait; ``now``:
-        the sender's clock. Returns the round's slowdown against its bucket's base window (``(window - base -
-        slack) / base``, >= 0), or None before ``warm`` windows of the bucket were seen (or without a bucket)."""
+        the sender's clock; ``datagram_bytes``: what the round put on the datagram lanes (None: not known). Returns
+        the round's slowdown against its bucket's base window (``(window - base - slack) / base``, >= 0), or None
+        before ``warm`` windows of the bucket were seen, without a bucket, or under ``min_bytes`` of datagrams (the
+        window still counts towards the base)."""
         sample = max(duration - max(wait, 0.0), 0.0)
         slow = None if bucket is None else self._slowdown(bucket, sample, now)
+        if datagram_bytes is not None and datagram_bytes < self.min_bytes:
+            slow = None
         if self.value is None or sample <= self.value:
             self.value = sample
         else:
@@ -73,16 +80,14 @@ class RoundWindow:
     def _slowdown(self, bucket: int, sample: float, now: float) -> float | None:
         b = self._base.get(bucket)
         if b is None:
-            b = self._base[bucket] = _BaseWindow()
+            b = self._base[bucket] = BaseDelay(self.interval, self.history)
             while len(self._base) > self.max_buckets:
                 self._base.popitem(last=False)
         else:
             self._base.move_to_end(bucket)
-        idx = int(now // self.interval)
-        b.age(idx, self.history)
-        base = b.value() if b.seen >= self.warm and b.mins else None
-        b.update(sample, idx)
-        if base is None:
+        b.update(sample, now)  # (a sample below the old base is the new base: no slowdown either way)
+        base = b.value
+        if b.samples <= self.warm or base is None:
             return None
         return max(sample - base - self.slack, 0.0) / max(base, 1e-3)
 
@@ -91,31 +96,6 @@ class RoundWindow:
         owes from earlier rounds (they leave first, so the round's own datagrams could not go out in time). Zero or
         less: the round sends no unimportant block at all."""
         return int(rate * max(self.initial if self.value is None else self.value, self.floor) - max(debt, 0.0))
-
-
-class _BaseWindow:
-    """One bucket's minimum window per interval, for the last ``history`` intervals (RoundWindow's base window)."""
-
-    __slots__ = ("mins", "seen")
-
-    def __init__(self) -> None:
-        self.mins: deque[tuple[int, float]] = deque()  # (interval index, shortest window in it)
-        self.seen = 0
-
-    def age(self, idx: int, history: int) -> None:
-        while self.mins and self.mins[0][0] <= idx - history:
-            self.mins.popleft()
-
-    def update(self, sample: float, idx: int) -> None:
-        self.seen += 1
-        if self.mins and self.mins[-1][0] == idx:
-            if sample < self.mins[-1][1]:
-                self.mins[-1] = (idx, sample)
-        else:
-            self.mins.append((idx, sample))
-
-    def value(self) -> float:
-        return min(m for _, m in self.mins)
 
 
 def wire_bytes_of_blocks(geom: Geometry, blocks: np.ndarray, itemsize: int) -> np.ndarray:

@@ -169,8 +169,10 @@ class BaseDelay:
     interval: float = 60.0
     history: int = 10
     _mins: deque[tuple[int, float]] = field(default_factory=deque)  # (interval index, minimum)
+    samples: int = 0  # samples taken so far
 
     def update(self, sample: float, now: float) -> None:
+        self.samples += 1
         idx = int(now // self.interval)
         if self._mins and self._mins[-1][0] == idx:
             if sample < self._mins[-1][1]:

@@ -68,6 +68,11 @@ class Pacer:
     def debt(self, now: float) -> float:
         return self.bucket.debt(now)
 
+    def tokens(self, now: float) -> float:
+        """Bytes that may leave now without waiting (negative: a debt)."""
+        self.bucket._refill(now)
+        return self.bucket.tokens
+
     def on_feedback(self, fb: Feedback, now: float) -> None:
         """One drop report's feedback (``now``: the sender's clock): the controller moves the rate, if there is one."""
         if self.cc is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -11,7 +12,7 @@ from dgt import wire
 from dgt.channels.duplex import NATIVE
 from dgt.channels.lanes import LaneSpec, default_lanes, validate_lanes
 from dgt.channels.ports import check_port_range, env_port_range
-from dgt.channels.sockopts import route_mtu
+from dgt.channels.sockopts import family_of, route_mtu
 from dgt.protocol.deadline import DeadlinePolicy, make_deadline
 
 
@@ -150,7 +151,8 @@ class TransportConfig:
         """``datagram_payload`` for a peer at ``host``: the configured value, else sized by the route's MTU."""
         if self.datagram_payload is not None:
             return self.datagram_payload
-        return payload_for_mtu(route_mtu(host), ":" in host)
+        mtu = route_mtu(host)
+        return payload_for_mtu(mtu, mtu is not None and family_of(host) == socket.AF_INET6)
 
     def native_hops(self) -> bool:
         """Whether stream hops run in the native loop."""

@@ -29,9 +29,6 @@ from dgt.transport.stats import SendStats
 BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
 
 
-SLOWDOWN_MIN_BYTES = 64 << 10  # a round's datagram bytes below which its window's slowdown is not read
-
-
 @dataclass
 class _SendTrack:
     """A round on its way to a peer: the drop report slot and the datagram jobs (for the loss estimate)."""
@@ -110,9 +107,7 @@ class OutboundMixin(EndpointState):
         t = info.timing
         sends = [s for job in track.jobs for s in job.sends]  # one entry per GSO call, not per datagram
         planned = sum(job.rows.size + sum(map(len, job.odd)) for job in track.jobs)
-        slowdown = link.window.observe(now - track.t0, t.wait, info.bucket, now)
-        if planned < SLOWDOWN_MIN_BYTES:  # a few datagrams cannot slow the important blocks: the window's noise
-            slowdown = None
+        slowdown = link.window.observe(now - track.t0, t.wait, info.bucket, now, planned)
         link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned, slowdown), now)
 
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
