@@ -4,10 +4,28 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
+from typing import Any
 
+import numpy as np
 import torch
 
 DEFAULT_BLOCK = 1024
+
+
+_BLOCKOPS: Any = None
+
+
+def _native_sums() -> bool:
+    """Whether the optional C pass of dgt.protocol._blockops is built (imported on first use: it lives a layer up);
+    without it :meth:`BucketLayout.block_abs_mean` takes its torch twin."""
+    global _BLOCKOPS
+    if _BLOCKOPS is None:
+        try:
+            from dgt.protocol import _blockops  # type: ignore[attr-defined]  # optional C extension, no stubs
+        except ImportError:
+            _blockops = False
+        _BLOCKOPS = _blockops
+    return _BLOCKOPS is not False
 
 
 def _abs_sum(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -87,10 +105,16 @@ class BucketLayout:
                 out.append((off, s // self.block, s % self.block))
         return out
 
-    def block_abs_mean(self, flat: torch.Tensor) -> torch.Tensor:
-        """mean |g| of every block, float32, on ``flat``'s device: one strided view per tensor, no loop over blocks."""
+    def block_abs_mean(self, flat: torch.Tensor, native: bool = True) -> torch.Tensor:
+        """mean |g| of every block, float32, on ``flat``'s device: one C pass for a contiguous float32 CPU bucket
+        (``native=False``: its twin), else one strided view per tensor, no loop over blocks."""
         if flat.numel() != self.numel:
             raise ValueError(f"bucket has {flat.numel()} elements, layout expects {self.numel}")
+        if native and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous() \
+                and _native_sums():
+            sums = np.empty(self.nblocks, dtype=np.float32)  # one C pass (dgt.protocol._blockops), GIL released
+            _BLOCKOPS.abs_sums(flat.reshape(-1).numpy(), self.block_start.numpy(), self.block_len.numpy(), sums)
+            return torch.from_numpy(sums).div_(self.block_len.to(torch.float32))
         n = self.block
         parts = []
         for off, full, tail in self._segments:

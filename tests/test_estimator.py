@@ -157,6 +157,39 @@ def test_loss_schedule_idle_p_until_a_loss_is_observed():
         LossProportionalP(idle_p=1.5)
 
 
+
+@pytest.mark.parametrize("classes", [2, 3, 5])
+@pytest.mark.parametrize("p", [0.0, 0.001, 0.3, 0.999, 1.0])
+def test_one_tensor_numpy_path_matches_the_general_one(classes, p):
+    """A one-tensor CPU bucket is ranked in numpy (one stable sort); it gives exactly what the torch path does,
+    ties included (a run of zero blocks keeps block order in both), and NaN scores go to the torch path."""
+    layout = BucketLayout([200 * 1024 + 17])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(3))
+    x[: 40 * 1024] = 0.0  # 40 tied blocks
+    est = ContributionEstimator(layout, classes=classes)
+    est.update(x)
+    fast = est.classify(p)
+    est._classify_one_tensor = lambda s, p: None  # type: ignore[method-assign]
+    general = est.classify(p)
+    for a, b in ((fast.important, general.important), (fast.order, general.order), (fast.cls, general.cls)):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert fast.n_important == expected_important(layout, p)
+    del est._classify_one_tensor
+    scores = est.scores.clone()
+    scores[5] = float("nan")
+    assert est._classify_one_tensor(scores, p) is None  # numpy and torch rank NaN differently
+    assert bool(est.classify(p, scores).important[5]) == (p > 0)  # torch: NaN ranks first
+
+
+def test_block_abs_mean_c_pass_matches_its_twin():
+    layout = BucketLayout([3 * 1024 + 5, 1024, 7])
+    x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(4))
+    fast, twin = layout.block_abs_mean(x), layout.block_abs_mean(x, native=False)
+    assert fast.dtype == twin.dtype == torch.float32 and fast.shape == (layout.nblocks,)
+    torch.testing.assert_close(fast, twin, rtol=1e-6, atol=0)
+    with pytest.raises(ValueError):
+        layout.block_abs_mean(x[:-1])
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_scores_restored_on_the_cpu_carry_over_to_cuda():

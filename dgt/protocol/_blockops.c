@@ -14,6 +14,9 @@
  *     2 (sent):       data = y                        (the round's datagrams read it there)
  * and res_out (when not empty) is zero on the blocks of kind 0 and 2. res_out may be res_in (in place).
  *
+ * abs_sums(x, starts, lens, sums): sums[b] = sum of |x| over block b (float32): the codec's block scores of a chunk no
+ * combine pass has summed (a hop's first chunk).
+ *
  * Every bound is checked before anything is written. The pure-Python twins (torch) are
  * dgt.protocol.block_ops.combine_blocks_torch and split_blocks_torch; tests check the twins agree.
  */
@@ -150,7 +153,37 @@ static PyObject *split(PyObject *self, PyObject *args) {
     return res;
 }
 
+static PyObject *abs_sums(PyObject *self, PyObject *args) {
+    Py_buffer x, st, ln, sm;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*", &x, &st, &ln, &sm)) return NULL;
+    PyObject *res = NULL;
+    Py_ssize_t n = x.len / 4, nb = st.len / 8;
+    const int64_t *S = st.buf, *L = ln.buf;
+    const char *why = NULL;
+    if (x.len % 4 || ln.len != st.len || sm.len != nb * 4)
+        why = "abs_sums: x float32, starts and lens (int64) and sums (float32) one entry per block";
+    for (Py_ssize_t b = 0; b < nb && !why; b++)
+        if (S[b] < 0 || L[b] < 0 || S[b] > n - L[b]) why = "abs_sums: a block lies outside x";
+    if (why) {
+        PyErr_SetString(PyExc_ValueError, why);
+    } else {
+        const float *a = x.buf;
+        float *sums = sm.buf;
+        Py_BEGIN_ALLOW_THREADS
+        for (Py_ssize_t b = 0; b < nb; b++) sums[b] = copy_abs((float *)a + S[b], a + S[b], L[b]);
+        Py_END_ALLOW_THREADS
+        Py_INCREF(Py_None);
+        res = Py_None;
+    }
+    PyBuffer_Release(&x);
+    PyBuffer_Release(&st);
+    PyBuffer_Release(&ln);
+    PyBuffer_Release(&sm);
+    return res;
+}
+
 static PyMethodDef methods[] = {
+    {"abs_sums", abs_sums, METH_VARARGS, "abs_sums(x, starts, lens, sums): sum of |x| per block (float32)"},
     {"split", split, METH_VARARGS,
      "split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at): a lossy hop's send side per block "
      "(see dgt/protocol/block_ops.py)"},
