@@ -187,14 +187,14 @@ async def test_a_lane_failing_between_lookup_and_run_fails_the_exchange(monkeypa
     async with pair() as (a, b):
         await both(lambda: a.exchange([Hop(1, 0, 1, torch.ones(10), 1, torch.empty(10))]),
                    lambda: b.exchange([Hop(1, 0, 0, torch.ones(10), 0, torch.empty(10))]))
-        lookup = a.streams.lane
+        lookup = a.streams._lanes  # (open lanes are looked up at once, without lane())
 
-        async def lane_then_link_fails(peer):
-            ln = await lookup(peer)
-            a.streams.abort(peer, PeerClosed("the link to rank 1 failed (injected)"))
-            return ln
+        async def lanes_then_link_fails(peers):
+            lanes = await lookup(peers)
+            a.streams.abort(1, PeerClosed("the link to rank 1 failed (injected)"))
+            return lanes
 
-        monkeypatch.setattr(a.streams, "lane", lane_then_link_fails)
+        monkeypatch.setattr(a.streams, "_lanes", lanes_then_link_fails)
         land = torch.full((10,), float("nan"))
         with pytest.raises(PeerClosed, match="injected"):
             await a.exchange([Hop(1, 1, 1, torch.ones(10), 1, land)])

@@ -29,6 +29,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
+import outcome
 import torch
 import trio
 
@@ -36,7 +37,7 @@ from dgt import wire
 from dgt.channels.duplex import NATIVE, SCRATCH_BYTES, HopCancelled, duplex
 from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
-from dgt.errors import PeerClosed, PeerTimeout, single_error
+from dgt.errors import PeerClosed, PeerTimeout
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
 
@@ -282,14 +283,7 @@ class StreamHub:
 
     async def _exchange(self, hops: list[Hop], timeout: float) -> list[HopResult]:
         peers = sorted({p for h in hops for p in (h.send_to, h.recv_from) if p is not None})
-        lanes: dict[int, StreamLane] = {}
-        async with trio.open_nursery() as n:  # connect both neighbours at once: each may be waiting for the other
-
-            async def get(p: int) -> None:
-                lanes[p] = await self.lane(p)
-
-            for p in peers:
-                n.start_soon(get, p)
+        lanes = await self._lanes(peers)
         for ln in lanes.values():
             ln.busy = True
         self._running = True
@@ -333,6 +327,25 @@ class StreamHub:
             if h.recv_from is not None:
                 lanes[h.recv_from].rx.rx_bytes += r.received
         return results
+
+    async def _lanes(self, peers: list[int]) -> dict[int, StreamLane]:
+        """The lanes to ``peers``: those already open at once (every exchange after a call's first), else all of
+        them connected at once, each neighbour may be waiting for the other."""
+        known = {p: self.lanes[p] for p in peers if p in self.lanes}
+        if len(known) == len(peers):
+            for ln in known.values():
+                if ln.error is not None:
+                    raise ln.error.with_traceback(None)
+            return known
+        lanes: dict[int, StreamLane] = {}
+        async with trio.open_nursery() as n:
+
+            async def get(p: int) -> None:
+                lanes[p] = await self.lane(p)
+
+            for p in peers:
+                n.start_soon(get, p)
+        return lanes
 
     def _plan(self, h: Hop, lanes: dict[int, StreamLane]) -> list[tuple[Any, ...]]:
         """What the thread needs for one hop, built on the trio side: lanes, headers and buffer views, one tuple per
@@ -395,37 +408,37 @@ class StreamHub:
         return out
 
     async def _in_thread(self, fn: Callable[[], list[HopResult]]) -> list[HopResult]:
-        """``fn`` in a worker thread. Cancelling the caller writes the cancel pipe, which the hop loop polls, and
-        waits (shielded) until the thread has let go of the buffers: nothing lands in them after this returns."""
-        done = False
-        results: list[HopResult] | None
+        """``fn`` in a worker thread (trio's thread cache, no task of its own). Cancelling the caller writes the
+        cancel pipe, which the hop loop polls, and waits until the thread has let go of the buffers: nothing lands
+        in them after this returns."""
+        task = trio.lowlevel.current_task()
+        token = trio.lowlevel.current_trio_token()
+        cancelled = False
 
-        async def watch() -> None:
+        def deliver(result: outcome.Outcome[list[HopResult]]) -> None:  # in the worker thread, once fn returned or raised
+            token.run_sync_soon(trio.lowlevel.reschedule, task, result)
+
+        def abort(_: Any) -> trio.lowlevel.Abort:
+            nonlocal cancelled
+            cancelled = True
             try:
-                await trio.sleep_forever()
-            finally:
-                if not done:
-                    try:
-                        os.write(self._cancel_w, b"x")
-                    except OSError:
-                        pass
+                os.write(self._cancel_w, b"x")
+            except OSError:
+                pass
+            return trio.lowlevel.Abort.FAILED  # the thread still holds the buffers: wait for it (deliver)
 
-        with single_error():  # the hop's own error, not a group of it (trio >= 0.25 wraps nursery errors)
-            async with trio.open_nursery() as n:
-                n.start_soon(watch)
-                try:
-                    with trio.CancelScope(shield=True):
-                        results = await trio.to_thread.run_sync(fn)
-                except HopCancelled:
-                    results = None
-                finally:
-                    done = True
-                    n.cancel_scope.cancel()
-                    self._drain()
-        if results is None:  # cancelled: the enclosing scope raises Cancelled at the next checkpoint
+        trio.lowlevel.start_thread_soon(fn, deliver, name="dgt stream exchange")
+        try:
+            results = await trio.lowlevel.wait_task_rescheduled(abort)
+        except HopCancelled:
+            results = None
+        finally:
+            if cancelled:
+                self._drain()
+        if results is None:  # cancelled: the pending cancellation raises Cancelled at the next checkpoint
             await trio.lowlevel.checkpoint()
             raise PeerClosed(f"rank {self.rank}: a stream exchange was cancelled")
-        return results
+        return results  # type: ignore[no-any-return]
 
     def _drain(self) -> None:
         try:
