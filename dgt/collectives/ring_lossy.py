@@ -23,7 +23,7 @@ starts, before its first await (as the lossless ring's one exchange takes its ti
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 import trio
@@ -121,7 +121,6 @@ class LossyHops:
         key = transport_key(bucket_id, "rs", s, 0)
         staged = trio.Event()
         packed: list[torch.Tensor] = []
-        got: list[Any] = []
 
         def stage(important: torch.Tensor) -> None:  # in send_round, before anything is sent: the packed blocks
             packed.append(important)
@@ -137,15 +136,8 @@ class LossyHops:
             stats.add_sent(1, part.nbytes - packed[0].numel() * isz - st.unsent_bytes)
             stats.bytes_unsent += st.unsent_bytes
 
-        async def recv() -> None:
-            res = await ep.recv_round(prv, key, rnd, out=land)
-            stats.add_round(res.stats)
-            check_op(op, res.codec, rnd)
-            got.append(res)
-
         async with trio.open_nursery() as nursery:
             nursery.start_soon(send)
-            nursery.start_soon(recv)
             await staged.wait()
             hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, tx_mask, prv, rx_mask, codec=op),
                     Hop(transport_key(bucket_id, "rs", s, PACKED_PART), rnd, nxt, packed[0], prv,
@@ -155,12 +147,16 @@ class LossyHops:
                 done = await ep.exchange(hops, ticket=ticket)
             finally:  # the round's deadline starts now that its important blocks are in (or will never come)
                 ep.important_in(prv, key, rnd)
+            # the round from the previous rank (posted in ``land``; one that closed already is buffered): awaited
+            # here, in this task, while send finishes its datagrams
+            res = await ep.recv_round(prv, key, rnd, out=land)
+            stats.add_round(res.stats)
+            check_op(op, res.codec, rnd)
         stats.add_sent(0, packed[0].numel() * packed[0].element_size())
         stats.bytes_received[0] = stats.bytes_received.get(0, 0) + sum(d.received for d in done)
         rx_imp = rx_mask.numpy() != 0
         # the round counts the blocks it never announced as unsent: those on the stream lane were not
         stats.unsent -= min(int(rx_imp.sum()), stats.unsent)
-        res = got[0]
         dst = res.data.reshape(-1)
         if dst.numel() != lay_c.numel or dst.dtype != mine.dtype or res.mask.numel() != lay_c.nblocks:
             raise RankMismatch(shape_mismatch(rnd), detail=f"rank {prv} sent {dst.numel()} x {dst.dtype} for rs step "
