@@ -62,8 +62,9 @@ def finalise(r: OpenRound, now: float, why: str, deadline: DeadlinePolicy, token
     st = _fill_stats(r, mask, partial, now, why)
     if why in ("complete", "deadline") and r.imp_done_at is not None and r.end is not None and r.end[1]:
         deadline.observe(st.deadline_wait, why == "complete")  # rounds with unimportant blocks teach it
-    for lane, n in zip(*np.unique(r.lane_of[mask], return_counts=True)):
-        st.lane(int(lane)).blocks = int(n)
+    counts = np.bincount(r.lane_of[mask].astype(np.intp, copy=False))  # lanes are small non-negative ints
+    for lane in np.flatnonzero(counts).tolist():
+        st.lane(lane).blocks = int(counts[lane])
     sender, bucket, round_ = r.key
     report = None
     if r.want_report or st.dropped:  # a lossless round that lost blocks would be a protocol breach: say so

@@ -379,8 +379,9 @@ class RoundSender:
             plan = RoundPlan(bucket, round, reliable, important_blocks=len(important),
                              unimportant_blocks=len(unimp), unsent_blocks=len(unsent), cls=cls_np.astype(np.int8))
         if len(unsent):
-            lanes, counts = np.unique(cls_np[unsent], return_counts=True)
-            plan.unsent_lanes = dict(zip(lanes.tolist(), counts.tolist()))
+            counts = np.bincount(cls_np[unsent])  # lane classes: small non-negative ints
+            lanes = np.flatnonzero(counts)
+            plan.unsent_lanes = dict(zip(lanes.tolist(), counts[lanes].tolist()))
             plan.unsent_bytes = int(geom.block_len[unsent].sum()) * isz
         pads = None  # the MAC's one-time pads of this round's fragment slots: one SHAKE call for every lane
         if self.mac is not None and len(unimp):

@@ -98,8 +98,9 @@ class OutboundMixin(EndpointState):
     def _account_report(self, link: _Link, track: _SendTrack, info: DropInfo) -> None:
         """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
         if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
-            lanes, counts = np.unique(track.cls[info.lost_mask], return_counts=True)
-            for lane, n in zip(lanes.tolist(), counts.tolist()):
+            counts = np.bincount(track.cls[info.lost_mask].astype(np.intp, copy=False))
+            lanes = np.flatnonzero(counts)
+            for lane, n in zip(lanes.tolist(), counts[lanes].tolist()):
                 self._tx_lost[lane] = self._tx_lost.get(lane, 0) + n
         if link.pacer is None or link.pacer.cc is None or info.timing is None or not track.jobs:
             return

@@ -415,7 +415,7 @@ class StreamHub:
         token = trio.lowlevel.current_trio_token()
         cancelled = False
 
-        def deliver(result: outcome.Outcome[list[HopResult]]) -> None:  # in the worker thread, once fn returned or raised
+        def deliver(result: outcome.Outcome[list[HopResult]]) -> None:  # in the worker thread, when fn is done
             token.run_sync_soon(trio.lowlevel.reschedule, task, result)
 
         def abort(_: Any) -> trio.lowlevel.Abort:
