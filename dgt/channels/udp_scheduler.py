@@ -152,7 +152,8 @@ class DatagramScheduler:
                     job.done.set(job)
                 now = trio.current_time()
                 job, _ = self._pick(now)  # priorities, closed rounds and pacing are re-checked every send
-            await trio.lowlevel.checkpoint()
+            if job is not None:  # the step's bytes are spent and more could go: let the other tasks run first
+                await trio.lowlevel.checkpoint()  # (with nothing sendable the wait at the top yields)
 
     async def _send_chunk(self, job: DatagramJob, now: float) -> int:
         """One GSO send of rows; with the last rows also the odd-size tails (a handful), so a round's final

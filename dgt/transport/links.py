@@ -157,10 +157,9 @@ class LinkMixin(EndpointState):
             budget += 4096 + int(h["length"])
             # every path reaches this check (a CONTROL frame right behind a ROUND_END must not skip it): a round whose
             # deadline just started would otherwise wait for the next frame that happens to leave the buffer empty
-            if rf.idle:
+            if rf.idle:  # (no checkpoint of its own: the next read finds nothing and waits, which yields)
                 budget = 0
                 self.deadlines.poke()
-                await trio.lowlevel.checkpoint()
 
     def _on_control(self, link: _Link, frame: memoryview | None) -> None:
         try:
