@@ -112,7 +112,7 @@ class ContributionEstimator:
         cls = np.zeros(nb, dtype=np.int8)
         if len(unimp):
             cls[unimp] = 1 + np.arange(len(unimp)) * (self.classes - 1) // len(unimp)
-        return Classification(s, torch.from_numpy(important), torch.from_numpy(unimp.astype(np.int64)),
+        return Classification(s, torch.from_numpy(important), torch.from_numpy(unimp.astype(np.int64, copy=False)),
                               torch.from_numpy(cls), p)
 
     def state_dict(self) -> dict:

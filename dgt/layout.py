@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
-from typing import Any
 
 import numpy as np
 import torch
@@ -12,20 +11,10 @@ import torch
 DEFAULT_BLOCK = 1024
 
 
-_BLOCKOPS: Any = None
-
-
-def _native_sums() -> bool:
-    """Whether the optional C pass of dgt.protocol._blockops is built (imported on first use: it lives a layer up);
-    without it :meth:`BucketLayout.block_abs_mean` takes its torch twin."""
-    global _BLOCKOPS
-    if _BLOCKOPS is None:
-        try:
-            from dgt.protocol import _blockops  # type: ignore[attr-defined]  # optional C extension, no stubs
-        except ImportError:
-            _blockops = False
-        _BLOCKOPS = _blockops
-    return _BLOCKOPS is not False
+try:  # the optional C pass of a float32 CPU bucket's block scores (dgt.protocol._blockops; setup.py builds it)
+    from dgt.protocol import _blockops  # type: ignore[attr-defined]  # no stubs
+except ImportError:  # built without a C compiler: the torch path below
+    _blockops = None
 
 
 def _abs_sum(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -110,10 +99,10 @@ class BucketLayout:
         (``native=False``: its twin), else one strided view per tensor, no loop over blocks."""
         if flat.numel() != self.numel:
             raise ValueError(f"bucket has {flat.numel()} elements, layout expects {self.numel}")
-        if native and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous() \
-                and _native_sums():
+        if native and _blockops is not None and flat.dtype == torch.float32 and flat.device.type == "cpu" \
+                and flat.is_contiguous():
             sums = np.empty(self.nblocks, dtype=np.float32)  # one C pass (dgt.protocol._blockops), GIL released
-            _BLOCKOPS.abs_sums(flat.reshape(-1).numpy(), self.block_start.numpy(), self.block_len.numpy(), sums)
+            _blockops.abs_sums(flat.reshape(-1).numpy(), self.block_start.numpy(), self.block_len.numpy(), sums)
             return torch.from_numpy(sums).div_(self.block_len.to(torch.float32))
         n = self.block
         parts = []

@@ -43,14 +43,18 @@ static float add_abs(float *o, const float *a, const float *b, int64_t n) {
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-static float copy_abs(float *o, const float *a, int64_t n) {
+static float abs_sum(const float *a, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
-    if (o != a) memcpy(o, a, (size_t)n * sizeof(float));
     for (; i + 8 <= n; i += 8)
         for (int k = 0; k < 8; k++) acc[k] += fabsf(a[i + k]);
     for (; i < n; i++) acc[0] += fabsf(a[i]);
     return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
+
+static float copy_abs(float *o, const float *a, int64_t n) {
+    if (o != a) memcpy(o, a, (size_t)n * sizeof(float));
+    return abs_sum(a, n);
 }
 
 static PyObject *combine(PyObject *self, PyObject *args) {
@@ -170,7 +174,7 @@ static PyObject *abs_sums(PyObject *self, PyObject *args) {
         const float *a = x.buf;
         float *sums = sm.buf;
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t b = 0; b < nb; b++) sums[b] = copy_abs((float *)a + S[b], a + S[b], L[b]);
+        for (Py_ssize_t b = 0; b < nb; b++) sums[b] = abs_sum(a + S[b], L[b]);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         res = Py_None;

@@ -32,6 +32,11 @@ class TokenBucket:
         self._refill(now)
         self.tokens -= nbytes
 
+    def available(self, now: float) -> float:
+        """Bytes that may leave now without waiting (negative: a debt)."""
+        self._refill(now)
+        return self.tokens
+
     def debt(self, now: float) -> float:
         """Bytes sent ahead of the rate that are not paid for yet (0 when the bucket has tokens)."""
         self._refill(now)
@@ -70,8 +75,7 @@ class Pacer:
 
     def tokens(self, now: float) -> float:
         """Bytes that may leave now without waiting (negative: a debt)."""
-        self.bucket._refill(now)
-        return self.bucket.tokens
+        return self.bucket.available(now)
 
     def on_feedback(self, fb: Feedback, now: float) -> None:
         """One drop report's feedback (``now``: the sender's clock): the controller moves the rate, if there is one."""
