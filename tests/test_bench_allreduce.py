@@ -68,3 +68,36 @@ def test_bench_reports_each_trial_with_its_cpu_and_unreliable_lane_counters():
     # every unimportant block of every trial either went out as datagrams or was kept back (or both, in part)
     assert all(r["datagrams"] + r["unsent_blocks"] > 0 for r in ring)
     assert all(r["unsent_blocks"] == 0 for r in trials["gloo"])  # no DGT round is planned during Gloo's trials
+
+
+def test_bench_times_several_codecs_in_one_run_and_reports_each_against_the_first():
+    """``--codec dense --codec dgt:p=0.3``: each collective once per codec, trial by trial in the same run, and the
+    lossy ring's best and median time over the lossless ring's (issue 26's ratio, without two runs to compare)."""
+    args = argparse.Namespace(ranks=2, mb=0.3, repeat=2, codec=["dense", "dgt:p=0.3", "dense"], timeout=240.0,
+                              stream_hops="auto", collectives="ring,ps_central")
+    out = allreduce.run(args)
+    assert out["codec"] == ["dense", "dgt:p=0.3"]  # a repeated codec is timed once
+    sec, med = out["seconds"], out["median_seconds"]
+    assert set(sec) == {"gloo", "ring[dense]", "ring[dgt:p=0.3]", "ps_central[dense]", "ps_central[dgt:p=0.3]"}
+    assert "goal_met" not in out  # the lossless-ring goal is a one-codec run's
+    vs = out["vs_first_codec"]
+    assert set(vs) == {"ring[dgt:p=0.3]", "ps_central[dgt:p=0.3]"}
+    for k, r in vs.items():
+        base = k.replace("[dgt:p=0.3]", "[dense]")
+        assert math.isclose(r["best"], sec[k] / sec[base]) and math.isclose(r["median"], med[k] / med[base])
+    assert all(len(v) == 2 for v in out["per_trial"].values())
+    assert out["per_trial"]["ring[dgt:p=0.3]"][0]["datagrams"] + out["per_trial"]["ring[dgt:p=0.3]"][0][
+        "unsent_blocks"] > 0
+    diffs = out["max_rel_diff_vs_gloo"]
+    assert diffs["ring[dense]"] < 1e-5 and diffs["ps_central[dense]"] < 1e-5, diffs  # lossless stays exact
+    assert all(d == d for d in diffs.values())  # no method left part of the result unwritten (NaN)
+
+
+def test_bench_codec_option_repeats():
+    import argparse as ap
+
+    p = ap.ArgumentParser()
+    allreduce.add_arguments(p)
+    assert allreduce._codecs(p.parse_args([]).codec) == ("dense",)
+    assert allreduce._codecs(p.parse_args(["--codec", "dgt:p=0.3"]).codec) == ("dgt:p=0.3",)
+    assert allreduce._codecs(p.parse_args(["--codec", "dense", "--codec", "dgt:p=0.3"]).codec) == ("dense", "dgt:p=0.3")

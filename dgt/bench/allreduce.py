@@ -27,7 +27,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeat", type=int, default=5, help="timed trials per method (the best and the median are "
                    "reported, each trial timed by its slowest rank; per_trial lists every trial with its CPU ms per "
                    "rank and, for DGT, the datagrams sent, blocks kept back and lost, and deadline waits)")
-    p.add_argument("--codec", default="dense", help="codec for the DGT collectives (dense = lossless)")
+    p.add_argument("--codec", action="append", default=None,
+                   help="codec for the DGT collectives (dense = lossless; the default). Repeat it to time each "
+                   "collective once per codec in the same run, trial by trial, as ring[dense], ring[dgt:p=0.3]...: "
+                   "vs_first_codec then gives each one's time relative to the same collective with the first codec "
+                   "(--codec dense --codec dgt:p=0.3: the lossy ring against the lossless ring)")
     p.add_argument("--stream-hops", default="auto", choices=["auto", "native", "python", "off"],
                    help="how the lossless ring's hops run: on stream lanes with the native loop (auto: when built) or "
                    "its Python twin, or off: on the session link (see docs/transport.md)")
@@ -42,7 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 COLLECTIVES = ("ring", "ps_sharded", "ps_central")
 
 
-def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hops: str = "auto",
+def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...], stream_hops: str = "auto",
           collectives: tuple[str, ...] = COLLECTIVES, hop_threads: tuple[int, ...] = (0,)) -> dict:
     import torch
     import torch.distributed as dist
@@ -105,15 +109,17 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
                 y.fill_(float("nan"))  # a method that left part of the buffer unwritten shows up as NaN
 
             methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
-            make = {"ring": lambda: RingAllReduce(g, codec, op="sum"),
-                    "ps_sharded": lambda: ParameterServer(g, codec, op="sum", server="sharded"),
-                    "ps_central": lambda: ParameterServer(g, codec, op="sum", server=0)}
-            for name in collectives:
-                methods[name] = (partial(call, make[name]()), poison)
-            if len(hop_threads) > 1 and "ring" in methods:
-                del methods["ring"]
-                for t, gt in groups.items():
-                    methods[f"ring/{t}t"] = (partial(call, RingAllReduce(gt, codec, op="sum")), poison)
+            make = {"ring": lambda c: RingAllReduce(g, c, op="sum"),
+                    "ps_sharded": lambda c: ParameterServer(g, c, op="sum", server="sharded"),
+                    "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0)}
+            for codec in codecs:
+                for name in collectives:
+                    if name == "ring" and len(hop_threads) > 1:
+                        for t, gt in groups.items():
+                            methods[method_name(f"ring/{t}t", codec, codecs)] = (
+                                partial(call, RingAllReduce(gt, codec, op="sum")), poison)
+                    else:
+                        methods[method_name(name, codec, codecs)] = (partial(call, make[name](codec)), poison)
             await trio.to_thread.run_sync(trials, methods)
             transport.update(_lane_summary(g.endpoint.stats()))
 
@@ -122,6 +128,11 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codec: str, stream_hop
     dist.destroy_process_group()
     return {"seconds": out, "cpu": cpu, "udp": udp, "max_abs_diff": diffs, "scale": float(ref.abs().max()),
             "transport": transport}
+
+
+def method_name(name: str, codec: str, codecs: tuple[str, ...]) -> str:
+    """A DGT method's key in the report: the collective's name, with ``[codec]`` when several codecs are timed."""
+    return name if len(codecs) == 1 else f"{name}[{codec}]"
 
 
 UDP_FIELDS = ("datagrams", "unsent_blocks", "lost_blocks", "deadline_wait_s")
@@ -188,13 +199,17 @@ def run(args: argparse.Namespace) -> dict:
         raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2") from None
     if not threads or set(threads) - {0, 1, 2}:
         raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2")
-    res = run_ranks(_rank, args.ranks, numel, args.repeat, args.codec, hops, colls, threads, timeout=args.timeout)
+    codecs = _codecs(getattr(args, "codec", None))
+    res = run_ranks(_rank, args.ranks, numel, args.repeat, codecs, hops, colls, threads, timeout=args.timeout)
     # a collective ends when its slowest rank does: per trial the slowest rank's time, then the best and the median
     trials = {k: [max(t) for t in zip(*(r["seconds"][k] for r in res.values()))] for k in res[0]["seconds"]}
     best = {k: min(v) for k, v in trials.items()}
     median = {k: statistics.median(v) for k, v in trials.items()}
-    out = {"bench": "allreduce", "ranks": args.ranks, "mb": args.mb, "codec": args.codec, "repeat": args.repeat,
+    out = {"bench": "allreduce", "ranks": args.ranks, "mb": args.mb,
+           "codec": codecs[0] if len(codecs) == 1 else list(codecs), "repeat": args.repeat,
            "seconds": best, "median_seconds": median}  # fmt: skip
+    if len(codecs) > 1:
+        out["vs_first_codec"] = _vs_first(best, median, codecs)
     per_trial = {k: _per_trial(res, k) for k in res[0]["seconds"]}
     out["cpu_ms_per_rank_median"] = {k: statistics.median(t["cpu_ms_per_rank"] for t in v)
                                      for k, v in per_trial.items()}  # fmt: skip
@@ -214,4 +229,23 @@ def run(args: argparse.Namespace) -> dict:
     if "ring" in best:
         out["goal"] = "lossless DGT ring >= 1.0x Gloo for 25 MB at 2 and 4 ranks"
         out["goal_met"] = out["speed_vs_gloo"]["ring"] >= 1.0
+    return out
+
+
+def _codecs(spec: str | list[str] | None) -> tuple[str, ...]:
+    """``--codec`` as given: one spec (a string), a list of them (repeated), or none (dense); duplicates dropped."""
+    given = [spec] if isinstance(spec, str) else list(spec or ["dense"])
+    return tuple(dict.fromkeys(given))
+
+
+def _vs_first(best: dict[str, float], median: dict[str, float], codecs: tuple[str, ...]) -> dict[str, dict]:
+    """Per DGT method timed with a codec after the first: its best and median time over the same collective's with
+    the first codec, from the same run (``ring[dgt:p=0.3]`` over ``ring[dense]``: above 1, slower)."""
+    out = {}
+    suffix = f"[{codecs[0]}]"
+    for k in best:
+        if k == "gloo" or k.endswith(suffix):
+            continue
+        base = k[: k.index("[")] + suffix
+        out[k] = {"best": best[k] / best[base], "median": median[k] / median[base]}
     return out
