@@ -52,7 +52,7 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
     import torch.distributed as dist
     import trio
 
-    from dgt.collectives import Group, ParameterServer, RingAllReduce
+    from dgt.collectives import Group
     from dgt.transport import TransportConfig
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
@@ -109,17 +109,8 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
                 y.fill_(float("nan"))  # a method that left part of the buffer unwritten shows up as NaN
 
             methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
-            make = {"ring": lambda c: RingAllReduce(g, c, op="sum"),
-                    "ps_sharded": lambda c: ParameterServer(g, c, op="sum", server="sharded"),
-                    "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0)}
-            for codec in codecs:
-                for name in collectives:
-                    if name == "ring" and len(hop_threads) > 1:
-                        for t, gt in groups.items():
-                            methods[method_name(f"ring/{t}t", codec, codecs)] = (
-                                partial(call, RingAllReduce(gt, codec, op="sum")), poison)
-                    else:
-                        methods[method_name(name, codec, codecs)] = (partial(call, make[name](codec)), poison)
+            for name, coll in _collectives(groups, codecs, collectives).items():
+                methods[name] = (partial(call, coll), poison)
             await trio.to_thread.run_sync(trials, methods)
             transport.update(_lane_summary(g.endpoint.stats()))
 
@@ -128,6 +119,26 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
     dist.destroy_process_group()
     return {"seconds": out, "cpu": cpu, "udp": udp, "max_abs_diff": diffs, "scale": float(ref.abs().max()),
             "transport": transport}
+
+
+def _collectives(groups: dict, codecs: tuple[str, ...], collectives: tuple[str, ...]) -> dict:
+    """The DGT collectives to time, by report key: each of ``collectives`` once per codec, on the first group; the
+    ring once per group (hop-thread count) when there are several."""
+    from dgt.collectives import ParameterServer, RingAllReduce
+
+    g = next(iter(groups.values()))
+    make = {"ring": lambda c: RingAllReduce(g, c, op="sum"),
+            "ps_sharded": lambda c: ParameterServer(g, c, op="sum", server="sharded"),
+            "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0)}
+    out = {}
+    for codec in codecs:
+        for name in collectives:
+            if name == "ring" and len(groups) > 1:
+                for t, gt in groups.items():
+                    out[method_name(f"ring/{t}t", codec, codecs)] = RingAllReduce(gt, codec, op="sum")
+            else:
+                out[method_name(name, codec, codecs)] = make[name](codec)
+    return out
 
 
 def method_name(name: str, codec: str, codecs: tuple[str, ...]) -> str:
