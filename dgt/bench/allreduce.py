@@ -221,6 +221,10 @@ def run(args: argparse.Namespace) -> dict:
            "seconds": best, "median_seconds": median}  # fmt: skip
     if len(codecs) > 1:
         out["vs_first_codec"] = _vs_first(best, median, codecs)
+        rings = {k: v["best"] for k, v in out["vs_first_codec"].items() if k.startswith("ring[")}
+        if codecs[0] == "dense" and rings:  # issue 26: a lossy ring within 1.5x of the lossless ring's time
+            out["lossy_goal"] = "each lossy ring's best time within 1.5x of the lossless ring's (ring[dense])"
+            out["lossy_goal_met"] = all(v <= 1.5 for v in rings.values())
     per_trial = {k: _per_trial(res, k) for k in res[0]["seconds"]}
     out["cpu_ms_per_rank_median"] = {k: statistics.median(t["cpu_ms_per_rank"] for t in v)
                                      for k, v in per_trial.items()}  # fmt: skip
