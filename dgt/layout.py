@@ -16,6 +16,19 @@ try:  # the optional C pass of a float32 CPU bucket's block scores (dgt.protocol
 except ImportError:  # built without a C compiler: the torch path below
     _blockops = None
 
+PASS_MIN_BYTES = 1 << 20  # a smaller C pass runs on the calling thread alone: starting threads would cost more
+PASS_MAX_THREADS = 4
+
+
+def pass_threads(nbytes: int) -> int:
+    """Threads a C pass over ``nbytes`` of a bucket (``dgt.protocol._blockops``) splits its blocks over: torch's
+    intra-op thread count (the user's setting; torchrun sets 1 when it starts several processes per node), at most
+    PASS_MAX_THREADS, and 1 under PASS_MIN_BYTES. On a host with idle cores a lossy ring hop's passes, which its
+    next hop waits for, then take a fraction of the time."""
+    if nbytes < PASS_MIN_BYTES:
+        return 1
+    return max(1, min(PASS_MAX_THREADS, torch.get_num_threads()))
+
 
 def _abs_sum(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Sum of |t| (over ``dim``) in float32. Floats of at most 32 bits take the 1-norm, which reduces |x| as it goes:
@@ -102,7 +115,8 @@ class BucketLayout:
         if native and _blockops is not None and flat.dtype == torch.float32 and flat.device.type == "cpu" \
                 and flat.is_contiguous():
             sums = np.empty(self.nblocks, dtype=np.float32)  # one C pass (dgt.protocol._blockops), GIL released
-            _blockops.abs_sums(flat.reshape(-1).numpy(), self.block_start.numpy(), self.block_len.numpy(), sums)
+            _blockops.abs_sums(flat.reshape(-1).numpy(), self.block_start.numpy(), self.block_len.numpy(), sums,
+                               pass_threads(4 * self.numel))
             return torch.from_numpy(sums).div_(self.block_len.to(torch.float32))
         n = self.block
         parts = []

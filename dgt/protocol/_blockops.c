@@ -17,6 +17,11 @@
  * abs_sums(x, starts, lens, sums): sums[b] = sum of |x| over block b (float32): the codec's block scores of a chunk no
  * combine pass has summed (a hop's first chunk).
  *
+ * Each takes an optional last argument, threads (default 1): the blocks are cut into that many contiguous ranges, one
+ * per thread (POSIX threads; the calling thread runs the first), after every bound has been checked. Blocks never
+ * share an output element, a packed slot or a sum, so the ranges need no locking. A thread that cannot be started
+ * has its range run by the calling thread.
+ *
  * Every bound is checked before anything is written. The pure-Python twins (torch) are
  * dgt.protocol.block_ops.combine_blocks_torch and split_blocks_torch; tests check the twins agree.
  */
@@ -25,6 +30,48 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
+#ifndef _WIN32
+#include <pthread.h>
+#endif
+
+#define MAX_THREADS 16
+
+typedef void (*range_fn)(const void *ctx, Py_ssize_t b0, Py_ssize_t b1);
+typedef struct {
+    range_fn fn;
+    const void *ctx;
+    Py_ssize_t b0, b1;
+} Range;
+
+static void *run_range(void *p) {
+    const Range *r = p;
+    r->fn(r->ctx, r->b0, r->b1);
+    return NULL;
+}
+
+/* fn over blocks [0, nb) in `threads` contiguous ranges (called with the GIL released). */
+static void for_blocks(range_fn fn, const void *ctx, Py_ssize_t nb, int threads) {
+    if (threads > MAX_THREADS) threads = MAX_THREADS;
+    if (threads > nb) threads = (int)nb;
+    if (threads <= 1) {
+        fn(ctx, 0, nb);
+        return;
+    }
+    Range r[MAX_THREADS];
+    for (int t = 0; t < threads; t++) r[t] = (Range){fn, ctx, nb * t / threads, nb * (t + 1) / threads};
+#ifndef _WIN32
+    pthread_t tid[MAX_THREADS];
+    int started[MAX_THREADS] = {0};
+    for (int t = 1; t < threads; t++) started[t] = pthread_create(&tid[t], NULL, run_range, &r[t]) == 0;
+    run_range(&r[0]);
+    for (int t = 1; t < threads; t++) {
+        if (started[t]) pthread_join(tid[t], NULL);
+        else run_range(&r[t]);
+    }
+#else
+    for (int t = 0; t < threads; t++) run_range(&r[t]);
+#endif
+}
 
 static float add_abs(float *o, const float *a, const float *b, int64_t n) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -57,9 +104,28 @@ static float copy_abs(float *o, const float *a, int64_t n) {
     return abs_sum(a, n);
 }
 
+typedef struct {
+    const float *s, *l, *p;
+    float *o, *sums;
+    const int64_t *S, *L, *P;
+    const unsigned char *R;
+} CombineCtx;
+
+static void combine_range(const void *ctx, Py_ssize_t b0, Py_ssize_t b1) {
+    const CombineCtx *c = ctx;
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        int64_t a = c->S[b], k = c->L[b];
+        if (c->P[b] >= 0) c->sums[b] = add_abs(c->o + a, c->s + a, c->p + c->P[b], k);
+        else if (c->R[b]) c->sums[b] = add_abs(c->o + a, c->s + a, c->l + a, k);
+        else c->sums[b] = copy_abs(c->o + a, c->s + a, k);
+    }
+}
+
 static PyObject *combine(PyObject *self, PyObject *args) {
     Py_buffer src, land, packed, out, st, ln, rc, pa, sm;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*y*y*w*", &src, &land, &packed, &out, &st, &ln, &rc, &pa, &sm))
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*y*y*y*y*w*|i", &src, &land, &packed, &out, &st, &ln, &rc, &pa, &sm,
+                          &threads))
         return NULL;
     PyObject *res = NULL;
     Py_ssize_t n = src.len / 4, nb = st.len / 8, np_ = packed.len / 4;
@@ -77,15 +143,9 @@ static PyObject *combine(PyObject *self, PyObject *args) {
     if (why) {
         PyErr_SetString(PyExc_ValueError, why);
     } else {
-        const float *s = src.buf, *l = land.buf, *p = packed.buf;
-        float *o = out.buf, *sums = sm.buf;
+        CombineCtx c = {src.buf, land.buf, packed.buf, out.buf, sm.buf, S, L, P, R};
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t b = 0; b < nb; b++) {
-            int64_t a = S[b], k = L[b];
-            if (P[b] >= 0) sums[b] = add_abs(o + a, s + a, p + P[b], k);
-            else if (R[b]) sums[b] = add_abs(o + a, s + a, l + a, k);
-            else sums[b] = copy_abs(o + a, s + a, k);
-        }
+        for_blocks(combine_range, &c, nb, threads);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         res = Py_None;
@@ -109,9 +169,30 @@ static void put(float *o, const float *a, const float *r, int64_t n) {
         memcpy(o, a, (size_t)n * sizeof(float));
 }
 
+typedef struct {
+    const float *a, *r;
+    float *p, *o, *d;
+    const int64_t *S, *L, *P;
+    const unsigned char *K;
+} SplitCtx;
+
+static void split_range(const void *ctx, Py_ssize_t b0, Py_ssize_t b1) {
+    const SplitCtx *c = ctx;
+    for (Py_ssize_t b = b0; b < b1; b++) {
+        int64_t s0 = c->S[b], k = c->L[b];
+        const float *rb = c->r ? c->r + s0 : NULL;
+        if (c->K[b] == 0) put(c->p + c->P[b], c->a + s0, rb, k);
+        else if (c->K[b] == 1) put(c->o + s0, c->a + s0, rb, k);
+        else put(c->d + s0, c->a + s0, rb, k);
+        if (c->o && c->K[b] != 1) memset(c->o + s0, 0, (size_t)k * sizeof(float));
+    }
+}
+
 static PyObject *split(PyObject *self, PyObject *args) {
     Py_buffer x, ri, packed, ro, data, st, ln, kd, pa;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*y*y*", &x, &ri, &packed, &ro, &data, &st, &ln, &kd, &pa)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*y*y*|i", &x, &ri, &packed, &ro, &data, &st, &ln, &kd, &pa, &threads))
+        return NULL;
     PyObject *res = NULL;
     Py_ssize_t n = x.len / 4, nb = st.len / 8, np_ = packed.len / 4;
     const int64_t *S = st.buf, *L = ln.buf, *P = pa.buf;
@@ -130,17 +211,10 @@ static PyObject *split(PyObject *self, PyObject *args) {
     if (why) {
         PyErr_SetString(PyExc_ValueError, why);
     } else {
-        const float *a = x.buf, *r = ri.len ? (const float *)ri.buf : NULL;
-        float *p = packed.buf, *o = ro.len ? (float *)ro.buf : NULL, *d = data.buf;
+        SplitCtx c = {x.buf, ri.len ? (const float *)ri.buf : NULL, packed.buf, ro.len ? (float *)ro.buf : NULL,
+                      data.buf, S, L, P, K};
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t b = 0; b < nb; b++) {
-            int64_t s0 = S[b], k = L[b];
-            const float *rb = r ? r + s0 : NULL;
-            if (K[b] == 0) put(p + P[b], a + s0, rb, k);
-            else if (K[b] == 1) put(o + s0, a + s0, rb, k);
-            else put(d + s0, a + s0, rb, k);
-            if (o && K[b] != 1) memset(o + s0, 0, (size_t)k * sizeof(float));
-        }
+        for_blocks(split_range, &c, nb, threads);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         res = Py_None;
@@ -157,9 +231,21 @@ static PyObject *split(PyObject *self, PyObject *args) {
     return res;
 }
 
+typedef struct {
+    const float *a;
+    float *sums;
+    const int64_t *S, *L;
+} AbsCtx;
+
+static void abs_range(const void *ctx, Py_ssize_t b0, Py_ssize_t b1) {
+    const AbsCtx *c = ctx;
+    for (Py_ssize_t b = b0; b < b1; b++) c->sums[b] = abs_sum(c->a + c->S[b], c->L[b]);
+}
+
 static PyObject *abs_sums(PyObject *self, PyObject *args) {
     Py_buffer x, st, ln, sm;
-    if (!PyArg_ParseTuple(args, "y*y*y*w*", &x, &st, &ln, &sm)) return NULL;
+    int threads = 1;
+    if (!PyArg_ParseTuple(args, "y*y*y*w*|i", &x, &st, &ln, &sm, &threads)) return NULL;
     PyObject *res = NULL;
     Py_ssize_t n = x.len / 4, nb = st.len / 8;
     const int64_t *S = st.buf, *L = ln.buf;
@@ -171,10 +257,9 @@ static PyObject *abs_sums(PyObject *self, PyObject *args) {
     if (why) {
         PyErr_SetString(PyExc_ValueError, why);
     } else {
-        const float *a = x.buf;
-        float *sums = sm.buf;
+        AbsCtx c = {x.buf, sm.buf, S, L};
         Py_BEGIN_ALLOW_THREADS
-        for (Py_ssize_t b = 0; b < nb; b++) sums[b] = abs_sum(a + S[b], L[b]);
+        for_blocks(abs_range, &c, nb, threads);
         Py_END_ALLOW_THREADS
         Py_INCREF(Py_None);
         res = Py_None;
@@ -187,12 +272,14 @@ static PyObject *abs_sums(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"abs_sums", abs_sums, METH_VARARGS, "abs_sums(x, starts, lens, sums): sum of |x| per block (float32)"},
+    {"abs_sums", abs_sums, METH_VARARGS, "abs_sums(x, starts, lens, sums[, threads]): sum of |x| per block (float32)"},
     {"split", split, METH_VARARGS,
-     "split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at): a lossy hop's send side per block "
+     "split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at[, threads]): a lossy hop's send side per "
+     "block "
      "(see dgt/protocol/block_ops.py)"},
     {"combine", combine, METH_VARARGS,
-     "combine(src, land, packed, out, starts, lens, received, packed_at, sums): a lossy ring hop's sum per block "
+     "combine(src, land, packed, out, starts, lens, received, packed_at, sums[, threads]): a lossy ring hop's sum per "
+     "block "
      "(see dgt/protocol/block_ops.py)"},
     {NULL, NULL, 0, NULL}};
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_blockops", "Whole-block float32 passes of a lossy hop.",

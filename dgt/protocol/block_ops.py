@@ -15,7 +15,8 @@ Done as separate passes that is a zero-fill of the round's missing blocks, an un
 pass over the result for its block scores (DGT's mean |g|); :func:`combine_blocks` does all of it in one pass and
 returns the scores, which the next hop hands to the codec (``BucketState.values["block_abs_mean"]``).
 
-Both run in C when the optional extension ``dgt.protocol._blockops`` is built (setup.py); :func:`split_blocks_torch`
+Both run in C when the optional extension ``dgt.protocol._blockops`` is built (setup.py), over as many threads as
+:func:`dgt.layout.pass_threads` allows (a bucket's blocks cut into contiguous ranges); :func:`split_blocks_torch`
 and :func:`combine_blocks_torch` are their pure-Python twins and references (tests check the twins agree).
 """
 
@@ -26,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dgt.layout import BucketLayout
+from dgt.layout import BucketLayout, pass_threads
 from dgt.protocol.block_rows import row_groups
 
 _blockops: Any
@@ -79,7 +80,8 @@ def combine_blocks(src: torch.Tensor, land: torch.Tensor, packed: torch.Tensor, 
         return combine_blocks_torch(src, land, packed, out, layout, received, packed_at)
     sums = np.empty(layout.nblocks, dtype=np.float32)
     _blockops.combine(src.numpy(), land.numpy(), packed.numpy(), out.numpy(), layout.block_start.numpy(),
-                      layout.block_len.numpy(), received.view(np.uint8), packed_at, sums)
+                      layout.block_len.numpy(), received.view(np.uint8), packed_at, sums,
+                      pass_threads(4 * layout.numel))
     return torch.from_numpy(sums).div_(layout.block_len.to(torch.float32))
 
 
@@ -127,7 +129,7 @@ def split_blocks(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Ten
     none = np.zeros(0, np.float32)
     _blockops.split(x.numpy(), none if res_in is None else res_in.numpy(), packed.numpy(),
                     none if res_out is None else res_out.numpy(), data.numpy(), layout.block_start.numpy(),
-                    layout.block_len.numpy(), kind, packed_at)
+                    layout.block_len.numpy(), kind, packed_at, pass_threads(4 * layout.numel))
 
 
 def split_blocks_torch(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Tensor,
