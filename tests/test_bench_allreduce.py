@@ -102,3 +102,16 @@ def test_bench_codec_option_repeats():
     assert allreduce._codecs(p.parse_args([]).codec) == ("dense",)
     assert allreduce._codecs(p.parse_args(["--codec", "dgt:p=0.3"]).codec) == ("dgt:p=0.3",)
     assert allreduce._codecs(p.parse_args(["--codec", "dense", "--codec", "dgt:p=0.3"]).codec) == ("dense", "dgt:p=0.3")
+
+
+def test_the_table_prints_bracketed_keys_as_text(capsys, monkeypatch):
+    """``dgt bench ... `` without --json prints a rich table: a key such as ring[dgt:p=0.3] is text, not markup that
+    rich would swallow (two rows then both read ``seconds.ring``)."""
+    from dgt.bench import cli
+
+    monkeypatch.setenv("COLUMNS", "160")
+    cli._print_table({"bench": "allreduce", "seconds": {"ring[dense]": 0.5, "ring[dgt:p=0.3]": 0.75},
+                      "per_trial": {"ring[dense]": [{"seconds": 0.5, "note": "[bold]x"}]}})
+    out = capsys.readouterr().out
+    assert "seconds.ring[dense]" in out and "seconds.ring[dgt:p=0.3]" in out
+    assert "per_trial.ring[dense][0]" in out and "[bold]x" in out

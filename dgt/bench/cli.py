@@ -47,14 +47,15 @@ def _run(mod, args: argparse.Namespace) -> int:
 
 def _print_table(result: dict) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title=result.get("bench", "benchmark"))
     table.add_column("metric")
     table.add_column("value", justify="right")
 
-    def fmt(v: object) -> str:
-        return f"{v:.4g}" if isinstance(v, float) else str(v)
+    def fmt(v: object) -> str:  # escaped: a key such as ring[dense] is text, not rich markup
+        return escape(f"{v:.4g}" if isinstance(v, float) else str(v))
 
     def walk(prefix: str, obj: object) -> None:
         if isinstance(obj, dict):
@@ -62,9 +63,9 @@ def _print_table(result: dict) -> None:
                 walk(f"{prefix}.{k}" if prefix else str(k), v)
         elif isinstance(obj, list) and obj and all(isinstance(x, dict) for x in obj):  # rows: one line each
             for i, row in enumerate(obj):
-                table.add_row(f"{prefix}[{i}]", "  ".join(f"{k} {fmt(v)}" for k, v in row.items()))
+                table.add_row(escape(f"{prefix}[{i}]"), "  ".join(f"{escape(str(k))} {fmt(v)}" for k, v in row.items()))
         else:
-            table.add_row(prefix, fmt(obj))
+            table.add_row(escape(prefix), fmt(obj))
 
     walk("", result)
     Console().print(table)
