@@ -12,7 +12,7 @@ from dgt.protocol.deadline import DeadlinePolicy
 from dgt.protocol.events import RoundDone
 from dgt.protocol.report import Timing, encode_timing
 from dgt.protocol.round_state import OpenRound
-from dgt.protocol.stats import RoundStats
+from dgt.protocol.stats import RoundStats, lane_counts
 from dgt.wire import Flags, FrameType
 
 
@@ -62,9 +62,8 @@ def finalise(r: OpenRound, now: float, why: str, deadline: DeadlinePolicy, token
     st = _fill_stats(r, mask, partial, now, why)
     if why in ("complete", "deadline") and r.imp_done_at is not None and r.end is not None and r.end[1]:
         deadline.observe(st.deadline_wait, why == "complete")  # rounds with unimportant blocks teach it
-    counts = np.bincount(r.lane_of[mask].astype(np.intp, copy=False))  # lanes are small non-negative ints
-    for lane in np.flatnonzero(counts).tolist():
-        st.lane(lane).blocks = int(counts[lane])
+    for lane, n in lane_counts(r.lane_of[mask]).items():
+        st.lane(lane).blocks = n
     sender, bucket, round_ = r.key
     report = None
     if r.want_report or st.dropped:  # a lossless round that lost blocks would be a protocol breach: say so

@@ -20,6 +20,7 @@ from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.protocol.packed_blocks import packed_numel
 from dgt.protocol.report import Timing, decode_report
+from dgt.protocol.stats import lane_counts
 from dgt.wire import Flags, FrameType
 
 LONG_RUN = 8
@@ -379,9 +380,7 @@ class RoundSender:
             plan = RoundPlan(bucket, round, reliable, important_blocks=len(important),
                              unimportant_blocks=len(unimp), unsent_blocks=len(unsent), cls=cls_np.astype(np.int8))
         if len(unsent):
-            counts = np.bincount(cls_np[unsent])  # lane classes: small non-negative ints
-            lanes = np.flatnonzero(counts)
-            plan.unsent_lanes = dict(zip(lanes.tolist(), counts[lanes].tolist()))
+            plan.unsent_lanes = lane_counts(cls_np[unsent])
             plan.unsent_bytes = int(geom.block_len[unsent].sum()) * isz
         pads = None  # the MAC's one-time pads of this round's fragment slots: one SHAKE call for every lane
         if self.mac is not None and len(unimp):

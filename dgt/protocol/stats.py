@@ -5,6 +5,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+import numpy as np
+
+
+def lane_counts(classes: np.ndarray) -> dict[int, int]:
+    """How many of ``classes`` (lane classes: small non-negative ints) are in each lane, for the lanes with any."""
+    counts = np.bincount(np.asarray(classes).astype(np.intp, copy=False))
+    lanes = np.flatnonzero(counts)
+    return dict(zip(lanes.tolist(), counts[lanes].tolist()))
+
 
 @dataclass
 class RoundLaneStats:

@@ -21,6 +21,7 @@ from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import round_feedback
 from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import DropInfo, RoundPlan
+from dgt.protocol.stats import lane_counts
 from dgt.transport.checks import check_classes
 from dgt.transport.handshake import _Link
 from dgt.transport.session import EndpointState
@@ -98,9 +99,7 @@ class OutboundMixin(EndpointState):
     def _account_report(self, link: _Link, track: _SendTrack, info: DropInfo) -> None:
         """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
         if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
-            counts = np.bincount(track.cls[info.lost_mask].astype(np.intp, copy=False))
-            lanes = np.flatnonzero(counts)
-            for lane, n in zip(lanes.tolist(), counts[lanes].tolist()):
+            for lane, n in lane_counts(track.cls[info.lost_mask]).items():
                 self._tx_lost[lane] = self._tx_lost.get(lane, 0) + n
         if link.pacer is None or link.pacer.cc is None or info.timing is None or not track.jobs:
             return
