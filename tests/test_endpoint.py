@@ -70,6 +70,9 @@ async def test_lossless_round_is_bit_identical_and_dscp_reads_back():
             assert info["listener"]["dscp"] == 46
             assert all(v["dscp"] == 46 and v["priority"] == 6 for v in info["tcp"].values())
             assert info["udp"][1]["dscp"] == 1 and info["udp"][1]["priority"] == 1
+            # the hop socket (lossy ring hops' datagrams) is marked like lane 1, and its port is in the address
+            assert info["hop"]["dscp"] == 1 and info["hop"]["priority"] == 1
+            assert info["hop"]["port"] == ep.address.hop_port > 0
 
 
 async def test_lossy_round_keeps_important_blocks_closes_by_deadline_and_feeds_errors_back():

@@ -28,6 +28,10 @@ class Slot:
     def error(self) -> BaseException | None:
         return self._error
 
+    def peek(self) -> Any:
+        """The value once set (None before, or after a failure), without waiting."""
+        return self._value if self._event.is_set() and self._error is None else None
+
     def set(self, value: Any = None) -> None:
         if not self._event.is_set():
             self._value = value

@@ -12,7 +12,7 @@ import errno
 import socket
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import numpy as np
 import trio
@@ -56,6 +56,13 @@ class UdpCounters:
     rx_unknown_source: int = 0
     rx_truncated: int = 0
     rx_kernel_drops: int = 0  # SO_RXQ_OVFL: dropped by the kernel for a full receive buffer
+
+
+def merged(a: UdpCounters, b: UdpCounters) -> UdpCounters:
+    """Two sockets' counters as one lane's (the kernel drop count: the larger)."""
+    out = UdpCounters(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(UdpCounters)})
+    out.rx_kernel_drops = max(a.rx_kernel_drops, b.rx_kernel_drops)
+    return out
 
 
 class UdpChannel:

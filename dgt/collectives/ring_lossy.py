@@ -22,12 +22,14 @@ starts, before its first await (as the lossless ring's one exchange takes its ti
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
-import trio
 
+from dgt.channels.hop_datagrams import DatagramRecv
 from dgt.codecs.base import BLOCK_MEANS_HINT
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import check_op, host, state_key, transport_key, wire_layout
@@ -36,6 +38,7 @@ from dgt.errors import RankMismatch, shape_mismatch
 from dgt.layout import BucketLayout
 from dgt.protocol.block_ops import combine_blocks, packed_offsets
 from dgt.protocol.packed_blocks import packed_numel
+from dgt.transport.hop_round import control_bytes
 from dgt.transport.streams import Hop, streamable
 
 if TYPE_CHECKING:
@@ -46,19 +49,31 @@ MASK_PART, PACKED_PART = 1, 2  # transport key parts of a hop's two stream messa
 
 @dataclass
 class _HopBuffers:
-    """Per step, reused across calls: the masks sent and received, the packed blocks received (the sender's packed
-    blocks live in its RoundSender: ``send_round``'s ``stage``)."""
+    """Per step, reused across calls: the first messages sent and received (a byte per block, then the round's
+    ROUND_BEGIN and ROUND_END), the packed blocks received (the sender's packed blocks live in its RoundSender), and
+    where the round's datagrams are read (grown to the largest round seen)."""
 
-    tx_mask: torch.Tensor
-    rx_mask: torch.Tensor
+    tx_msg: torch.Tensor
+    rx_msg: torch.Tensor
     rx_pack: torch.Tensor
+    rx_dgrams: np.ndarray
+
+    def dgrams(self, nbytes: int) -> np.ndarray:
+        """At least ``nbytes`` to read datagrams into (in the worker thread: nothing else uses it meanwhile)."""
+        if len(self.rx_dgrams) < nbytes:
+            self.rx_dgrams = np.empty(nbytes + nbytes // 4, np.uint8)
+        return self.rx_dgrams
 
 
 def lossy_on_streams(coll: RingAllReduce, ch: Chunking, flat: torch.Tensor) -> bool:
-    """Whether a lossy ring call can take this path: stream hops on, a lossy summable codec whose chunks are their
-    own wire form (DGT), a contiguous float32 CPU bucket, and no empty chunk (every hop carries a round)."""
+    """Whether a lossy ring call can take this path: stream hops on, both neighbours reachable on the hop socket,
+    a lossy summable codec whose chunks are their own wire form (DGT), a contiguous float32 CPU bucket, and no
+    empty chunk (every hop carries a round)."""
     caps = coll.codec.capabilities
-    return (coll.group.endpoint.cfg.stream_hops != "off" and caps.lossy_tolerant and caps.in_place
+    g = coll.group
+    ep = g.endpoint
+    return (ep.cfg.stream_hops != "off" and caps.lossy_tolerant and caps.in_place
+            and ep.hop_ready((g.rank + 1) % g.world) and ep.hop_ready((g.rank - 1) % g.world)
             and flat.dtype == torch.float32 and streamable(flat)
             and all(ch.edges[i + 1] > ch.edges[i] for i in range(ch.k)))
 
@@ -68,17 +83,16 @@ class LossyHops:
 
     def __init__(self, coll: RingAllReduce) -> None:
         self.coll = coll
-        self._bufs: dict[tuple[int, int, int], _HopBuffers] = {}
+        self._bufs: dict[tuple[int, int, int, int], _HopBuffers] = {}
 
-    def buffers(self, step: int, n_send: int, n_recv: int, nb_send: int, nb_recv: int) -> _HopBuffers:
-        key = (step, max(n_send, n_recv), max(nb_send, nb_recv))
+    def buffers(self, step: int, n: int, tx: int, rx: int) -> _HopBuffers:
+        key = (step, n, tx, rx)
         buf = self._bufs.get(key)
         if buf is None:
             if len(self._bufs) >= 64:
                 self._bufs.clear()
-            n, nb = key[1], key[2]
-            buf = self._bufs[key] = _HopBuffers(torch.zeros(nb, dtype=torch.uint8), torch.zeros(nb, dtype=torch.uint8),
-                                                torch.empty(n, dtype=torch.float32))
+            buf = self._bufs[key] = _HopBuffers(torch.zeros(tx, dtype=torch.uint8), torch.zeros(rx, dtype=torch.uint8),
+                                                torch.empty(n, dtype=torch.float32), np.empty(0, np.uint8))
         return buf
 
     async def reduce_scatter(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
@@ -103,58 +117,54 @@ class LossyHops:
         g = coll.group
         ep, op = g.endpoint, coll.call_code
         nxt, prv = (g.rank + 1) % g.world, (g.rank - 1) % g.world
-        block = ep.cfg.block
         state = coll.state(state_key("rs", bucket_id, s), out, ch.segments[a])
         if means is not None:
             state.values[BLOCK_MEANS_HINT] = means  # encode consumes it at once
         (part,) = coll.codec.encode(out, state)
-        layout = wire_layout(part, block)
-        lay_c = BucketLayout.of(ch.segments[c], block)
+        layout = wire_layout(part, ep.cfg.block)
+        lay_c = BucketLayout.of(ch.segments[c], ep.cfg.block)
         cls = part.lane_class
         if not isinstance(cls, torch.Tensor):
             cls = torch.full((layout.nblocks,), int(cls), dtype=torch.int8)
         cls = cls.detach().to("cpu")
-        imp = (cls == 0).numpy()
-        buf = self.buffers(s, out.numel(), mine.numel(), layout.nblocks, lay_c.nblocks)
-        tx_mask, rx_mask = buf.tx_mask[: layout.nblocks], buf.rx_mask[: lay_c.nblocks]
-        tx_mask.numpy()[:] = imp
         key = transport_key(bucket_id, "rs", s, 0)
-        staged = trio.Event()
-        packed: list[torch.Tensor] = []
+        hs = ep.plan_hop_round(nxt, key, rnd, host(part.data), layout, cls, part.order, op)  # nothing sent yet
+        nb, nb_c = layout.nblocks, lay_c.nblocks
+        buf = self.buffers(s, mine.numel(), nb + len(hs.control), nb_c + control_bytes(lay_c))
+        tx = buf.tx_msg.numpy()
+        tx[:nb] = (cls == 0).numpy()
+        tx[nb:] = np.frombuffer(hs.control, np.uint8)
+        rx = buf.rx_msg.numpy()
+        seen: list[Any] = []  # in the worker thread: when the first message was in, then the datagram receipt
 
-        def stage(important: torch.Tensor) -> None:  # in send_round, before anything is sent: the packed blocks
-            packed.append(important)
-            staged.set()
+        def land_packed() -> torch.Tensor:  # in the worker thread, once the first message is in
+            seen.append(time.perf_counter())
+            return buf.rx_pack[: packed_numel(lay_c, rx[:nb_c] != 0)]
 
-        def land_packed() -> torch.Tensor:  # in the worker thread, once the mask message is in
-            return buf.rx_pack[: packed_numel(lay_c, rx_mask.numpy() != 0)]
+        receipt = ep.hop_receipt(prv, key, rnd, lay_c, 4, lambda: memoryview(rx[nb_c:]), buf.dgrams)
 
-        async def send() -> None:
-            st = await ep.send_round(nxt, key, rnd, host(part.data), layout=layout, cls=cls, order=part.order,
-                                     wait=False, codec=op, stage=stage)
-            isz = part.data.element_size()
-            stats.add_sent(1, part.nbytes - packed[0].numel() * isz - st.unsent_bytes)
-            stats.bytes_unsent += st.unsent_bytes
+        def datagrams_in() -> DatagramRecv:
+            seen.append(receipt())
+            return seen[-1]  # type: ignore[no-any-return]
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(send)
-            await staged.wait()
-            hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, tx_mask, prv, rx_mask, codec=op),
-                    Hop(transport_key(bucket_id, "rs", s, PACKED_PART), rnd, nxt, packed[0], prv,
-                        land_later=land_packed, codec=op)]
-            ticket, tickets[s] = tickets[s], None
-            try:
-                done = await ep.exchange(hops, ticket=ticket)
-            finally:  # the round's deadline starts now that its important blocks are in (or will never come)
-                ep.important_in(prv, key, rnd)
-            # the round from the previous rank (posted in ``land``; one that closed already is buffered): awaited
-            # here, in this task, while send finishes its datagrams
-            res = await ep.recv_round(prv, key, rnd, out=land)
-            stats.add_round(res.stats)
-            check_op(op, res.codec, rnd)
-        stats.add_sent(0, packed[0].numel() * packed[0].element_size())
+        hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, buf.tx_msg, prv, buf.rx_msg, codec=op),
+                Hop(transport_key(bucket_id, "rs", s, PACKED_PART), rnd, nxt, hs.packed, prv,
+                    land_later=land_packed, codec=op, datagrams=hs.datagrams, datagrams_in=datagrams_in)]
+        ticket, tickets[s] = tickets[s], None
+        try:
+            done = await ep.exchange(hops, ticket=ticket)
+        finally:
+            st = ep.hop_round_sent(hs)
+        ep.land_hop_round(prv, key, rnd, memoryview(rx[nb_c:]), seen[1], seen[0])
+        res = await ep.recv_round(prv, key, rnd, out=land)  # closed just now: returned at once
+        stats.add_round(res.stats)
+        check_op(op, res.codec, rnd)
+        isz = part.data.element_size()
+        stats.add_sent(1, part.nbytes - hs.packed.numel() * isz - st.unsent_bytes)
+        stats.bytes_unsent += st.unsent_bytes
+        stats.add_sent(0, hs.packed.numel() * isz)
         stats.bytes_received[0] = stats.bytes_received.get(0, 0) + sum(d.received for d in done)
-        rx_imp = rx_mask.numpy() != 0
+        rx_imp = rx[:nb_c] != 0
         # the round counts the blocks it never announced as unsent: those on the stream lane were not
         stats.unsent -= min(int(rx_imp.sum()), stats.unsent)
         dst = res.data.reshape(-1)

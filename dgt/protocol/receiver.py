@@ -409,6 +409,12 @@ class RoundReceiver:
                 out.append(self._finalise(r, now, "deadline"))
         return out
 
+    def expire(self, key: Key, now: float) -> list[Event]:
+        """Close open round ``key`` now, as its deadline would (a caller that waited for its datagrams itself:
+        dgt.transport.hop_round). Nothing for a round that is not open."""
+        r = self.rounds.get(key)
+        return [] if r is None else [self._finalise(r, now, "deadline")]
+
     def abort(self, sender: int, now: float) -> list[Event]:
         """Finalise every open round of ``sender`` as it stands (the peer is gone). A round whose important blocks
         were all in is as good as one closed by its deadline and closes as "sender-gone"; the others as "aborted"."""

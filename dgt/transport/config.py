@@ -25,16 +25,19 @@ class PeerAddress:
     tcp_port: int
     udp_ports: tuple[int, ...]
     rank: int = -1
+    hop_port: int = 0  # the UDP socket of its lossy ring hops (dgt.channels.hop_datagrams); 0: none
 
     def to_dict(self) -> dict[str, Any]:
-        return {"host": self.host, "tcp_port": self.tcp_port, "udp_ports": list(self.udp_ports), "rank": self.rank}
+        return {"host": self.host, "tcp_port": self.tcp_port, "udp_ports": list(self.udp_ports), "rank": self.rank,
+                "hop_port": self.hop_port}
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict())
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PeerAddress:
-        return cls(str(d["host"]), int(d["tcp_port"]), tuple(int(p) for p in d["udp_ports"]), int(d.get("rank", -1)))
+        return cls(str(d["host"]), int(d["tcp_port"]), tuple(int(p) for p in d["udp_ports"]), int(d.get("rank", -1)),
+                   int(d.get("hop_port", 0)))
 
     @classmethod
     def from_json(cls, text: str) -> PeerAddress:

@@ -29,7 +29,7 @@ from dgt.channels.ports import bind_in_range
 from dgt.channels.slot import Slot
 from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
-from dgt.channels.udp import UdpChannel
+from dgt.channels.udp import UdpChannel, merged
 from dgt.channels.udp_scheduler import DatagramScheduler
 from dgt.errors import PeerClosed, RankMismatch, single_error
 from dgt.protocol.bulk import BulkReceiver
@@ -39,9 +39,10 @@ from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.deadline_timer import DeadlineTimer
 from dgt.transport.handshake import HandshakeMixin, _Link
+from dgt.transport.hop_round import HopRoundMixin
 from dgt.transport.inbound import InboundMixin
 from dgt.transport.links import LinkMixin
-from dgt.transport.outbound import BYTES_BUCKET, OutboundMixin, PendingSend, _SendTrack
+from dgt.transport.outbound import BYTES_BUCKET, PendingSend, _SendTrack
 from dgt.transport.stats import LaneStats, RoundResult, TransportStats
 from dgt.transport.stream_watch import StreamWatch
 from dgt.transport.streams import StreamHub
@@ -70,7 +71,7 @@ class OpenBlock(Generic[T]):
                         "to run it in a nursery of yours until `await ep.aclose()`")
 
 
-class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
+class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
     """A rank's DGT session. Open with ``async with Endpoint.open(...)`` (or :meth:`start` in a nursery of the
     caller's), join peers with :meth:`connect`, then send and receive rounds concurrently from any number of tasks;
     :meth:`aclose` says goodbye and releases every socket."""
@@ -91,9 +92,15 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
             return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
                                         max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
 
+        hop: UdpChannel | None = None  # lossy ring hops' datagrams (dgt.channels.hop_datagrams); trio never reads it
         try:
             for lane in range(1, len(c.lanes)):
                 self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
+            if self.udp and c.stream_hops != "off":
+                try:
+                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
+                except OSError:  # no port left in the range: lossy hops run their rounds on the session link
+                    hop = None
         except BaseException:
             self._close_sockets()
             raise
@@ -133,7 +140,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
-                                 hop_threads=c.hop_thread_count())
+                                 hop_threads=c.hop_thread_count(), hop=hop)
 
     @classmethod
     async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,
@@ -177,7 +184,9 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
 
     @property
     def address(self) -> PeerAddress:
-        return PeerAddress(self.host, self.listener.port, tuple(ch.port for ch in self.udp.values()), self.rank)
+        hop = self.streams.hop
+        return PeerAddress(self.host, self.listener.port, tuple(ch.port for ch in self.udp.values()), self.rank,
+                           0 if hop is None else hop.port)
 
     @property
     def peers(self) -> list[int]:
@@ -285,6 +294,8 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
         lanes.append(tcp)
         for lane, ch in self.udp.items():
             spec, cc = self.cfg.lanes[lane], ch.counters
+            if lane == 1 and self.streams.hop is not None:  # the hop socket's datagrams are lane 1's too
+                cc = merged(cc, self.streams.hop.counters)
             lanes.append(LaneStats(
                 lane, spec.name, spec.kind, spec.dscp, spec.so_priority,
                 tx_bytes=cc.tx_bytes, tx_frames=cc.tx_datagrams, tx_calls=cc.tx_calls, tx_gso_calls=cc.tx_gso_calls,
@@ -328,4 +339,8 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, OutboundMixin):
             for lane, ch in self.udp.items()
             if not ch.closed
         }
+        hop = self.streams.hop
+        if hop is not None and not hop.closed:  # the lossy ring hops' datagrams (marked like lane 1)
+            info["hop"] = {"dscp": get_dscp(hop.sock), "priority": get_priority(hop.sock), "gso": hop.gso,
+                           "gro": hop.gro, "rcvbuf": hop.rcvbuf, "port": hop.port}
         return info

@@ -35,8 +35,10 @@ import trio
 
 from dgt import wire
 from dgt.channels.duplex import NATIVE, SCRATCH_BYTES, HopCancelled, duplex
+from dgt.channels.hop_datagrams import DatagramRecv, DatagramSend, HopDatagrams, HopDatagramsCancelled, PacerThread
 from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
+from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
@@ -60,6 +62,12 @@ class Hop:
     land_later: Callable[[], torch.Tensor] | None = None
     """Instead of ``land``: called in the worker thread once the hops before this one are done, for a landing
     whose size depends on what they received (a lossy hop's packed blocks, sized by the mask message before it)."""
+    datagrams: DatagramSend | None = None
+    """After this hop's messages: a round's datagrams to ``send_to``, from the hub's hop socket
+    (:mod:`dgt.channels.hop_datagrams`), while those of ``datagrams_in`` are read."""
+    datagrams_in: Callable[[], DatagramRecv] | None = None
+    """Called in the worker thread once this hop's messages are in: where the datagrams of ``recv_from``'s round
+    land (read until the round announced them all or its deadline passed)."""
 
 
 @dataclass
@@ -124,8 +132,11 @@ class StreamHub:
 
     def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int, int], Awaitable[TcpChannel]],
                  link_error: Callable[[int], BaseException | None], native: bool = NATIVE,
-                 frame_bytes: int = wire.DEFAULT_LIMITS.max_payload, hop_threads: int = 1) -> None:
+                 frame_bytes: int = wire.DEFAULT_LIMITS.max_payload, hop_threads: int = 1,
+                 hop: UdpChannel | None = None) -> None:
         self.rank = rank
+        self.hop = hop  # the hop socket (datagrams of lossy hops, dgt.channels.hop_datagrams); closed with the hub
+        self._pacer = PacerThread()  # their paced sends
         self.split = hop_threads == 2 and native  # a hop's send half on a second thread (native loop only)
         self.frame_bytes = frame_bytes  # a message larger than a frame may be goes as several, in offset order
         self.token = token
@@ -232,6 +243,10 @@ class StreamHub:
             self._close_pipe()
 
     def _close_pipe(self) -> None:
+        """The cancel pipe, the hop socket and its pacer thread, once no worker thread may use them."""
+        self._pacer.close()
+        if self.hop is not None:
+            self.hop.close()
         for fd in (self._cancel_r, self._cancel_w):
             try:
                 os.close(fd)
@@ -397,6 +412,7 @@ class StreamHub:
                 assert h.land_later is not None
                 pieces = plan[i] = self._plan(replace(h, land=h.land_later(), land_later=None), lanes)
             sent = got = 0
+            dgrams = self._datagrams_first(h)  # before the messages: they travel beside them
             for send, header, payload, recv, expect, land, add, label in pieces:
                 s, g = duplex(None if send is None else send.tx.sock, header, payload,
                               None if recv is None else recv.rx.sock, expect, land, add,
@@ -404,8 +420,28 @@ class StreamHub:
                               cancel_fd=self._cancel_r, native=self.native, label=label, split=self.split)
                 sent += s
                 got += g
+            if dgrams is not None:
+                self._datagrams_rest(h, dgrams)
             out.append(HopResult(sent, got, time.monotonic()))
         return out
+
+    def _datagrams_first(self, h: Hop) -> HopDatagrams | None:
+        """A hop with datagrams (see :class:`Hop`), in the worker thread: those the pacer lets go at once."""
+        if h.datagrams is None and h.datagrams_in is None:
+            return None
+        if self.hop is None:
+            raise RuntimeError("a hop with datagrams needs the hop socket (this endpoint has none)")
+        dgrams = HopDatagrams(self.hop.sock, h.datagrams, self._pacer)
+        dgrams.start()
+        return dgrams
+
+    def _datagrams_rest(self, h: Hop, dgrams: HopDatagrams) -> None:
+        """Once the hop's messages are in: the rest of its datagrams, and those of its round from ``recv_from``."""
+        rx = h.datagrams_in() if h.datagrams_in is not None else None
+        try:
+            dgrams.finish(rx, self._cancel_r)
+        except HopDatagramsCancelled:
+            raise HopCancelled(f"rank {self.rank} hop datagrams (bucket {h.bucket:#x}, round {h.round})") from None
 
     async def _in_thread(self, fn: Callable[[], list[HopResult]]) -> list[HopResult]:
         """``fn`` in a worker thread (trio's thread cache, no task of its own). Cancelling the caller writes the

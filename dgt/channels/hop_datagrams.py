@@ -1,0 +1,355 @@
+"""The datagrams of a lossy ring hop, sent and read in the stream exchange's worker thread (no trio).
+
+A split ring hop (:mod:`dgt.collectives.ring_lossy`) carries its important blocks on the stream lane and the rest
+as one DGT round of datagrams. Driven from trio, that round cost more than its bytes: the link's reader for its
+opening and closing frames, the UDP ingress, the datagram scheduler and their wake-ups, ~9 ms of the ~20 ms a
+4-rank 25 MB call spends on the trio thread (issue 26, docs/transport.md). Here the worker thread that runs the
+hop's stream messages also runs its datagrams, on the endpoint's hop socket (one UDP socket of its own, which trio
+never reads):
+
+- the send half (:class:`DatagramSend`): the round's datagrams, packed on the trio side (headers, payloads, MAC
+  trailers), handed to the kernel one GSO batch at a time at the pacer's rate (a token bucket of its own, started
+  from the pacer's tokens; the trio side charges the pacer afterwards with what left when);
+- the receive half (:class:`DatagramRecv`): GRO reads into one buffer, from the peer's hop socket only, until every
+  datagram the round announced is in or the round's deadline passes: the receiver's deadline policy evaluated on
+  the arrivals as they come, from the moment the hop's stream messages (the important blocks) are in.
+
+Nothing is interpreted here beyond the 12 header bytes that name a round, so that a late datagram of an earlier
+round does not count as this one's. The trio side feeds the reads, with their arrival times, to the sans-IO
+receiver, which checks, authenticates (MAC), lands and closes the round like any other
+(:meth:`dgt.transport.hop_round.HopRoundMixin.land_hop_round`). Memory is bounded by the buffer the caller sized
+from the round's geometry, whatever a header or a peer says: reads stop when it is full.
+"""
+
+from __future__ import annotations
+
+import errno
+import queue
+import select
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dgt.channels.sockopts import GSO_UNSUPPORTED, SOL_UDP, UDP_GRO, gso_cmsg
+from dgt.protocol.deadline import DeadlineState
+from dgt.protocol.pacing import TokenBucket
+
+SLOT = 1 << 16  # room for one read: a GRO run is at most 64 KiB
+_ANC = socket.CMSG_SPACE(4) * 2
+_MSG_TRUNC = int(socket.MSG_TRUNC)
+NAME = slice(16, 28)  # the header bytes that name a round: rank, round, bucket (dgt.wire.HEADER_DTYPE)
+
+
+class HopDatagramsCancelled(Exception):
+    """The cancel fd fired while the hop's datagrams were under way."""
+
+
+@dataclass
+class DatagramSend:
+    """A round's datagrams to send: ``rows`` ``[k, seg]`` uint8 (packed), then ``odd`` (shorter ones), to ``addr``
+    at ``rate`` bytes/s (a bucket of ``burst`` bytes holding ``tokens`` at the start). Filled in by :func:`run`:
+    ``sends`` (``time.perf_counter()`` when the call started, datagrams, bytes) per send call."""
+
+    rows: np.ndarray
+    odd: list[bytes]
+    addr: tuple[str, int]
+    rate: float
+    burst: int
+    tokens: float
+    segments: int = 64  # datagrams per GSO call
+    gso: bool = True
+    limit: float = 10.0  # seconds: what is not sent by then is abandoned (a pacer slowed to a crawl)
+    sends: list[tuple[float, int, int]] = field(default_factory=list)
+    sent: int = 0
+    sent_bytes: int = 0
+    errors: int = 0  # datagrams a send error kept from leaving
+    abandoned: int = 0
+
+    @property
+    def total(self) -> int:
+        return len(self.rows) + len(self.odd)
+
+
+@dataclass
+class DatagramRecv:
+    """Where a round's datagrams land: ``buf`` (uint8, sized by the caller from the round's geometry), from
+    ``addr`` only; ``name``: the 12 header bytes of the round's datagrams; ``expect``: how many the round announced;
+    ``deadline``: the receiver's policy (a copy). Filled in by :func:`run`: ``reads`` (start, bytes, segment size)
+    per read; ``drains`` (reads so far, ``time.perf_counter()``) per pass that emptied the socket, a batch for the
+    receiver; ``imp_at``/``closed_at``: when the important blocks were in, when it stopped waiting."""
+
+    buf: np.ndarray
+    addr: tuple[str, int]
+    name: bytes
+    expect: int
+    deadline: Callable[[DeadlineState], float]
+    reads: list[tuple[int, int, int]] = field(default_factory=list)
+    drains: list[tuple[int, float]] = field(default_factory=list)
+    pos: int = 0
+    got: int = 0  # datagrams of this round
+    imp_at: float = 0.0
+    closed_at: float | None = None
+    last: float | None = None
+    mean_gap: float | None = None
+    batch_gap: float | None = None
+    stale: int = 0  # datagrams of other rounds (late ones of an earlier round)
+    strangers: int = 0  # datagrams from another address (dropped)
+    truncated: int = 0
+    full: bool = False  # the buffer filled up before the round did
+
+    def state(self) -> DeadlineState:
+        left = max(self.expect - self.got, 0)
+        return DeadlineState(self.imp_at, self.last, self.mean_gap, left, self.batch_gap, None)
+
+
+class HopDatagrams:
+    """One hop's datagrams on the hop socket ``sock`` (non-blocking). :meth:`start`, before the hop's stream
+    messages: what the pacer allows at once goes out, and the rest leaves at the pacer's rate from a thread of its
+    own while the messages travel (the native loop releases the GIL), as the round's datagrams travelled beside its
+    important blocks on the session link. :meth:`finish`, once the messages are in: the receive half until its
+    round closed, then the send half's end."""
+
+    COALESCE = 0.0005  # seconds between reads while a round's datagrams trickle in: a few per wake-up, not one
+
+    def __init__(self, sock: socket.socket, tx: DatagramSend | None, pacer: PacerThread,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.sock, self.tx, self.clock, self.thread = sock, tx, clock, pacer
+        self.t0 = clock()
+        self.pacer = None if tx is None else TokenBucket(tx.rate, tx.burst, self.t0)
+        if tx is not None and self.pacer is not None:
+            self.pacer.tokens = min(float(tx.burst), tx.tokens)
+        self.row = self.odd = 0
+        self.stop = False
+        self.error: BaseException | None = None
+        self._done: threading.Event | None = None  # set once the pacer thread is done with this hop
+
+    def _sending(self) -> bool:
+        tx = self.tx
+        return not self.stop and tx is not None and (self.row < len(tx.rows) or self.odd < len(tx.odd))
+
+    def start(self) -> None:
+        """Send what the pacer's tokens cover now; the rest from a thread (see the class docstring)."""
+        tx, pacer = self.tx, self.pacer
+        while tx is not None and pacer is not None and self._sending() and pacer.available(self.clock()) > 0:
+            self.row, self.odd = _send_some(self.sock, tx, pacer, self.row, self.odd, self.clock())
+        if self._sending():
+            self._done = self.thread.submit(self._paced)
+
+    def _paced(self) -> None:
+        tx, pacer, clock = self.tx, self.pacer, self.clock
+        assert tx is not None and pacer is not None
+        try:
+            while self._sending():
+                now = clock()
+                if now - self.t0 > tx.limit:
+                    tx.abandoned += len(tx.rows) - self.row + len(tx.odd) - self.odd
+                    return
+                ready = pacer.ready_at(now)
+                if ready > now:
+                    time.sleep(ready - now)
+                    continue
+                self.row, self.odd = _send_some(self.sock, tx, pacer, self.row, self.odd, now)
+        except BaseException as exc:  # the caller raises it (finish)
+            self.error = exc
+
+    def finish(self, rx: DatagramRecv | None, cancel_fd: int = -1) -> None:
+        """The receive half until it closed: every datagram the round announced is in, its deadline passed (from
+        now: the important blocks are in), or the buffer is full; then the send half's end (sent, or abandoned after
+        ``tx.limit`` seconds). HopDatagramsCancelled when the cancel fd fires (the send half stops too)."""
+        try:
+            if rx is not None:
+                self._receive(rx, cancel_fd)
+            while self._done is not None and not self._done.wait(0.002):
+                _wait(None, cancel_fd, 0.0)
+        finally:
+            self.stop = True
+            if self._done is not None:
+                self._done.wait()
+        if self.error is not None:
+            raise self.error
+
+    def _receive(self, rx: DatagramRecv, cancel_fd: int) -> None:
+        clock = self.clock
+        rx.imp_at = clock()
+        while True:
+            _drain(self.sock, rx, clock)
+            now = clock()
+            due = now if rx.got >= rx.expect or rx.full else rx.deadline(rx.state())
+            if now >= due:
+                rx.closed_at = now
+                return
+            if rx.got:  # they are coming: let a few gather (the kernel holds them) before the next wake-up
+                time.sleep(min(self.COALESCE, due - now))
+            _wait(self.sock, cancel_fd, max(due - clock(), 0.0))
+
+
+class PacerThread:
+    """A daemon thread for hops' paced sends (made on first use): a hop hands it its send loop (:meth:`submit`)
+    instead of starting a thread of its own each time. A stream hub owns one and runs one exchange at a time, so
+    jobs never wait behind each other; :meth:`close` ends the thread."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.SimpleQueue[tuple[Callable[[], None], threading.Event] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, fn: Callable[[], None]) -> threading.Event:
+        """Run ``fn`` on the pacer thread; the event is set once it returned (it catches its own errors)."""
+        done = threading.Event()
+        with self._lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="dgt hop pacer", daemon=True)
+                self._thread.start()
+        self._jobs.put((fn, done))
+        return done
+
+    def close(self) -> None:
+        """The thread ends once the jobs before this call are done (a later submit starts a new one)."""
+        with self._lock:
+            if self._thread is not None:
+                self._jobs.put(None)
+                self._thread = None
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            fn, done = job
+            try:
+                fn()
+            finally:
+                done.set()
+
+
+def run(sock: socket.socket, tx: DatagramSend | None, rx: DatagramRecv | None, pacer: PacerThread,
+        cancel_fd: int = -1, clock: Callable[[], float] = time.perf_counter) -> None:
+    """Both halves at once (no stream message in between): :meth:`HopDatagrams.start`, then its finish."""
+    hd = HopDatagrams(sock, tx, pacer, clock)
+    hd.start()
+    hd.finish(rx, cancel_fd)
+
+
+def _send_some(sock: socket.socket, tx: DatagramSend, pacer: TokenBucket, row: int, odd: int,
+               now: float) -> tuple[int, int]:
+    """One send call: a GSO batch of rows (as many as the segments and the tokens allow, at least one), else the
+    next odd datagram. Returns the new positions."""
+    k, seg = tx.rows.shape if len(tx.rows) else (0, 1)
+    if row < k:
+        n = min(tx.segments if tx.gso else 1, k - row, max(int(pacer.available(now) // seg), 1))
+        done = _send_call(sock, tx, pacer, memoryview(tx.rows[row : row + n]).cast("B"), n, seg, now)
+        return row + (n if done else 0), odd
+    d = tx.odd[odd]
+    return row, odd + (1 if _send_call(sock, tx, pacer, d, 1, len(d), now) else 0)
+
+
+def _send_call(sock: socket.socket, tx: DatagramSend, pacer: TokenBucket, data: memoryview | bytes, n: int,
+               seg: int, now: float) -> bool:
+    """``n`` datagrams of ``seg`` bytes in one call (GSO when more than one): whether they are done with (sent, or
+    lost to an error a datagram may meet); False to try again (a full socket; GSO refused, now off)."""
+    try:
+        if n > 1:
+            sock.sendmsg([data], gso_cmsg(seg), 0, tx.addr)
+        else:
+            sock.sendto(data, tx.addr)
+    except BlockingIOError:
+        _wait_writable(sock)
+        return False
+    except OSError as exc:
+        if exc.errno in GSO_UNSUPPORTED and n > 1:
+            tx.gso = False  # this path cannot segment: one datagram per call from here on
+            return False
+        if not _passing(exc, tx, n):
+            raise
+        return True
+    tx.sends.append((now, n, n * seg))
+    pacer.consume(n * seg, now)
+    tx.sent += n
+    tx.sent_bytes += n * seg
+    return True
+
+
+def _passing(exc: OSError, tx: DatagramSend, n: int) -> bool:
+    """Errors ``n`` datagrams may meet without ending the hop (not sent, so lost; error feedback carries them): an
+    ICMP error from an earlier datagram, a full device queue. They count in ``tx.errors``, not in ``tx.sent``."""
+    if exc.errno in (errno.ECONNREFUSED, errno.EHOSTUNREACH, errno.ENETUNREACH, errno.ENOBUFS):
+        tx.errors += n
+        return True
+    return False
+
+
+def _drain(sock: socket.socket, rx: DatagramRecv, clock: Callable[[], float]) -> None:
+    """Read what the socket holds (while the buffer has room for a read); count this round's datagrams (one numpy
+    pass over the new reads) and keep the arrival statistics the deadline policy reads (as the receiver's landing
+    keeps them)."""
+    n0 = len(rx.reads)
+    mv = memoryview(rx.buf)
+    while rx.pos + SLOT <= len(rx.buf):
+        try:
+            n, anc, flags, addr = sock.recvmsg_into([mv[rx.pos : rx.pos + SLOT]], _ANC)
+        except BlockingIOError:
+            break
+        except (ConnectionRefusedError, ConnectionResetError):
+            continue  # ICMP errors for our own earlier sends
+        seg = n
+        for level, kind, data in anc:
+            if level == SOL_UDP and kind == UDP_GRO and len(data) >= 4:
+                seg = int.from_bytes(data[:4], sys.byteorder) or n
+        if flags & _MSG_TRUNC:
+            rx.truncated += -(-n // seg) if n else 1
+            continue
+        if (addr[0], addr[1]) != rx.addr:
+            rx.strangers += -(-n // seg) if n else 1
+            continue
+        rx.reads.append((rx.pos, n, seg))
+        rx.pos += n
+    else:
+        rx.full = True
+    if len(rx.reads) == n0:
+        return
+    now = clock()
+    total, k = _count(rx.buf, rx.reads[n0:], rx.name)
+    rx.got += k
+    rx.stale += total - k
+    if k:
+        if rx.last is not None:
+            span = max(now - rx.last, 0.0)
+            rx.mean_gap = span / k if rx.mean_gap is None else 0.8 * rx.mean_gap + 0.2 * span / k
+            rx.batch_gap = span if rx.batch_gap is None else 0.8 * rx.batch_gap + 0.2 * span
+        rx.last = now
+    rx.drains.append((len(rx.reads), now))
+
+
+def _count(buf: np.ndarray, reads: list[tuple[int, int, int]], name: bytes) -> tuple[int, int]:
+    """(datagrams, those naming the round ``name``) in ``reads`` ((start, bytes, segment size) each, the last
+    datagram of a read shorter): every header's bytes 16-28 compared in one numpy step."""
+    r = np.asarray(reads, np.int64).reshape(-1, 3)
+    count = np.maximum(-(-r[:, 1] // np.maximum(r[:, 2], 1)), 1)
+    read = np.repeat(np.arange(len(r)), count)
+    idx = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+    starts = r[read, 0] + idx * r[read, 2]
+    starts = starts[starts + NAME.stop <= r[read, 0] + r[read, 1]]  # room for a name (else: not ours)
+    heads = buf[starts[:, None] + np.arange(NAME.start, NAME.stop)]
+    return int(count.sum()), int((heads == np.frombuffer(name, np.uint8)).all(axis=1).sum())
+
+
+def _wait(sock: socket.socket | None, cancel_fd: int, timeout: float) -> None:
+    """Until ``sock`` is readable (if given), the cancel fd fires, or ``timeout`` seconds passed."""
+    poller = select.poll()
+    if sock is not None:
+        poller.register(sock.fileno(), select.POLLIN)
+    if cancel_fd >= 0:
+        poller.register(cancel_fd, select.POLLIN)
+    ms = int(timeout * 1000 + 0.999) if timeout != float("inf") else 1000
+    for fd, ev in poller.poll(max(ms, 0)):
+        if fd == cancel_fd and ev & select.POLLIN:
+            raise HopDatagramsCancelled()
+
+
+def _wait_writable(sock: socket.socket) -> None:
+    select.select([], [sock], [], 0.005)

@@ -1,0 +1,128 @@
+"""A lossy ring hop's round on the stream lane and the hop socket (dgt.transport.hop_round): end to end, ranks in
+processes on loopback. Its frames ride the hop's first stream message, its datagrams the hop socket; the sans-IO
+receiver lands and closes it, the drop report goes back on the session link."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dgt.collectives.launch import run_ranks
+from dgt.transport.config import PeerAddress
+
+SEGMENTS = [3000, 5, 20000, 1500]
+NUMEL = sum(SEGMENTS)
+
+
+def data(rank: int, seed: int = 0) -> torch.Tensor:
+    return torch.randn(NUMEL, generator=torch.Generator().manual_seed(seed * 100 + rank))
+
+
+def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
+    """``rounds`` DGT ring calls; ``meddle``: "stranger" (rank 0 floods rank 1's hop socket from a socket of its
+    own during the calls) or "tamper" (rank 1 flips a payload byte of the first datagram each hop read)."""
+    import socket
+    import threading
+
+    import trio
+
+    from dgt.collectives import Group, RingAllReduce
+    from dgt.transport import TransportConfig
+    from dgt.transport.hop_round import HopRoundMixin
+
+    if meddle == "tamper" and rank == 1:
+        land = HopRoundMixin._land_reads
+
+        def tampered(self, rx, off):
+            if rx.reads:
+                start = rx.reads[0][0]
+                rx.buf[start + 60] ^= 0xFF  # in the payload of the first datagram read: its MAC no longer holds
+            return land(self, rx, off)
+
+        HopRoundMixin._land_reads = tampered
+
+    async def main():
+        cfg = TransportConfig(**cfg_kwargs)
+        async with Group.open(rank, world, config=cfg, timeout=30) as g:
+            ring = RingAllReduce(g, "dgt:p=0.3")
+            stop = threading.Event()
+            flood = None
+            outs = []
+            for rnd in range(rounds):
+                res = await ring.allreduce(data(rank, rnd), 0, SEGMENTS)
+                outs.append((res.tensor, res.stats.to_dict()))
+                if meddle == "stranger" and rank == 0 and flood is None:  # the links are up after the first call
+                    target = ("127.0.0.1", g.endpoint._links[1].address.hop_port)
+                    junk = np.zeros(2000, np.uint8).tobytes()
+
+                    def spam(junk: bytes, target: tuple[str, int]) -> None:
+                        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                            while not stop.wait(0.001):
+                                s.sendto(junk, target)
+
+                    flood = threading.Thread(target=spam, args=(junk, target), daemon=True)
+                    flood.start()
+            stop.set()
+            if flood is not None:
+                flood.join()
+            st = g.endpoint.stats()
+            hop = g.endpoint.streams.hop
+            lane1 = next(ln for ln in st.lanes if ln.lane == 1)
+            return {"outs": outs, "hop_tx": hop.counters.tx_datagrams, "hop_rx": hop.counters.rx_datagrams,
+                    "hop_strangers": hop.counters.rx_unknown_source, "lane_tx": g.endpoint.udp[1].counters.tx_datagrams,
+                    "lane1_tx_frames": lane1.tx_frames, "closed_by": st.closed_by, "rejects": st.reject_reasons,
+                    "hop_port": g.endpoint.address.hop_port}
+
+    return trio.run(main)
+
+
+def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops():
+    world = 3
+    # a long fixed deadline: every datagram sent is in before a round closes
+    res = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, timeout=120)
+    ref = [torch.stack([data(r, k) for r in range(world)]).mean(0) for k in range(3)]  # the ring averages
+    for r in range(world):
+        info = res[r]
+        assert info["hop_port"] > 0
+        assert info["lane_tx"] == 0  # no datagram of the ring went on the session's UDP lane
+        assert info["lane1_tx_frames"] == info["hop_tx"]  # the lane's stats include the hop socket's
+        assert sum(info["closed_by"].values()) == (world - 1) * 3  # one round per reduce-scatter hop, each closed
+        for k, (t, st) in enumerate(info["outs"]):
+            assert st["dropped"] == 0, st
+            assert torch.equal(t, res[0]["outs"][k][0])  # every rank holds the same tensor
+    # every datagram sent was read (loopback, nothing dropped), and none came from anywhere else
+    assert sum(res[r]["hop_rx"] for r in range(world)) == sum(res[r]["hop_tx"] for r in range(world))
+    if all(res[r]["outs"][0][1]["unsent"] == 0 for r in range(world)):  # call 0 kept nothing back: the exact mean
+        torch.testing.assert_close(res[0]["outs"][0][0], ref[0], rtol=1e-5, atol=1e-5)
+
+
+def test_a_stranger_flooding_the_hop_socket_is_counted_and_changes_nothing():
+    world = 3
+    noisy = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, "stranger", timeout=120)
+    assert noisy[1]["hop_strangers"] > 0  # dropped before landing, and counted
+    assert not noisy[1]["rejects"]  # none of it reached the receiver
+    for k in range(3):
+        for r in range(world):
+            assert noisy[r]["outs"][k][1]["dropped"] == 0  # nothing the peers sent was lost to the flood
+            assert torch.equal(noisy[r]["outs"][k][0], noisy[0]["outs"][k][0])
+        assert np.isfinite(noisy[0]["outs"][k][0].numpy()).all()
+
+
+def test_a_tampered_datagram_is_refused_by_its_mac_and_counted_as_lost():
+    world = 2
+    res = run_ranks(_worker, world, {"deadline": "fixed:10"}, 2, "tamper", timeout=120)
+    info = res[1]
+    if info["hop_rx"] == 0:
+        pytest.skip("no datagram was sent in these rounds (the send budget kept every one back)")
+    assert info["rejects"].get("bad-mac", 0) >= 1, info["rejects"]
+    assert sum(st["dropped"] for _, st in info["outs"]) >= 1  # the block it carried is lost, not landed wrong
+    assert all(torch.equal(res[0]["outs"][k][0], res[1]["outs"][k][0]) for k in range(2))
+
+
+def test_the_hop_port_travels_in_the_peer_address():
+    a = PeerAddress("10.0.0.1", 5000, (5001,), 3, 5002)
+    assert PeerAddress.from_dict(a.to_dict()) == a
+    assert PeerAddress.from_json(a.to_json()).hop_port == 5002
+    legacy = {"host": "10.0.0.1", "tcp_port": 5000, "udp_ports": [5001], "rank": 3}  # no hop socket
+    assert PeerAddress.from_dict(legacy).hop_port == 0
