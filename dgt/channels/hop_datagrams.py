@@ -140,6 +140,14 @@ class HopDatagrams:
         if self._sending():
             self._done = self.thread.submit(self._paced)
 
+    def _next_call(self) -> int:
+        """The bytes the next send call carries when the tokens allow: a full GSO batch of rows, or an odd one."""
+        tx = self.tx
+        assert tx is not None
+        if self.row < len(tx.rows):
+            return min(tx.segments if tx.gso else 1, len(tx.rows) - self.row) * tx.rows.shape[1]
+        return len(tx.odd[self.odd])
+
     def _paced(self) -> None:
         tx, pacer, clock = self.tx, self.pacer, self.clock
         assert tx is not None and pacer is not None
@@ -149,9 +157,9 @@ class HopDatagrams:
                 if now - self.t0 > tx.limit:
                     tx.abandoned += len(tx.rows) - self.row + len(tx.odd) - self.odd
                     return
-                ready = pacer.ready_at(now)
-                if ready > now:
-                    time.sleep(ready - now)
+                short = min(self._next_call(), pacer.burst) - pacer.available(now)
+                if short > 0:  # a whole GSO call at a time: one wake-up and one system call per batch, not per datagram
+                    time.sleep(short / pacer.rate)
                     continue
                 self.row, self.odd = _send_some(self.sock, tx, pacer, self.row, self.odd, now)
         except BaseException as exc:  # the caller raises it (finish)

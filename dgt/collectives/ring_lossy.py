@@ -153,8 +153,10 @@ class LossyHops:
         ticket, tickets[s] = tickets[s], None
         try:
             done = await ep.exchange(hops, ticket=ticket)
-        finally:
-            st = ep.hop_round_sent(hs)
+        except BaseException:
+            ep.hop_round_sent(hs, failed=True)  # what left is accounted; no report is waited for
+            raise
+        st = ep.hop_round_sent(hs)
         ep.land_hop_round(prv, key, rnd, memoryview(rx[nb_c:]), seen[1], seen[0])
         res = await ep.recv_round(prv, key, rnd, out=land)  # closed just now: returned at once
         stats.add_round(res.stats)

@@ -106,11 +106,13 @@ class HopRoundMixin(OutboundMixin):
             track = self._sending[key] = _SendTrack(t0=now, cls=plan.cls, detached=True)
         return HopRoundSend(peer, key, control, packed[0], send, stats, job, track)
 
-    def hop_round_sent(self, hs: HopRoundSend) -> SendStats:
-        """After the exchange (or its failure): what the worker sent, charged to the pacer and the stats, its send
-        calls on trio's clock for the congestion feedback."""
+    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
+        """After the exchange (or its failure: ``failed``, and no report will be waited for): what the worker sent,
+        charged to the pacer and the stats, its send calls on trio's clock for the congestion feedback."""
         st, tx, job = hs.stats, hs.datagrams, hs.job
         self._stats.rounds_sent += 1
+        if failed and hs.track is not None and self._sending.get(hs.key) is hs.track:
+            del self._sending[hs.key]
         if tx is None or job is None:
             return st
         off = trio.current_time() - time.perf_counter()
@@ -184,6 +186,8 @@ class HopRoundMixin(OutboundMixin):
             head = None
         if head is not None and int(head["rank"]) == peer:
             self._opened[key] = control_at + off
+            while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
+                self._opened.popitem(last=False)
             events += recv.receive_bytes(control, 0, control_at + off)
         else:
             recv.counters.reject("rank-mismatch")
