@@ -134,6 +134,15 @@ def test_missing_datagrams_end_the_receive_at_the_deadline(pair):
     assert rx.closed_at is not None and 0.15 <= rx.closed_at - rx.imp_at < 2.0
 
 
+def test_the_wait_never_passes_its_longest_whatever_the_policy(pair):
+    a, b = pair
+    run(a, _send(_rows(2), a, b), None, PacerThread())
+    rx = _recv(a, 5, grace=30.0)  # a policy that would wait 30 s for the 3 missing
+    rx.longest = 0.2  # the stream hub's bound: half the exchange's progress timeout
+    HopDatagrams(b, None, PacerThread()).finish(rx)
+    assert rx.got == 2 and rx.closed_at is not None and 0.2 <= rx.closed_at - rx.imp_at < 2.0
+
+
 def test_nothing_expected_ends_at_once(pair):
     a, b = pair
     rx = _recv(a, 0, grace=5.0)
@@ -207,8 +216,43 @@ def test_counting_reads_with_short_last_datagrams():
     for start in (0, 100, 200, 260):
         buf[start + 16 : start + 28] = np.frombuffer(name, np.uint8)
     buf[116] ^= 1  # the second datagram of the first read names another round
-    assert _count(buf, [(0, 260, 100), (260, 50, 50)], name) == (4, 3)
-    assert _count(buf, [(0, 20, 100)], name) == (1, 0)  # too short to name anything
+    total, mine, others = _count(buf, [(0, 260, 100), (260, 50, 50)], name)
+    assert (total, mine) == (4, 3)
+    other = bytearray(name)
+    other[0] ^= 1
+    assert others == {bytes(other): 1}
+    assert _count(buf, [(0, 20, 100)], name)[:2] == (1, 0)  # too short to name anything
+
+
+def test_datagrams_read_ahead_of_their_round_count_for_it():
+    """A peer ahead: the next round's datagrams arrive while this hop still reads its own. The hop that reads them
+    counts them for their round (the receiver buffers their data until the round opens), so that round's own hop
+    does not wait for its deadline for what was already read."""
+    from dgt.channels.lanes import LaneSpec
+    from dgt.channels.udp import UdpChannel
+    from dgt.transport.streams import Hop, StreamHub
+
+    peer = _sock()
+    hop = UdpChannel("127.0.0.1", LaneSpec("bulk", "udp", 1))
+    hub = StreamHub(0, 1, 5.0, dial=None, link_error=lambda p: None, hop=hop)  # type: ignore[arg-type]
+    try:
+        addr = ("127.0.0.1", hop.port)
+        for rows in (_rows(2, round=3), _rows(3, round=4)):
+            for r in rows:
+                peer.sendto(r.tobytes(), addr)
+        time.sleep(0.05)
+        first = _recv(peer, 2, grace=5.0, name=_name(round=3))
+        hub._datagrams_rest(Hop(0, 3, datagrams_in=lambda: first), HopDatagrams(hop.sock, None, hub._pacer))
+        assert first.got == 2 and first.stale == 3  # it read all five
+        second = _recv(peer, 3, grace=5.0, name=_name(round=4))
+        t0 = time.perf_counter()
+        hub._datagrams_rest(Hop(0, 4, datagrams_in=lambda: second), HopDatagrams(hop.sock, None, hub._pacer))
+        assert second.got == 3 and time.perf_counter() - t0 < 1.0  # counted: no wait for the deadline
+        assert not hub._carried
+    finally:
+        peer.close()
+        hub._pacer.close()
+        hop.sock.close()
 
 
 def test_the_pacer_thread_runs_jobs_in_order_and_ends_on_close():

@@ -97,7 +97,9 @@ class DatagramRecv:
     last: float | None = None
     mean_gap: float | None = None
     batch_gap: float | None = None
-    stale: int = 0  # datagrams of other rounds (late ones of an earlier round)
+    stale: int = 0  # datagrams of other rounds (late ones of an earlier round, early ones of the next)
+    others: dict[bytes, int] = field(default_factory=dict)  # those, by the 12 header bytes of their round
+    longest: float = float("inf")  # the most to wait whatever the policy says (the next hop's peer waits meanwhile)
     strangers: int = 0  # datagrams from another address (dropped)
     truncated: int = 0
     full: bool = False  # the buffer filled up before the round did
@@ -187,7 +189,7 @@ class HopDatagrams:
         while True:
             _drain(self.sock, rx, clock)
             now = clock()
-            due = now if rx.got >= rx.expect or rx.full else rx.deadline(rx.state())
+            due = now if rx.got >= rx.expect or rx.full else min(rx.deadline(rx.state()), rx.imp_at + rx.longest)
             if now >= due:
                 rx.closed_at = now
                 return
@@ -321,9 +323,11 @@ def _drain(sock: socket.socket, rx: DatagramRecv, clock: Callable[[], float]) ->
     if len(rx.reads) == n0:
         return
     now = clock()
-    total, k = _count(rx.buf, rx.reads[n0:], rx.name)
+    total, k, others = _count(rx.buf, rx.reads[n0:], rx.name)
     rx.got += k
     rx.stale += total - k
+    for name, n in others.items():
+        rx.others[name] = rx.others.get(name, 0) + n
     if k:
         if rx.last is not None:
             span = max(now - rx.last, 0.0)
@@ -333,9 +337,10 @@ def _drain(sock: socket.socket, rx: DatagramRecv, clock: Callable[[], float]) ->
     rx.drains.append((len(rx.reads), now))
 
 
-def _count(buf: np.ndarray, reads: list[tuple[int, int, int]], name: bytes) -> tuple[int, int]:
-    """(datagrams, those naming the round ``name``) in ``reads`` ((start, bytes, segment size) each, the last
-    datagram of a read shorter): every header's bytes 16-28 compared in one numpy step."""
+def _count(buf: np.ndarray, reads: list[tuple[int, int, int]], name: bytes) -> tuple[int, int, dict[bytes, int]]:
+    """(datagrams, those naming the round ``name``, the others by the round they name) in ``reads`` ((start, bytes,
+    segment size) each, the last datagram of a read shorter): every header's bytes 16-28 compared in one numpy
+    step."""
     r = np.asarray(reads, np.int64).reshape(-1, 3)
     count = np.maximum(-(-r[:, 1] // np.maximum(r[:, 2], 1)), 1)
     read = np.repeat(np.arange(len(r)), count)
@@ -343,7 +348,13 @@ def _count(buf: np.ndarray, reads: list[tuple[int, int, int]], name: bytes) -> t
     starts = r[read, 0] + idx * r[read, 2]
     starts = starts[starts + NAME.stop <= r[read, 0] + r[read, 1]]  # room for a name (else: not ours)
     heads = buf[starts[:, None] + np.arange(NAME.start, NAME.stop)]
-    return int(count.sum()), int((heads == np.frombuffer(name, np.uint8)).all(axis=1).sum())
+    mine = (heads == np.frombuffer(name, np.uint8)).all(axis=1)
+    k = int(mine.sum())
+    others: dict[bytes, int] = {}
+    if k < len(heads):  # rare: late ones of an earlier round, or early ones of the next
+        names, n = np.unique(np.ascontiguousarray(heads[~mine]).view(f"V{NAME.stop - NAME.start}"), return_counts=True)
+        others = {bytes(v): int(c) for v, c in zip(names, n)}
+    return int(count.sum()), k, others
 
 
 def _wait(sock: socket.socket | None, cancel_fd: int, timeout: float) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -137,6 +138,7 @@ class StreamHub:
         self.rank = rank
         self.hop = hop  # the hop socket (datagrams of lossy hops, dgt.channels.hop_datagrams); closed with the hub
         self._pacer = PacerThread()  # their paced sends
+        self._carried: OrderedDict[bytes, int] = OrderedDict()  # datagrams read ahead of their round, by its name
         self.split = hop_threads == 2 and native  # a hop's send half on a second thread (native loop only)
         self.frame_bytes = frame_bytes  # a message larger than a frame may be goes as several, in offset order
         self.token = token
@@ -421,7 +423,7 @@ class StreamHub:
                 sent += s
                 got += g
             if dgrams is not None:
-                self._datagrams_rest(h, dgrams)
+                self._datagrams_rest(h, dgrams, timeout / 2)
             out.append(HopResult(sent, got, time.monotonic()))
         return out
 
@@ -435,13 +437,23 @@ class StreamHub:
         dgrams.start()
         return dgrams
 
-    def _datagrams_rest(self, h: Hop, dgrams: HopDatagrams) -> None:
-        """Once the hop's messages are in: the rest of its datagrams, and those of its round from ``recv_from``."""
+    def _datagrams_rest(self, h: Hop, dgrams: HopDatagrams, longest: float = float("inf")) -> None:
+        """Once the hop's messages are in: the rest of its datagrams, and those of its round from ``recv_from``,
+        waited for at most ``longest`` seconds (half the exchange's progress timeout: a neighbour whose next hop
+        waits for this rank must not give up first, whatever deadline policy the user configured)."""
         rx = h.datagrams_in() if h.datagrams_in is not None else None
+        if rx is not None:  # an earlier hop's reads may have taken some of this round's (a peer ahead): counted
+            rx.got = self._carried.pop(rx.name, 0)
+            rx.longest = min(rx.longest, longest)
         try:
             dgrams.finish(rx, self._cancel_r)
         except HopDatagramsCancelled:
             raise HopCancelled(f"rank {self.rank} hop datagrams (bucket {h.bucket:#x}, round {h.round})") from None
+        if rx is not None:  # what it read of later rounds: their own hops count it (the receiver buffers the data)
+            for name, n in rx.others.items():
+                self._carried[name] = self._carried.get(name, 0) + n
+            while len(self._carried) > 64:  # late ones of finished rounds are never asked for: bounded
+                self._carried.popitem(last=False)
 
     async def _in_thread(self, fn: Callable[[], list[HopResult]]) -> list[HopResult]:
         """``fn`` in a worker thread (trio's thread cache, no task of its own). Cancelling the caller writes the
