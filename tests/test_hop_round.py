@@ -77,10 +77,12 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
     return trio.run(main)
 
 
-def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops():
+@pytest.mark.parametrize("hops", ["auto", "python"])
+def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops(hops):
+    """With the native hop loop and with its Python twin (the datagram loop is Python in both)."""
     world = 3
     # a long fixed deadline: every datagram sent is in before a round closes
-    res = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, timeout=120)
+    res = run_ranks(_worker, world, {"deadline": "fixed:10", "stream_hops": hops}, 3, timeout=120)
     ref = [torch.stack([data(r, k) for r in range(world)]).mean(0) for k in range(3)]  # the ring averages
     for r in range(world):
         info = res[r]
