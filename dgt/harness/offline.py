@@ -17,11 +17,14 @@ from dgt.errors import PeerClosed
 from dgt.transport.config import PeerAddress, TransportConfig
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
+    from dgt.channels.hop_datagrams import DatagramRecv
     from dgt.errors import RankMismatch
     from dgt.layout import BucketLayout
     from dgt.transport.contract import Transport
+    from dgt.transport.hop_round import HopRoundSend
     from dgt.transport.outbound import PendingSend
     from dgt.transport.stats import RoundResult, SendStats
     from dgt.transport.streams import Hop, HopResult
@@ -55,7 +58,7 @@ class OfflineTransport:
     async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
                          layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
                          order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-                         codec: int = 0, stage: Callable[[torch.Tensor], None] | None = None) -> SendStats:
+                         codec: int = 0) -> SendStats:
         self._offline("send_round")
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
@@ -71,6 +74,24 @@ class OfflineTransport:
 
     def important_in(self, peer: int, bucket: int, round: int) -> None:
         self._offline("important_in")
+
+    def hop_ready(self, peer: int) -> bool:
+        return False  # no hop socket: a lossy ring takes the session-link path (and meets _offline there)
+
+    def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+                       cls: torch.Tensor, order: torch.Tensor | None, codec: int) -> HopRoundSend:
+        self._offline("plan_hop_round")
+
+    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
+        self._offline("hop_round_sent")
+
+    def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
+                    control: Callable[[], memoryview], buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]:
+        self._offline("hop_receipt")
+
+    def land_hop_round(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
+                       control_at: float) -> None:
+        self._offline("land_hop_round")
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]:

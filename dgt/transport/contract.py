@@ -22,11 +22,14 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
+    from dgt.channels.hop_datagrams import DatagramRecv
     from dgt.errors import RankMismatch
     from dgt.layout import BucketLayout
     from dgt.transport.config import PeerAddress, TransportConfig
+    from dgt.transport.hop_round import HopRoundSend
     from dgt.transport.outbound import PendingSend
     from dgt.transport.stats import RoundResult, SendStats
     from dgt.transport.streams import Hop, HopResult
@@ -57,7 +60,7 @@ class Transport(Protocol):
     async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
                          layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
                          order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-                         codec: int = 0, stage: Callable[[torch.Tensor], None] | None = None) -> SendStats:
+                         codec: int = 0) -> SendStats:
         ...
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
@@ -85,6 +88,30 @@ class Transport(Protocol):
 
     def forfeit_exchange(self, ticket: int) -> None:
         """Give back a place reserved with ``reserve_exchange`` that will never run."""
+        ...
+
+    def hop_ready(self, peer: int) -> bool:
+        """Whether a lossy ring hop's round to and from ``peer`` can take the hop socket (dgt.transport.hop_round)."""
+        ...
+
+    def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+                       cls: torch.Tensor, order: torch.Tensor | None, codec: int) -> HopRoundSend:
+        """A lossy ring hop's round to ``peer``, planned (nothing sent): its frames, packed important blocks and
+        datagrams for the exchange."""
+        ...
+
+    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
+        """After the exchange: what the hop's worker sent, accounted."""
+        ...
+
+    def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
+                    control: Callable[[], memoryview], buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]:
+        """For the exchange's worker thread: where the round from ``peer`` lands its datagrams."""
+        ...
+
+    def land_hop_round(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
+                       control_at: float) -> None:
+        """The round the exchange carried, fed to the receiver and closed (``recv_round`` then returns it)."""
         ...
 
     async def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:

@@ -73,8 +73,8 @@ class HopRoundMixin(OutboundMixin):
 
     def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                        cls: torch.Tensor, order: torch.Tensor | None, codec: int) -> HopRoundSend:
-        """Plan round ``round`` of ``bucket`` to ``peer`` (``send_round`` with ``stage``: the important blocks are
-        the caller's to carry, float32 only), without sending anything: see the module docstring."""
+        """Plan round ``round`` of ``bucket`` to ``peer`` without sending anything (see the module docstring): the
+        important blocks are the caller's to carry (``HopRoundSend.packed``, float32 only)."""
         link = self._link(peer)
         key = (peer, bucket, round)
         if key in self._sending and not self._sending[key].detached:

@@ -134,7 +134,6 @@ class OutboundMixin(EndpointState):
         wait: bool = True,
         timeout: float | None = None,
         codec: int = 0,
-        stage: Callable[[torch.Tensor], None] | None = None,
     ) -> SendStats:
         """Send one round of ``bucket`` to ``peer``: blocks of class 0 over TCP (with the round's opening and
         closing frames), class k >= 1 over UDP lane k in ``order`` (most important first). ``cls=0`` sends
@@ -142,13 +141,10 @@ class OutboundMixin(EndpointState):
         so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
         was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
         frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``.
-        ``stage``: the caller carries the important blocks itself (a lossy ring hop's stream lane): it is called,
-        before anything is sent and before the first await, with them (plus their error-feedback residual) packed
-        in the order of dgt.protocol.packed_blocks, a view valid until this bucket's next round; the round then
-        carries only the unimportant ones (:meth:`dgt.protocol.sender.RoundSender.plan_split`, float32 only)."""
+        The hops of a lossy ring plan their rounds with :meth:`plan_hop_round` instead (dgt.transport.hop_round)."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
-        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec, stage)
+        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec)
 
     @staticmethod
     async def _jobs_done(track: _SendTrack) -> None:
@@ -185,7 +181,7 @@ class OutboundMixin(EndpointState):
 
     async def _send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout | None,
                     cls: torch.Tensor | int, order: torch.Tensor | None, wait: bool, timeout: float | None,
-                    codec: int = 0, stage: Callable[[torch.Tensor], None] | None = None) -> SendStats:
+                    codec: int = 0) -> SendStats:
         link = self._link(peer)
         t0 = trio.current_time()
         flat = flat.detach().reshape(-1)
@@ -201,10 +197,10 @@ class OutboundMixin(EndpointState):
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
-        if lossless and not wait and stage is None:  # no report to wait for: no round state at all (BULK frames)
+        if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
             return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        plan, copy = self._plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, codec, stage)
+        plan, copy = self._plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, codec)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
@@ -255,7 +251,7 @@ class OutboundMixin(EndpointState):
 
     def _plan_round(self, link: _Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                     cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, codec: int,
-                    stage: Callable[[torch.Tensor], None] | None) -> tuple[RoundPlan, bool]:
+                    stage: Callable[[torch.Tensor], None] | None = None) -> tuple[RoundPlan, bool]:
         """The round's plan under the link's send budget, and whether it sends from a private copy."""
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
