@@ -58,6 +58,19 @@ class UdpCounters:
     rx_kernel_drops: int = 0  # SO_RXQ_OVFL: dropped by the kernel for a full receive buffer
 
 
+def read_sizes(nbytes: list[int], segs: list[int]) -> np.ndarray:
+    """Per-datagram sizes of reads laid back to back (``nbytes`` each, GRO segment size ``segs``): each read is
+    full segments plus a shorter last one (vectorised)."""
+    if not nbytes:
+        return np.zeros(0, np.int64)
+    n = np.asarray(nbytes, np.int64)
+    seg = np.maximum(np.asarray(segs, np.int64), 1)
+    count = np.maximum(-(-n // seg), 1)
+    sizes = np.repeat(seg, count)
+    sizes[np.cumsum(count) - 1] = n - (count - 1) * seg
+    return sizes
+
+
 def merged(a: UdpCounters, b: UdpCounters) -> UdpCounters:
     """Two sockets' counters as one lane's (the kernel drop count: the larger)."""
     out = UdpCounters(**{f.name: getattr(a, f.name) + getattr(b, f.name) for f in fields(UdpCounters)})
@@ -228,17 +241,9 @@ class UdpChannel:
         return self.mv[:pos], self._sizes(nbytes, segs)
 
     def _sizes(self, nbytes: list[int], segs: list[int]) -> np.ndarray:
-        """Per-datagram sizes of the reads: each read is full segments plus a shorter last one (vectorised)."""
-        if not nbytes:
-            return np.zeros(0, np.int64)
-        n = np.asarray(nbytes, np.int64)
-        seg = np.maximum(np.asarray(segs, np.int64), 1)
-        count = np.maximum(-(-n // seg), 1)
-        sizes = np.repeat(seg, count)
-        last = np.cumsum(count) - 1
-        sizes[last] = n - (count - 1) * seg
+        sizes = read_sizes(nbytes, segs)
         self.counters.rx_datagrams += len(sizes)
-        self.counters.rx_bytes += int(n.sum())
+        self.counters.rx_bytes += sum(nbytes)
         return sizes
 
     async def _wait(self, waiter) -> None:

@@ -26,6 +26,7 @@ import trio
 
 from dgt import wire
 from dgt.channels.hop_datagrams import NAME, SLOT, DatagramRecv, DatagramSend
+from dgt.channels.udp import read_sizes
 from dgt.channels.udp_scheduler import DatagramJob
 from dgt.errors import RankMismatch, shape_mismatch
 from dgt.layout import BucketLayout
@@ -76,6 +77,9 @@ class HopRoundMixin(OutboundMixin):
         """Plan round ``round`` of ``bucket`` to ``peer`` without sending anything (see the module docstring): the
         important blocks are the caller's to carry (``HopRoundSend.packed``, float32 only)."""
         link = self._link(peer)
+        hop = self.streams.hop
+        if hop is None:
+            raise RuntimeError(f"rank {self.rank}: a hop round to rank {peer} needs the hop socket (none here)")
         key = (peer, bucket, round)
         if key in self._sending and not self._sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
@@ -93,13 +97,11 @@ class HopRoundMixin(OutboundMixin):
         rows, odd = _rows_of(plan)
         job = send = None
         if len(rows) or odd:
-            job = DatagramJob(peer, 1, bucket, round, rows, odd, self._hop_addr(peer))
-            pacer = link.pacer
-            rate = float("inf") if pacer is None else pacer.rate
-            send = DatagramSend(rows, odd, self._hop_addr(peer), rate if rate != float("inf") else 1e12,
-                                self.cfg.pace_burst, float(self.cfg.pace_burst) if pacer is None else pacer.tokens(now),
-                                segments=self.streams.hop.segments_per_send(rows.shape[1]) if self.streams.hop else 1,
-                                gso=bool(self.streams.hop and self.streams.hop.gso),
+            addr, pacer, burst = self._hop_addr(peer), link.pacer, self.cfg.pace_burst
+            job = DatagramJob(peer, 1, bucket, round, rows, odd, addr)
+            send = DatagramSend(rows, odd, addr, 1e12 if pacer is None else pacer.rate, burst,  # unpaced: 1 TB/s
+                                float(burst) if pacer is None else pacer.tokens(now),
+                                segments=hop.segments_per_send(rows.shape[1]), gso=hop.gso,
                                 limit=self.cfg.round_timeout or 10.0)
         track = None
         if plan.unimportant_blocks or plan.unsent_blocks:  # a report will come: it finds its track
@@ -223,12 +225,8 @@ class HopRoundMixin(OutboundMixin):
             if not reads:
                 continue
             start = reads[0][0]
-            nbytes = np.asarray([r[1] for r in reads], np.int64)
-            seg = np.maximum(np.asarray([r[2] for r in reads], np.int64), 1)
-            count = np.maximum(-(-nbytes // seg), 1)
-            sizes = np.repeat(seg, count)
-            sizes[np.cumsum(count) - 1] = nbytes - (count - 1) * seg
-            end = start + int(nbytes.sum())
+            sizes = read_sizes([r[1] for r in reads], [r[2] for r in reads])  # the reads lie back to back
+            end = start + int(sizes.sum())
             if udp is not None:
                 udp.counters.rx_datagrams += len(sizes)
                 udp.counters.rx_bytes += end - start
