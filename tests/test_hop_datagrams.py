@@ -173,8 +173,8 @@ def test_the_send_half_keeps_the_rate_it_was_given(pair):
     tx = _send(rows, a, b, rate=1e6, burst=10_000)
     t0 = time.perf_counter()
     hd = HopDatagrams(a, tx, PacerThread())
-    hd.start()
-    assert tx.sent < 100  # only the burst went at once; the rest is paced from the pacer thread
+    hd.start()  # everything from the pacer thread: the burst at once, the rest at the rate
+    assert tx.sent < 100
     hd.finish(None)
     took = time.perf_counter() - t0
     assert tx.sent == 100 and 0.07 <= took < 2.0, (tx.sent, took)
@@ -269,3 +269,16 @@ def test_the_pacer_thread_runs_jobs_in_order_and_ends_on_close():
     p.close()
     assert p.submit(lambda: seen.append(9)).wait(2.0) and seen[-1] == 9  # a later submit starts a new thread
     p.close()
+
+
+def test_the_send_half_measures_how_long_the_stream_messages_took(pair):
+    """``DatagramSend.window``: from the hop's start to the moment its stream messages were done (finish is called
+    then), the sample the send budget learns a hop round's window from (not the drop report's round trip)."""
+    a, b = pair
+    tx = _send(_rows(3), a, b)
+    hd = HopDatagrams(a, tx, PacerThread())
+    hd.start()
+    time.sleep(0.05)  # the stream messages
+    t_messages = time.perf_counter()
+    hd.finish(None)
+    assert tx.window is not None and 0.05 <= tx.window <= t_messages - hd.t0 + 1e-3

@@ -99,3 +99,37 @@ def test_the_slowdown_breaks_the_loop_of_budget_and_window_on_a_cpu_bound_host()
     # with the default 2 ms of slack (a fifth of these 10 ms windows) it settles a little higher, far from the runaway
     sent, stretch = _cpu_bound_host(slowdown_target=0.2, slack=RoundWindow().slack)
     assert sent < 2.2e6 and stretch < 2.1
+
+
+def test_a_hop_rounds_window_is_its_stream_time_not_its_reports_round_trip():
+    """The endpoint's report accounting: a session round's window is start to report less the receiver's wait; a
+    lossy ring hop's round (its track holds the worker's ``window``) learns what its stream messages took. From the
+    round's start to its report a hop also holds its encode, its planning, the peer's landing and the report's trip
+    back through a busy trio thread: a 4-rank ring learnt ~8-10 ms windows for ~1 ms transfers, and its datagrams,
+    paced over that window, arrived long after the important blocks while the receiver held the hop open."""
+    from types import SimpleNamespace
+
+    import numpy as np
+    import trio
+
+    from dgt.protocol.pacing import Pacer
+    from dgt.protocol.report import Timing
+    from dgt.transport.outbound import OutboundMixin, _SendTrack
+
+    learnt: list[float | None] = []
+
+    async def account(hop_window: float | None) -> None:
+        now = trio.current_time()
+        link = SimpleNamespace(pacer=Pacer(10e6, 1 << 18, LedbatRate(10e6)), window=RoundWindow())
+        track = _SendTrack(t0=now - 0.050, window=hop_window)  # started 50 ms ago; the receiver waited 10 ms
+        track.jobs.append(SimpleNamespace(sends=[(now - 0.049, 1, 4096)], rows=np.zeros((1, 4096), np.uint8), odd=[]))
+        info = SimpleNamespace(lost_mask=None, missing_blocks=0, bucket=3,
+                               timing=Timing(1, 100.0, 100.0, 0.010, 4096, 100.01))
+        OutboundMixin._account_report(SimpleNamespace(_tx_lost={}), link, track, info)  # type: ignore[arg-type]
+        learnt.append(link.window.value)
+        assert link.window.budget(10e6) == int(10e6 * max(link.window.value, link.window.floor))
+
+    trio.run(account, 0.002)
+    trio.run(account, None)
+    assert learnt[0] == pytest.approx(0.002)  # the hop: its stream messages' 2 ms
+    assert learnt[1] == pytest.approx(0.040, abs=0.005)  # the session round: 50 ms less the 10 ms wait

@@ -49,7 +49,10 @@ class RoundWindow:
     like queuing delay (:class:`dgt.protocol.congestion.LedbatRate`, ``slowdown_target``) and so breaks that loop."""
 
     alpha: float = 0.25
-    floor: float = 0.005  # the budget never covers less than this much time (so the lane keeps probing)
+    # the budget never covers less than this much time (so the lane keeps probing). 1 ms: a lossy ring hop's
+    # window on loopback is ~1-2 ms; a 5 ms floor paced its datagrams over 5 ms, the receiver holding the hop open
+    # ~3 ms for them after the important blocks were in
+    floor: float = 0.001
     initial: float = 0.05
     value: float | None = None
     interval: float = 60.0  # seconds per base-window interval

@@ -129,6 +129,7 @@ class HopRoundMixin(OutboundMixin):
         job.done.set(None)
         track = hs.track
         if track is not None:
+            track.window = tx.window
             track.jobs.append(job)  # the congestion feedback reads the send calls from here
             info = track.report.peek()
             if info is not None and link is not None:  # the report came while the worker still ran: feed it now

@@ -39,6 +39,7 @@ class _SendTrack:
     detached: bool = False  # send_round returned without waiting for the report
     t0: float = 0.0  # when the round started (the send budget learns the round's length from its report)
     cls: np.ndarray | None = None  # lane class per block (per-lane loss accounting)
+    window: float | None = None  # a hop round's: the seconds its stream messages took (the budget's window sample)
 
 
 class PendingSend:
@@ -107,7 +108,12 @@ class OutboundMixin(EndpointState):
         t = info.timing
         sends = [s for job in track.jobs for s in job.sends]  # one entry per GSO call, not per datagram
         planned = sum(job.rows.size + sum(map(len, job.odd)) for job in track.jobs)
-        slowdown = link.window.observe(now - track.t0, t.wait, info.bucket, now, planned)
+        # a hop round's window is what its important blocks took on the stream lane, measured where they were sent:
+        # from the round's start to the report it also holds the hop's encode, planning, the peer's landing and the
+        # report's trip back through a busy trio thread, several times the transfer (a budget for that long sends
+        # datagrams that arrive long after the important blocks, and the receiver holds the hop open for them)
+        duration, wait = (track.window, 0.0) if track.window is not None else (now - track.t0, t.wait)
+        slowdown = link.window.observe(duration, wait, info.bucket, now, planned)
         link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned, slowdown), now)
 
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
