@@ -133,3 +133,11 @@ def test_a_hop_rounds_window_is_its_stream_time_not_its_reports_round_trip():
     trio.run(account, None)
     assert learnt[0] == pytest.approx(0.002)  # the hop: its stream messages' 2 ms
     assert learnt[1] == pytest.approx(0.040, abs=0.005)  # the session round: 50 ms less the 10 ms wait
+
+
+def test_a_transfer_sample_sets_the_budget_window_while_the_slowdown_reads_the_whole_round():
+    w = RoundWindow(warm=1, slack=0.0)
+    w.observe(0.010, 0.0, bucket=1, transfer=0.001)  # base: a 10 ms round whose important blocks took 1 ms
+    slow = w.observe(0.020, 0.0, bucket=1, transfer=0.001)  # planning and landing twice as long, same transfer
+    assert slow == pytest.approx(1.0)  # the CPU-bound slowdown is seen
+    assert w.value == pytest.approx(0.001)  # the budget covers the transfer, not the round

@@ -64,16 +64,21 @@ class RoundWindow:
     _base: OrderedDict[int, BaseDelay] = field(default_factory=OrderedDict, repr=False)
 
     def observe(self, duration: float, wait: float, bucket: int | None = None, now: float = 0.0,
-                datagram_bytes: int | None = None) -> float | None:
+                datagram_bytes: int | None = None, transfer: float | None = None) -> float | None:
         """``duration``: round start to drop report (sender clock); ``wait``: the receiver's deadline wait; ``now``:
-        the sender's clock; ``datagram_bytes``: what the round put on the datagram lanes (None: not known). Returns
-        the round's slowdown against its bucket's base window (``(window - base - slack) / base``, >= 0), or None
-        before ``warm`` windows of the bucket were seen, without a bucket, or under ``min_bytes`` of datagrams (the
-        window still counts towards the base)."""
+        the sender's clock; ``datagram_bytes``: what the round put on the datagram lanes (None: not known);
+        ``transfer``: how long the important blocks' transfer took, where the sender measured it (a lossy ring hop:
+        its stream messages), the budget's window sample then (None: ``duration - wait``). Returns the round's
+        slowdown against its bucket's base window (``(window - base - slack) / base``, >= 0, from ``duration -
+        wait`` always: it holds the planning and landing that more datagrams make longer), or None before ``warm``
+        windows of the bucket were seen, without a bucket, or under ``min_bytes`` of datagrams (the window still
+        counts towards the base)."""
         sample = max(duration - max(wait, 0.0), 0.0)
         slow = None if bucket is None else self._slowdown(bucket, sample, now)
         if datagram_bytes is not None and datagram_bytes < self.min_bytes:
             slow = None
+        if transfer is not None:
+            sample = max(transfer, 0.0)
         if self.value is None or sample <= self.value:
             self.value = sample
         else:

@@ -108,12 +108,12 @@ class OutboundMixin(EndpointState):
         t = info.timing
         sends = [s for job in track.jobs for s in job.sends]  # one entry per GSO call, not per datagram
         planned = sum(job.rows.size + sum(map(len, job.odd)) for job in track.jobs)
-        # a hop round's window is what its important blocks took on the stream lane, measured where they were sent:
-        # from the round's start to the report it also holds the hop's encode, planning, the peer's landing and the
+        # a hop round's budget window is what its important blocks took on the stream lane, measured where they were
+        # sent: from the round's start to the report it also holds the hop's planning, the peer's landing and the
         # report's trip back through a busy trio thread, several times the transfer (a budget for that long sends
-        # datagrams that arrive long after the important blocks, and the receiver holds the hop open for them)
-        duration, wait = (track.window, 0.0) if track.window is not None else (now - track.t0, t.wait)
-        slowdown = link.window.observe(duration, wait, info.bucket, now, planned)
+        # datagrams that arrive long after the important blocks, and the receiver holds the hop open for them). Its
+        # slowdown still reads the whole round, which more datagrams make longer on a CPU-bound host.
+        slowdown = link.window.observe(now - track.t0, t.wait, info.bucket, now, planned, track.window)
         link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned, slowdown), now)
 
     def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
