@@ -42,6 +42,16 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
 
         HopRoundMixin._land_reads = tampered
 
+    transfers: list[float] = []  # each hop's transfer time as the worker measured it (DatagramSend.window)
+    sent = HopRoundMixin.hop_round_sent
+
+    def hop_round_sent(self, hs, failed=False):
+        if hs.datagrams is not None and hs.datagrams.window is not None:
+            transfers.append(hs.datagrams.window)
+        return sent(self, hs, failed)
+
+    HopRoundMixin.hop_round_sent = hop_round_sent
+
     async def main():
         cfg = TransportConfig(**cfg_kwargs)
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
@@ -72,7 +82,8 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
             return {"outs": outs, "hop_tx": hop.counters.tx_datagrams, "hop_rx": hop.counters.rx_datagrams,
                     "hop_strangers": hop.counters.rx_unknown_source, "lane_tx": g.endpoint.udp[1].counters.tx_datagrams,
                     "lane1_tx_frames": lane1.tx_frames, "closed_by": st.closed_by, "rejects": st.reject_reasons,
-                    "hop_port": g.endpoint.address.hop_port}
+                    "hop_port": g.endpoint.address.hop_port, "transfers": transfers,
+                    "window": g.endpoint._links[(rank + 1) % world].window.value}
 
     return trio.run(main)
 
@@ -93,6 +104,11 @@ def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops
         for k, (t, st) in enumerate(info["outs"]):
             assert st["dropped"] == 0, st
             assert torch.equal(t, res[0]["outs"][k][0])  # every rank holds the same tensor
+        # the send budget's window to the next rank was learnt from the hops' transfers (the EWMA stays within the
+        # samples it was fed), not from round start to drop report, which also holds this rank's planning and the
+        # peer's landing
+        assert info["transfers"] and info["window"] is not None
+        assert min(info["transfers"]) - 1e-9 <= info["window"] <= max(info["transfers"]) + 1e-9, info
     # every datagram sent was read (loopback, nothing dropped), and none came from anywhere else
     assert sum(res[r]["hop_rx"] for r in range(world)) == sum(res[r]["hop_tx"] for r in range(world))
     if all(res[r]["outs"][0][1]["unsent"] == 0 for r in range(world)):  # call 0 kept nothing back: the exact mean
