@@ -35,7 +35,9 @@ from dgt.protocol.geometry import Geometry
 class RoundWindow:
     """The seconds from a round's start to the moment its important blocks were all in at the receiver: a shorter
     round is taken at once (the budget must not hold rounds open), a longer one through an EWMA of weight ``alpha``.
-    Before the first report the budget covers ``initial`` seconds.
+    Before the first report the budget covers ``initial`` seconds. A lossy ring hop's round gives the transfer time
+    its sender measured instead (``observe(transfer=)``): its start-to-report time also holds its own planning and its
+    peer's landing, several times the transfer.
 
     Per bucket it also keeps the shortest window of the last ``history`` intervals of ``interval`` seconds (the
     *base window*, aged out like LEDBAT's base delay: a bucket moves the same bytes every step, so its fastest recent
