@@ -8,8 +8,9 @@ hop's stream messages also runs its datagrams, on the endpoint's hop socket (one
 never reads):
 
 - the send half (:class:`DatagramSend`): the round's datagrams, packed on the trio side (headers, payloads, MAC
-  trailers), handed to the kernel one GSO batch at a time at the pacer's rate (a token bucket of its own, started
-  from the pacer's tokens; the trio side charges the pacer afterwards with what left when);
+  trailers), handed to the kernel one GSO batch at a time from a pacer thread while the hop's stream messages
+  travel, at the pacer's rate (a token bucket of its own, started from the pacer's tokens; the trio side charges
+  the pacer afterwards with what left when), and the time those messages took (``window``, the send budget's);
 - the receive half (:class:`DatagramRecv`): GRO reads into one buffer, from the peer's hop socket only, until every
   datagram the round announced is in or the round's deadline passes: the receiver's deadline policy evaluated on
   the arrivals as they come, from the moment the hop's stream messages (the important blocks) are in.
@@ -53,8 +54,9 @@ class HopDatagramsCancelled(Exception):
 @dataclass
 class DatagramSend:
     """A round's datagrams to send: ``rows`` ``[k, seg]`` uint8 (packed), then ``odd`` (shorter ones), to ``addr``
-    at ``rate`` bytes/s (a bucket of ``burst`` bytes holding ``tokens`` at the start). Filled in by :func:`run`:
-    ``sends`` (``time.perf_counter()`` when the call started, datagrams, bytes) per send call."""
+    at ``rate`` bytes/s (a bucket of ``burst`` bytes holding ``tokens`` at the start). Filled in by
+    :class:`HopDatagrams`: ``sends`` (``time.perf_counter()`` when the call started, datagrams, bytes) per send call,
+    ``window``."""
 
     rows: np.ndarray
     odd: list[bytes]
@@ -81,9 +83,9 @@ class DatagramSend:
 class DatagramRecv:
     """Where a round's datagrams land: ``buf`` (uint8, sized by the caller from the round's geometry), from
     ``addr`` only; ``name``: the 12 header bytes of the round's datagrams; ``expect``: how many the round announced;
-    ``deadline``: the receiver's policy (a copy). Filled in by :func:`run`: ``reads`` (start, bytes, segment size)
-    per read; ``drains`` (reads so far, ``time.perf_counter()``) per pass that emptied the socket, a batch for the
-    receiver; ``imp_at``/``closed_at``: when the important blocks were in, when it stopped waiting."""
+    ``deadline``: the receiver's policy (a copy). Filled in by :class:`HopDatagrams`: ``reads`` (start, bytes,
+    segment size) per read; ``drains`` (reads so far, ``time.perf_counter()``) per pass that emptied the socket, a
+    batch for the receiver; ``imp_at``/``closed_at``: when the important blocks were in, when it stopped waiting."""
 
     buf: np.ndarray
     addr: tuple[str, int]
@@ -112,10 +114,10 @@ class DatagramRecv:
 
 
 class HopDatagrams:
-    """One hop's datagrams on the hop socket ``sock`` (non-blocking). :meth:`start`, before the hop's stream
-    messages: what the pacer allows at once goes out, and the rest leaves at the pacer's rate from a thread of its
-    own while the messages travel (the native loop releases the GIL), as the round's datagrams travelled beside its
-    important blocks on the session link. :meth:`finish`, once the messages are in: the receive half until its
+    """One hop's datagrams on the hop socket ``sock`` (non-blocking). :meth:`start`, as the hop's stream messages
+    start: the pacer thread sends what the tokens allow at once and the rest at the pacer's rate while the messages
+    travel (the native loop releases the GIL), as the round's datagrams travelled beside its important blocks on the
+    session link. :meth:`finish`, once the messages are in: the receive half until its
     round closed, then the send half's end."""
 
     COALESCE = 0.0005  # seconds between reads while a round's datagrams trickle in: a few per wake-up, not one

@@ -75,12 +75,11 @@ class RoundWindow:
         wait`` always: it holds the planning and landing that more datagrams make longer), or None before ``warm``
         windows of the bucket were seen, without a bucket, or under ``min_bytes`` of datagrams (the window still
         counts towards the base)."""
-        sample = max(duration - max(wait, 0.0), 0.0)
-        slow = None if bucket is None else self._slowdown(bucket, sample, now)
+        whole = max(duration - max(wait, 0.0), 0.0)
+        slow = None if bucket is None else self._slowdown(bucket, whole, now)
         if datagram_bytes is not None and datagram_bytes < self.min_bytes:
             slow = None
-        if transfer is not None:
-            sample = max(transfer, 0.0)
+        sample = whole if transfer is None else max(transfer, 0.0)
         if self.value is None or sample <= self.value:
             self.value = sample
         else:

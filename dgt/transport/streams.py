@@ -64,7 +64,7 @@ class Hop:
     """Instead of ``land``: called in the worker thread once the hops before this one are done, for a landing
     whose size depends on what they received (a lossy hop's packed blocks, sized by the mask message before it)."""
     datagrams: DatagramSend | None = None
-    """After this hop's messages: a round's datagrams to ``send_to``, from the hub's hop socket
+    """Beside this hop's messages: a round's datagrams to ``send_to``, from the hub's hop socket
     (:mod:`dgt.channels.hop_datagrams`), while those of ``datagrams_in`` are read."""
     datagrams_in: Callable[[], DatagramRecv] | None = None
     """Called in the worker thread once this hop's messages are in: where the datagrams of ``recv_from``'s round
@@ -428,7 +428,8 @@ class StreamHub:
         return out
 
     def _datagrams_first(self, h: Hop) -> HopDatagrams | None:
-        """A hop with datagrams (see :class:`Hop`), in the worker thread: those the pacer lets go at once."""
+        """A hop with datagrams (see :class:`Hop`), in the worker thread: handed to the pacer thread as its
+        messages start."""
         if h.datagrams is None and h.datagrams_in is None:
             return None
         if self.hop is None:
