@@ -1,10 +1,12 @@
-"""run_ranks: a rank that never finishes is killed at the timeout and reported with where it was stuck."""
+"""run_ranks: a rank that never finishes is killed at the timeout and reported with where it was stuck; each rank gets
+its share of the host's cores as torch threads."""
 
+import os
 import time
 
 import pytest
 
-from dgt.collectives.launch import RankFailed, run_ranks
+from dgt.collectives.launch import RankFailed, rank_threads, run_ranks
 
 
 def _stuck_on_odd_ranks(rank: int, world: int) -> int:
@@ -25,3 +27,22 @@ def test_a_rank_past_the_timeout_is_reported_with_its_stack():
     assert "_stuck_on_odd_ranks" in stacks and "test_launch.py" in stacks
     with pytest.raises(RankFailed, match="(?s)rank 1: missing Timeout.*_stuck_on_odd_ranks"):
         run_ranks(_stuck_on_odd_ranks, 2, timeout=12)
+
+
+def _threads(rank: int, world: int) -> int:
+    import torch
+
+    return torch.get_num_threads()
+
+
+def test_each_rank_gets_its_share_of_the_cores(monkeypatch):
+    monkeypatch.delenv("DGT_THREADS", raising=False)
+    cores = len(os.sched_getaffinity(0))
+    assert rank_threads(1) == cores
+    assert rank_threads(2) == max(1, cores // 2)
+    assert rank_threads(4 * cores) == 1  # never none
+    monkeypatch.setenv("DGT_THREADS", "3")
+    assert rank_threads(2) == 3
+    monkeypatch.delenv("DGT_THREADS")
+    assert run_ranks(_threads, 2, timeout=60) == {0: max(1, cores // 2), 1: max(1, cores // 2)}
+    assert run_ranks(_threads, 2, timeout=60, env={"DGT_THREADS": "2"}) == {0: 2, 1: 2}

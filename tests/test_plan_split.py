@@ -167,6 +167,49 @@ def test_plan_split_equals_prepare_plan_elsewhere_and_pack(geom, late, ef, mac, 
 
 
 @pytest.mark.parametrize("geom", GEOMS)
+@pytest.mark.parametrize("late", [False, True], ids=["report-on-time", "report-a-round-late"])
+@pytest.mark.parametrize("mac", [False, True], ids=["no-mac", "mac"])
+@pytest.mark.parametrize("seed", range(3))
+def test_plan_split_without_a_stage_equals_prepare_and_plan(geom, late, mac, seed):
+    """A session-link round (stage None: the important blocks framed from the private copy): the same frames,
+    datagrams, residual and report handling as ``prepare`` then ``plan``, the kept-back blocks never copied."""
+    sizes, block, payload = GEOMS[geom]
+    layout = BucketLayout(sizes, block)
+    rng = np.random.default_rng(200 + seed)
+    a, b = _sender(block, payload, True, mac), _sender(block, payload, True, mac)
+    rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01), mac=DatagramMac(KEY) if mac else None)
+    pending = None
+    seen = {"res_in": 0, "kept": 0, "lost": 0, "important": 0}
+    for rnd in range(8):
+        x, cls, order, budget = _inputs(layout, rng)
+        x_before = x.clone()
+        seen["res_in"] += _effective(a) is not None and bool(_effective(a).any())
+        pa, data_a = a.plan_split(0, rnd, x, layout, cls, order, True, budget, None, None)
+        assert torch.equal(x, x_before)
+        pb = b.plan(0, rnd, b.prepare(0, x), layout, cls, order, budget=budget)
+        _same_plan(pa, pb)
+        assert pa.important_blocks == int(_important(layout, cls).sum()) and pa.elsewhere is None
+        seen["important"] += pa.important_blocks
+        seen["kept"] += pa.unsent_blocks
+        _same_residual(a, b, f"round {rnd} planned")
+        if pending is not None:
+            _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
+            _same_residual(a, b, f"round {rnd - 1}'s late report")
+        done = _deliver(rx, pa, rnd, float(rng.choice([0.0, 0.2, 0.6])), rng)
+        seen["lost"] += int((~done.mask.numpy()).sum())
+        report = wire.decode_frames(done.report)[0]
+        if late:
+            pending = report
+        else:
+            _same_info(a.on_drop_report(report), b.on_drop_report(report))
+            _same_residual(a, b, f"round {rnd}'s report")
+    if pending is not None:
+        _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
+    _same_residual(a, b, "the end")
+    assert seen["lost"] and seen["kept"] and seen["res_in"] and seen["important"]  # the paths under test ran
+
+
+@pytest.mark.parametrize("geom", GEOMS)
 @pytest.mark.parametrize("leave_lost", [False, True])
 @pytest.mark.parametrize("seed", range(3))
 def test_conservation_over_rounds_with_loss(geom, leave_lost, seed):

@@ -44,7 +44,7 @@ def _child(fn, rank: int, world: int, env: dict, args: tuple, out: mp.Queue) -> 
     try:
         import torch
 
-        torch.set_num_threads(int(env.get("DGT_THREADS", "1")))
+        torch.set_num_threads(int(env["DGT_THREADS"]))
         result = fn(rank, world, *args)
         out.put((rank, "ok", pickle.dumps(result)))
     except BaseException as exc:  # report every failure to the parent, with its type
@@ -70,9 +70,25 @@ def _dump_stacks(stuck: dict[int, mp.Process]) -> dict[int, str]:
     return stacks
 
 
+def rank_threads(world: int) -> int:
+    """Torch intra-op threads for each of ``world`` ranks on this host: DGT_THREADS when set, else an equal share of
+    the cores this process may run on (at least 1). The ranks stand for ``world`` machines, each of which would have
+    all of its cores: a share keeps the ranks from oversubscribing the host, and still gives a lossy hop's C passes
+    (:func:`dgt.layout.pass_threads`) the idle cores of a large host."""
+    given = os.environ.get("DGT_THREADS")
+    if given:
+        return max(1, int(given))
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, world))
+
+
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 120.0, env: dict | None = None,
               allow_fail: bool = False) -> dict[int, Any] | dict[int, tuple[str, Any]]:
-    """Call ``fn(rank, world, *args)`` in ``world`` spawned processes with MASTER_ADDR/MASTER_PORT set.
+    """Call ``fn(rank, world, *args)`` in ``world`` spawned processes with MASTER_ADDR/MASTER_PORT set, each with
+    :func:`rank_threads` torch threads (``env``'s DGT_THREADS overrides).
 
     Returns {rank: result}. If any rank fails: raises RankFailed (or, with ``allow_fail``, returns
     {rank: ("ok", result) | ("error", (type, message, traceback)) | ("missing", None)}). A rank still running at
@@ -80,7 +96,8 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout: float = 1
     """
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **(env or {})}
+    base = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "DGT_THREADS": str(rank_threads(world)),
+            **(env or {})}
     procs = [ctx.Process(target=_child, args=(fn, r, world, base, args, out), daemon=True) for r in range(world)]
     outcomes: dict[int, tuple[str, Any]] = {}
     try:

@@ -317,11 +317,15 @@ class RoundSender:
 
     def plan_split(self, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                    cls: torch.Tensor | int, order: torch.Tensor | None, report: bool, budget: int | None,
-                   codec: int | None, stage: Callable[[torch.Tensor], None]) -> tuple[RoundPlan, torch.Tensor]:
+                   codec: int | None, stage: Callable[[torch.Tensor], None] | None) -> tuple[RoundPlan, torch.Tensor]:
         """:meth:`prepare` and :meth:`plan` with ``elsewhere`` in one pass over the bucket (float32): ``flat`` plus
         its residual goes to ``stage`` (the important blocks, packed as dgt.protocol.packed_blocks orders them; a
         view valid until this bucket's next round), to the residual (the blocks the budget keeps back; zero
-        elsewhere) and to the round's private copy (the blocks sent as datagrams). Returns the plan and that copy."""
+        elsewhere) and to the round's private copy (the blocks sent as datagrams). Returns the plan and that copy.
+
+        ``stage`` None: :meth:`prepare` and :meth:`plan` in one pass, the important blocks in the private copy with
+        the datagrams' and framed from there (a round on the session link). Either way the blocks the budget keeps
+        back are written to the residual only: no copy of them, no second pass to fold them."""
         sel = self.select(flat, layout, cls, order, budget)
         src = flat.detach().reshape(-1)
         if src.dtype != torch.float32 or src.device.type != "cpu" or not src.is_contiguous():
@@ -338,23 +342,26 @@ class RoundSender:
         res_out = (res if res is not None else torch.empty_like(src)) if kept else None
         imp = sel.cls_np == 0
         kind = np.full(layout.nblocks, SENT, dtype=np.uint8)
-        kind[imp] = IMPORTANT
+        if stage is not None:
+            kind[imp] = IMPORTANT
         if kept:
             kind[sel.unsent] = KEPT
-        n_imp = packed_numel(layout, imp)
+        n_imp = packed_numel(layout, imp) if stage is not None else 0
         packed = self._packed.get(bucket)
         if packed is None or packed.numel() < n_imp:
             packed = self._packed[bucket] = torch.empty(n_imp + n_imp // 4, dtype=src.dtype)
-        split_blocks(src, res_in, packed, res_out, data, layout, kind, packed_offsets(layout, imp))
+        at = packed_offsets(layout, imp) if stage is not None else np.full(layout.nblocks, -1, np.int64)
+        split_blocks(src, res_in, packed, res_out, data, layout, kind, at)
         if res_out is not None:
             self._residual[bucket] = res_out
             self._spent.discard(bucket)
         elif res_in is not None:
             self._spent.add(bucket)  # consumed: it reads as zero from now on
-        stage(packed[:n_imp])
-        plan = self._frame(bucket, round, data, layout, sel, report, codec, elsewhere=True)
-        if (bucket, round) not in self._pending:  # no report will recycle it
-            self._recycle(bucket, data)
+        if stage is not None:
+            stage(packed[:n_imp])
+        plan = self._frame(bucket, round, data, layout, sel, report, codec, elsewhere=stage is not None)
+        if stage is not None and (bucket, round) not in self._pending:  # no report will recycle it (a hop's
+            self._recycle(bucket, data)  # datagrams leave before its call returns; a session round's frames may not)
         return plan, data
 
     def _frame(self, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout, sel: Selection,

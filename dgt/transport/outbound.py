@@ -270,6 +270,10 @@ class OutboundMixin(EndpointState):
         # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
         copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
         link.dirty.discard(bucket)
+        if copy and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
+            # the copy, the residual added and the blocks the budget keeps back folded, in one pass
+            return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,
+                                          None)[0], True
         data = link.sender.prepare(bucket, flat) if copy else flat
         return link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
                                 codec=codec), copy
