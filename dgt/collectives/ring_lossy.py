@@ -36,7 +36,7 @@ from dgt.collectives.parts import check_op, host, state_key, transport_key, wire
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import RankMismatch, shape_mismatch
 from dgt.layout import BucketLayout
-from dgt.protocol.block_ops import combine_blocks, packed_offsets
+from dgt.protocol.block_ops import add_blocks, combine_blocks, packed_offsets
 from dgt.protocol.packed_blocks import packed_numel
 from dgt.transport.hop_round import control_bytes
 from dgt.transport.streams import Hop, streamable
@@ -142,9 +142,17 @@ class LossyHops:
             return buf.rx_pack[: packed_numel(lay_c, rx[:nb_c] != 0)]
 
         receipt = ep.hop_receipt(prv, key, rnd, lay_c, 4, lambda: memoryview(rx[nb_c:]), buf.dgrams)
+        early: list[tuple[np.ndarray, torch.Tensor]] = []  # the stream lane's part of the sum, made in the worker
 
-        def datagrams_in() -> DatagramRecv:
+        def datagrams_in() -> DatagramRecv:  # in the worker thread, once both messages are in
+            at = time.perf_counter()
+            imp = rx[:nb_c] != 0
+            # this rank's chunk plus the packed blocks, while the round's datagrams still come in (they wait in the
+            # socket): only the blocks that came as datagrams are left to add once the round closes
+            early.append((imp, combine_blocks(mine_src, mine_src, buf.rx_pack[: packed_numel(lay_c, imp)], mine, lay_c,
+                                              np.zeros(nb_c, bool), packed_offsets(lay_c, imp))))
             seen.append(receipt())
+            seen[-1].imp_at = at  # the round's deadline counts from the messages, not from the end of this pass
             return seen[-1]  # type: ignore[no-any-return]
 
         hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, buf.tx_msg, prv, buf.rx_msg, codec=op),
@@ -166,14 +174,12 @@ class LossyHops:
         stats.bytes_unsent += st.unsent_bytes
         stats.add_sent(0, hs.packed.numel() * isz)
         stats.bytes_received[0] = stats.bytes_received.get(0, 0) + sum(d.received for d in done)
-        rx_imp = rx[:nb_c] != 0
+        rx_imp, means = early[0]
         # the round counts the blocks it never announced as unsent: those on the stream lane were not
         stats.unsent -= min(int(rx_imp.sum()), stats.unsent)
         dst = res.data.reshape(-1)
         if dst.numel() != lay_c.numel or dst.dtype != mine.dtype or res.mask.numel() != lay_c.nblocks:
             raise RankMismatch(shape_mismatch(rnd), detail=f"rank {prv} sent {dst.numel()} x {dst.dtype} for rs step "
                                f"{s} of bucket {bucket_id}, this rank expects {lay_c.numel} x {mine.dtype}")
-        received = res.mask.numpy() & ~rx_imp
-        n_packed = packed_numel(lay_c, rx_imp)
-        return combine_blocks(mine_src, dst, buf.rx_pack[:n_packed], mine, lay_c, received,
-                              packed_offsets(lay_c, rx_imp))
+        add_blocks(mine, dst, lay_c, np.flatnonzero(res.mask.numpy() & ~rx_imp), means)
+        return means

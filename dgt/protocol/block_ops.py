@@ -102,6 +102,35 @@ def combine_blocks_torch(src: torch.Tensor, land: torch.Tensor, packed: torch.Te
     return layout.block_abs_mean(out)
 
 
+def add_blocks(out: torch.Tensor, land: torch.Tensor, layout: BucketLayout, blocks: np.ndarray,
+               means: torch.Tensor, native: bool = True) -> None:
+    """``out += land`` on ``blocks`` (indices into ``layout``'s blocks, distinct) and their entries of ``means`` (the
+    blocks' mean |out|, as :func:`combine_blocks` returns them) recomputed; nothing else is read or written. The
+    second half of a combine split in two (:func:`combine_blocks` with no block received, while the round's
+    datagrams come in; then this for those that came): the same result, bit for bit."""
+    for t in (out, land):
+        if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
+            raise ValueError("add_blocks: contiguous 1-D float32 CPU tensors")
+    if out.numel() != layout.numel or land.numel() != layout.numel or means.shape != (layout.nblocks,):
+        raise ValueError(f"add_blocks: {out.numel()} / {land.numel()} elements, {tuple(means.shape)} means for {layout}")
+    blocks = np.ascontiguousarray(blocks, dtype=np.int64)
+    if len(blocks) == 0:
+        return
+    if int(blocks.min()) < 0 or int(blocks.max()) >= layout.nblocks or len(np.unique(blocks)) != len(blocks):
+        raise ValueError("add_blocks: block indices out of range or repeated")
+    starts, lens = layout.block_start.numpy()[blocks], layout.block_len.numpy()[blocks]
+    if _blockops is None or not native:
+        for b, a, k in zip(blocks.tolist(), starts.tolist(), lens.tolist()):  # the reference: clarity over speed
+            out[a : a + k] += land[a : a + k]
+            means[b] = out[a : a + k].abs().sum() / k
+        return
+    sums = np.empty(len(blocks), dtype=np.float32)
+    o = out.numpy()
+    _blockops.combine(o, land.numpy(), np.zeros(0, np.float32), o, starts, lens, np.ones(len(blocks), np.uint8),
+                      np.full(len(blocks), -1, np.int64), sums, 1)
+    means[torch.from_numpy(blocks)] = torch.from_numpy(sums).div_(torch.from_numpy(lens).to(torch.float32))
+
+
 IMPORTANT, KEPT, SENT = 0, 1, 2  # split_blocks' kinds
 
 
