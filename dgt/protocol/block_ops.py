@@ -112,7 +112,8 @@ def add_blocks(out: torch.Tensor, land: torch.Tensor, layout: BucketLayout, bloc
         if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous() or t.dim() != 1:
             raise ValueError("add_blocks: contiguous 1-D float32 CPU tensors")
     if out.numel() != layout.numel or land.numel() != layout.numel or means.shape != (layout.nblocks,):
-        raise ValueError(f"add_blocks: {out.numel()} / {land.numel()} elements, {tuple(means.shape)} means for {layout}")
+        raise ValueError(f"add_blocks: {out.numel()} / {land.numel()} elements, {tuple(means.shape)} means for "
+                         f"{layout}")
     blocks = np.ascontiguousarray(blocks, dtype=np.int64)
     if len(blocks) == 0:
         return
