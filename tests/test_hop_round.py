@@ -52,6 +52,17 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
 
     HopRoundMixin.hop_round_sent = hop_round_sent
 
+    import dgt.collectives.ring_lossy as ring_lossy
+
+    halves = [0]  # hops whose sum was made in two halves (the stream lane's part beside the datagram reads)
+    add = ring_lossy.add_blocks
+
+    def add_blocks(*a, **k):
+        halves[0] += 1
+        return add(*a, **k)
+
+    ring_lossy.add_blocks = add_blocks
+
     async def main():
         cfg = TransportConfig(**cfg_kwargs)
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
@@ -83,17 +94,19 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
                     "hop_strangers": hop.counters.rx_unknown_source, "lane_tx": g.endpoint.udp[1].counters.tx_datagrams,
                     "lane1_tx_frames": lane1.tx_frames, "closed_by": st.closed_by, "rejects": st.reject_reasons,
                     "hop_port": g.endpoint.address.hop_port, "transfers": transfers,
-                    "window": g.endpoint._links[(rank + 1) % world].window.value}
+                    "window": g.endpoint._links[(rank + 1) % world].window.value, "halves": halves[0]}
 
     return trio.run(main)
 
 
-@pytest.mark.parametrize("hops", ["auto", "python"])
-def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops(hops):
-    """With the native hop loop and with its Python twin (the datagram loop is Python in both)."""
+@pytest.mark.parametrize("hops,threads", [("auto", 1), ("auto", 2), ("python", 1)])
+def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops(hops, threads):
+    """With the native hop loop and with its Python twin (the datagram loop is Python in both); with one torch
+    thread per rank (the hop's sum in one pass) and two (in two halves, the first beside the datagram reads)."""
     world = 3
     # a long fixed deadline: every datagram sent is in before a round closes
-    res = run_ranks(_worker, world, {"deadline": "fixed:10", "stream_hops": hops}, 3, timeout=120)
+    res = run_ranks(_worker, world, {"deadline": "fixed:10", "stream_hops": hops}, 3, timeout=120,
+                    env={"DGT_THREADS": str(threads)})
     ref = [torch.stack([data(r, k) for r in range(world)]).mean(0) for k in range(3)]  # the ring averages
     for r in range(world):
         info = res[r]
@@ -109,6 +122,7 @@ def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops
         # peer's landing
         assert info["transfers"] and info["window"] is not None
         assert min(info["transfers"]) - 1e-9 <= info["window"] <= max(info["transfers"]) + 1e-9, info
+        assert info["halves"] == (0 if threads == 1 else (world - 1) * 3)  # every hop's sum took the path asked for
     # every datagram sent was read (loopback, nothing dropped), and none came from anywhere else
     assert sum(res[r]["hop_rx"] for r in range(world)) == sum(res[r]["hop_tx"] for r in range(world))
     if all(res[r]["outs"][0][1]["unsent"] == 0 for r in range(world)):  # call 0 kept nothing back: the exact mean

@@ -85,8 +85,7 @@ class DatagramRecv:
     ``addr`` only; ``name``: the 12 header bytes of the round's datagrams; ``expect``: how many the round announced;
     ``deadline``: the receiver's policy (a copy). Filled in by :class:`HopDatagrams`: ``reads`` (start, bytes,
     segment size) per read; ``drains`` (reads so far, ``time.perf_counter()``) per pass that emptied the socket, a
-    batch for the receiver; ``imp_at``/``closed_at``: when the important blocks were in (the caller may set it,
-    else the start of the receive half), when it stopped waiting."""
+    batch for the receiver; ``imp_at``/``closed_at``: when the important blocks were in, when it stopped waiting."""
 
     buf: np.ndarray
     addr: tuple[str, int]
@@ -192,8 +191,7 @@ class HopDatagrams:
 
     def _receive(self, rx: DatagramRecv, cancel_fd: int) -> None:
         clock = self.clock
-        if not rx.imp_at:  # else the caller's (work done on its messages first: the deadline still counts from then)
-            rx.imp_at = clock()
+        rx.imp_at = clock()
         while True:
             _drain(self.sock, rx, clock)
             now = clock()

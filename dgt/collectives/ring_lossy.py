@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import trio
 
 from dgt.channels.hop_datagrams import DatagramRecv
 from dgt.codecs.base import BLOCK_MEANS_HINT
@@ -63,6 +64,59 @@ class _HopBuffers:
         if len(self.rx_dgrams) < nbytes:
             self.rx_dgrams = np.empty(nbytes + nbytes // 4, np.uint8)
         return self.rx_dgrams
+
+
+class _HopSum:
+    """The receiving end of a hop: this rank's chunk plus the packed important blocks plus the round's blocks that
+    came in time (``combine_blocks``). With idle cores (``overlap``: this rank may run more than one thread) it is
+    made in two halves: the stream lane's part in the trio thread as soon as the worker has both messages
+    (``post``; the C pass releases the GIL, so it runs beside the worker's reads of the round's datagrams, whose
+    arrival times feed the congestion control), then once the round closed only the blocks that came as datagrams
+    (``add_blocks``). Without, in one pass once the round closed (no second thread to run beside)."""
+
+    def __init__(self, src: torch.Tensor, out: torch.Tensor, layout: BucketLayout, rx_pack: torch.Tensor,
+                 mask: np.ndarray, overlap: bool) -> None:
+        self.src, self.out, self.layout, self.rx_pack, self.mask = src, out, layout, rx_pack, mask
+        self.token = trio.lowlevel.current_trio_token() if overlap else None
+        self.early: torch.Tensor | None = None  # the blocks' mean |out| after the first half
+        self.error: Exception | None = None
+        self.live = True  # False once the hop failed: a late callback writes nothing
+
+    @property
+    def important(self) -> np.ndarray:
+        """The blocks that came on the stream lane (once the first message is in)."""
+        return self.mask != 0
+
+    def post(self) -> None:
+        """(Worker thread.) Both messages are in."""
+        if self.token is not None:
+            try:
+                self.token.run_sync_soon(self._first_half)
+            except trio.RunFinishedError:
+                pass  # finish() makes it in one pass
+
+    def _first_half(self) -> None:
+        if not self.live or self.early is not None:
+            return
+        try:
+            imp = self.important
+            self.early = combine_blocks(self.src, self.src, self.rx_pack[: packed_numel(self.layout, imp)], self.out,
+                                        self.layout, np.zeros(len(imp), bool), packed_offsets(self.layout, imp))
+        except Exception as exc:  # a callback must not raise into trio: finish() raises it
+            self.error = exc
+
+    def finish(self, land: torch.Tensor, received: np.ndarray) -> torch.Tensor:
+        """(Trio thread, the round closed.) The sum with the round's ``received`` blocks of ``land``; returns the
+        blocks' mean |out| (the next hop's scores)."""
+        self.live = False
+        if self.error is not None:
+            raise self.error
+        imp = self.important
+        if self.early is None:
+            return combine_blocks(self.src, land, self.rx_pack[: packed_numel(self.layout, imp)], self.out,
+                                  self.layout, received & ~imp, packed_offsets(self.layout, imp))
+        add_blocks(self.out, land, self.layout, np.flatnonzero(received & ~imp), self.early)
+        return self.early
 
 
 def lossy_on_streams(coll: RingAllReduce, ch: Chunking, flat: torch.Tensor) -> bool:
@@ -142,17 +196,11 @@ class LossyHops:
             return buf.rx_pack[: packed_numel(lay_c, rx[:nb_c] != 0)]
 
         receipt = ep.hop_receipt(prv, key, rnd, lay_c, 4, lambda: memoryview(rx[nb_c:]), buf.dgrams)
-        early: list[tuple[np.ndarray, torch.Tensor]] = []  # the stream lane's part of the sum, made in the worker
+        early = _HopSum(mine_src, mine, lay_c, buf.rx_pack, rx[:nb_c], torch.get_num_threads() > 1)
 
         def datagrams_in() -> DatagramRecv:  # in the worker thread, once both messages are in
-            at = time.perf_counter()
-            imp = rx[:nb_c] != 0
-            # this rank's chunk plus the packed blocks, while the round's datagrams still come in (they wait in the
-            # socket): only the blocks that came as datagrams are left to add once the round closes
-            early.append((imp, combine_blocks(mine_src, mine_src, buf.rx_pack[: packed_numel(lay_c, imp)], mine, lay_c,
-                                              np.zeros(nb_c, bool), packed_offsets(lay_c, imp))))
+            early.post()
             seen.append(receipt())
-            seen[-1].imp_at = at  # the round's deadline counts from the messages, not from the end of this pass
             return seen[-1]  # type: ignore[no-any-return]
 
         hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, buf.tx_msg, prv, buf.rx_msg, codec=op),
@@ -162,6 +210,7 @@ class LossyHops:
         try:
             done = await ep.exchange(hops, ticket=ticket)
         except BaseException:
+            early.live = False  # the call fails: nothing more is written to this rank's chunk
             ep.hop_round_sent(hs, failed=True)  # what left is accounted; no report is waited for
             raise
         st = ep.hop_round_sent(hs)
@@ -174,12 +223,10 @@ class LossyHops:
         stats.bytes_unsent += st.unsent_bytes
         stats.add_sent(0, hs.packed.numel() * isz)
         stats.bytes_received[0] = stats.bytes_received.get(0, 0) + sum(d.received for d in done)
-        rx_imp, means = early[0]
         # the round counts the blocks it never announced as unsent: those on the stream lane were not
-        stats.unsent -= min(int(rx_imp.sum()), stats.unsent)
+        stats.unsent -= min(int(early.important.sum()), stats.unsent)
         dst = res.data.reshape(-1)
         if dst.numel() != lay_c.numel or dst.dtype != mine.dtype or res.mask.numel() != lay_c.nblocks:
             raise RankMismatch(shape_mismatch(rnd), detail=f"rank {prv} sent {dst.numel()} x {dst.dtype} for rs step "
                                f"{s} of bucket {bucket_id}, this rank expects {lay_c.numel} x {mine.dtype}")
-        add_blocks(mine, dst, lay_c, np.flatnonzero(res.mask.numpy() & ~rx_imp), means)
-        return means
+        return early.finish(dst, res.mask.numpy())
