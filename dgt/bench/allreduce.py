@@ -22,7 +22,9 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes on this machine)")
+    p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes on this machine), each with an "
+                   "equal share of this machine's cores as torch threads (the DGT_THREADS environment variable "
+                   "overrides: the threads a lossy hop's C passes may use)")
     p.add_argument("--mb", type=float, default=25.0, help="tensor size in MB of fp32")
     p.add_argument("--repeat", type=int, default=5, help="timed trials per method (the best and the median are "
                    "reported, each trial timed by its slowest rank; per_trial lists every trial with its CPU ms per "
