@@ -92,6 +92,25 @@ def _deliver(rx: RoundReceiver, plan: RoundPlan, rnd: int, loss: float, rng: np.
     return done
 
 
+def _round_reports(a: RoundSender, b: RoundSender, rx: RoundReceiver, plan: RoundPlan, rnd: int,
+                   rng: np.random.Generator, late: bool, pending, not_counted: np.ndarray):
+    """The report held back from the previous round if any (read after this round's plan: the ring does not wait),
+    this round through the receiver, then its report read now or held for the next round (``late``). Both senders
+    read every report and must keep the same residual. Returns the report held back (or None) and the blocks lost,
+    ``not_counted`` left out."""
+    if pending is not None:
+        _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
+        _same_residual(a, b, f"round {rnd - 1}'s late report")
+    done = _deliver(rx, plan, rnd, float(rng.choice([0.0, 0.2, 0.6])), rng)
+    lost = int((~done.mask.numpy() & ~not_counted).sum())
+    report = wire.decode_frames(done.report)[0]
+    if late:
+        return report, lost
+    _same_info(a.on_drop_report(report), b.on_drop_report(report))
+    _same_residual(a, b, f"round {rnd}'s report")
+    return None, lost
+
+
 def _inputs(layout: BucketLayout, rng: np.random.Generator, integer: bool = False):
     if integer:
         x = torch.from_numpy(rng.integers(-50, 50, layout.numel).astype(np.float32))
@@ -147,17 +166,8 @@ def test_plan_split_equals_prepare_plan_elsewhere_and_pack(geom, late, ef, mac, 
         _same_plan(pa, pb)
         seen["kept"] += pa.unsent_blocks
         _same_residual(a, b, f"round {rnd} planned")
-        if pending is not None:  # the previous round's report, after this round's plan (the ring does not wait)
-            _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
-            _same_residual(a, b, f"round {rnd - 1}'s late report")
-        done = _deliver(rx, pa, rnd, float(rng.choice([0.0, 0.2, 0.6])), rng)
-        seen["lost"] += int((~done.mask.numpy() & ~imp).sum())
-        report = wire.decode_frames(done.report)[0]
-        if late:
-            pending = report
-        else:
-            _same_info(a.on_drop_report(report), b.on_drop_report(report))
-            _same_residual(a, b, f"round {rnd}'s report")
+        pending, lost = _round_reports(a, b, rx, pa, rnd, rng, late, pending, imp)
+        seen["lost"] += lost
     if pending is not None:
         _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
     _same_residual(a, b, "the end")
@@ -192,17 +202,8 @@ def test_plan_split_without_a_stage_equals_prepare_and_plan(geom, late, mac, see
         seen["important"] += pa.important_blocks
         seen["kept"] += pa.unsent_blocks
         _same_residual(a, b, f"round {rnd} planned")
-        if pending is not None:
-            _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
-            _same_residual(a, b, f"round {rnd - 1}'s late report")
-        done = _deliver(rx, pa, rnd, float(rng.choice([0.0, 0.2, 0.6])), rng)
-        seen["lost"] += int((~done.mask.numpy()).sum())
-        report = wire.decode_frames(done.report)[0]
-        if late:
-            pending = report
-        else:
-            _same_info(a.on_drop_report(report), b.on_drop_report(report))
-            _same_residual(a, b, f"round {rnd}'s report")
+        pending, lost = _round_reports(a, b, rx, pa, rnd, rng, late, pending, np.zeros(layout.nblocks, bool))
+        seen["lost"] += lost
     if pending is not None:
         _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
     _same_residual(a, b, "the end")
