@@ -95,13 +95,17 @@ class _HopSum:
             except trio.RunFinishedError:
                 pass  # finish() makes it in one pass
 
+    def _combine(self, land: torch.Tensor, received: np.ndarray) -> torch.Tensor:
+        """``combine_blocks`` of this hop with the round's ``received`` blocks of ``land``."""
+        imp = self.important
+        return combine_blocks(self.src, land, self.rx_pack[: packed_numel(self.layout, imp)], self.out, self.layout,
+                              received & ~imp, packed_offsets(self.layout, imp))
+
     def _first_half(self) -> None:
         if not self.live or self.early is not None:
             return
         try:
-            imp = self.important
-            self.early = combine_blocks(self.src, self.src, self.rx_pack[: packed_numel(self.layout, imp)], self.out,
-                                        self.layout, np.zeros(len(imp), bool), packed_offsets(self.layout, imp))
+            self.early = self._combine(self.src, np.zeros(len(self.mask), bool))
         except Exception as exc:  # a callback must not raise into trio: finish() raises it
             self.error = exc
 
@@ -111,11 +115,9 @@ class _HopSum:
         self.live = False
         if self.error is not None:
             raise self.error
-        imp = self.important
         if self.early is None:
-            return combine_blocks(self.src, land, self.rx_pack[: packed_numel(self.layout, imp)], self.out,
-                                  self.layout, received & ~imp, packed_offsets(self.layout, imp))
-        add_blocks(self.out, land, self.layout, np.flatnonzero(received & ~imp), self.early)
+            return self._combine(land, received)
+        add_blocks(self.out, land, self.layout, np.flatnonzero(received & ~self.important), self.early)
         return self.early
 
 

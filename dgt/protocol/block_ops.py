@@ -119,12 +119,14 @@ def add_blocks(out: torch.Tensor, land: torch.Tensor, layout: BucketLayout, bloc
         return
     if int(blocks.min()) < 0 or int(blocks.max()) >= layout.nblocks or len(np.unique(blocks)) != len(blocks):
         raise ValueError("add_blocks: block indices out of range or repeated")
-    starts, lens = layout.block_start.numpy()[blocks], layout.block_len.numpy()[blocks]
-    if _blockops is None or not native:
-        for b, a, k in zip(blocks.tolist(), starts.tolist(), lens.tolist()):  # the reference: clarity over speed
-            out[a : a + k] += land[a : a + k]
-            means[b] = out[a : a + k].abs().sum() / k
+    if _blockops is None or not native:  # the twin, in whole-tensor torch operations
+        mask = np.zeros(layout.nblocks, dtype=bool)
+        mask[blocks] = True
+        take = layout.expand(torch.from_numpy(mask))
+        out[take] += land[take]
+        means[torch.from_numpy(blocks)] = layout.block_abs_mean(out)[torch.from_numpy(blocks)]
         return
+    starts, lens = layout.block_start.numpy()[blocks], layout.block_len.numpy()[blocks]
     sums = np.empty(len(blocks), dtype=np.float32)
     o = out.numpy()
     _blockops.combine(o, land.numpy(), np.zeros(0, np.float32), o, starts, lens, np.ones(len(blocks), np.uint8),

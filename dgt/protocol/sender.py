@@ -341,16 +341,17 @@ class RoundSender:
         kept = bool(len(sel.unsent)) and self.error_feedback
         res_out = (res if res is not None else torch.empty_like(src)) if kept else None
         imp = sel.cls_np == 0
+        pack = stage is not None  # else the important blocks stay in the private copy, with the sent ones
         kind = np.full(layout.nblocks, SENT, dtype=np.uint8)
-        if stage is not None:
+        if pack:
             kind[imp] = IMPORTANT
         if kept:
             kind[sel.unsent] = KEPT
-        n_imp = packed_numel(layout, imp) if stage is not None else 0
+        n_imp = packed_numel(layout, imp) if pack else 0
         packed = self._packed.get(bucket)
         if packed is None or packed.numel() < n_imp:
             packed = self._packed[bucket] = torch.empty(n_imp + n_imp // 4, dtype=src.dtype)
-        at = packed_offsets(layout, imp) if stage is not None else np.full(layout.nblocks, -1, np.int64)
+        at = packed_offsets(layout, imp) if pack else np.full(layout.nblocks, -1, np.int64)
         split_blocks(src, res_in, packed, res_out, data, layout, kind, at)
         if res_out is not None:
             self._residual[bucket] = res_out
@@ -359,8 +360,8 @@ class RoundSender:
             self._spent.add(bucket)  # consumed: it reads as zero from now on
         if stage is not None:
             stage(packed[:n_imp])
-        plan = self._frame(bucket, round, data, layout, sel, report, codec, elsewhere=stage is not None)
-        if stage is not None and (bucket, round) not in self._pending:  # no report will recycle it (a hop's
+        plan = self._frame(bucket, round, data, layout, sel, report, codec, elsewhere=pack)
+        if pack and (bucket, round) not in self._pending:  # no report will recycle it (a hop's
             self._recycle(bucket, data)  # datagrams leave before its call returns; a session round's frames may not)
         return plan, data
 
