@@ -47,6 +47,18 @@ def _same_residual(a: RoundSender, b: RoundSender, when: str) -> None:
         assert torch.equal(ra.view(torch.int32), rb.view(torch.int32)), when
 
 
+def _flags_hold(tx: RoundSender, layout: BucketLayout) -> int:
+    """plan_split's residual flags (RoundSender._live) are true: every block flagged 0 is zero in the (unspent)
+    residual. Returns how many blocks the next plan_split will neither read nor re-zero."""
+    live, res = tx._live.get(0), tx._residual.get(0)
+    if live is None or res is None or 0 in tx._spent:
+        return 0
+    for b in np.flatnonzero(live == 0).tolist():
+        a, k = int(layout.block_start[b]), int(layout.block_len[b])
+        assert not res[a : a + k].any(), f"block {b} is flagged zero but holds values"
+    return int((live == 0).sum())
+
+
 def _wire(plan: RoundPlan) -> tuple[bytes, dict[int, np.ndarray], dict[int, list[bytes]]]:
     """Everything the plan puts on the wire, copied now (datagrams read the round's copy when packed)."""
     reliable = b"".join(bytes(h) + bytes(p) for h, p in plan.reliable)
@@ -149,7 +161,7 @@ def test_plan_split_equals_prepare_plan_elsewhere_and_pack(geom, late, ef, mac, 
     a, b = _sender(block, payload, ef, mac), _sender(block, payload, ef, mac)
     rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01), mac=DatagramMac(KEY) if mac else None)
     pending = None
-    seen = {"res_in": 0, "kept": 0, "lost": 0}
+    seen = {"res_in": 0, "kept": 0, "lost": 0, "skipped": 0}
     for rnd in range(8):
         x, cls, order, budget = _inputs(layout, rng)
         x_before = x.clone()
@@ -166,14 +178,18 @@ def test_plan_split_equals_prepare_plan_elsewhere_and_pack(geom, late, ef, mac, 
         _same_plan(pa, pb)
         seen["kept"] += pa.unsent_blocks
         _same_residual(a, b, f"round {rnd} planned")
+        _flags_hold(a, layout)
         pending, lost = _round_reports(a, b, rx, pa, rnd, rng, late, pending, imp)
         seen["lost"] += lost
+        seen["skipped"] += _flags_hold(a, layout)  # the losses folded back are flagged
     if pending is not None:
         _same_info(a.on_drop_report(pending), b.on_drop_report(pending))
     _same_residual(a, b, "the end")
+    _flags_hold(a, layout)
     ra, rb = a.residual(0), b.residual(0)
     assert (ra is None) == (rb is None) and (ra is None or torch.equal(ra, rb))
-    assert seen["lost"] and (not ef or (seen["kept"] and seen["res_in"]))  # the paths under test ran
+    # the paths under test ran (the flags skip blocks wherever a residual is kept)
+    assert seen["lost"] and (not ef or (seen["kept"] and seen["res_in"] and seen["skipped"]))
 
 
 @pytest.mark.parametrize("geom", GEOMS)

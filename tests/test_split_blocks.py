@@ -296,7 +296,8 @@ def test_the_torch_twin_alone_checks_its_bounds(case):
 
 
 @NO_C
-@pytest.mark.parametrize("case", ["sizes", "res_in", "res_out", "lens", "kind_len", "outside", "negative", "packed4"])
+@pytest.mark.parametrize("case", ["sizes", "res_in", "res_out", "lens", "kind_len", "outside", "negative", "packed4",
+                                  "live_len", "live_apart"])
 def test_the_c_pass_checks_its_own_arguments(case):
     """The extension called directly (no Python wrapper in front) refuses inconsistent buffers."""
     from dgt.protocol import _blockops
@@ -306,7 +307,12 @@ def test_the_c_pass_checks_its_own_arguments(case):
     packed = np.full(1024, 7, np.float32)
     starts, lens = np.array([0, 1024], np.int64), np.array([1024, 1024], np.int64)
     kind, at = np.array([0, 2], np.uint8), np.array([0, -1], np.int64)
-    if case == "sizes":
+    live = np.zeros(0, np.uint8)
+    if case == "live_len":
+        ro, live = ri, np.ones(3, np.uint8)
+    elif case == "live_apart":  # flags describe one residual, read and written in place
+        live = np.ones(2, np.uint8)
+    elif case == "sizes":
         data = np.zeros(n - 1, np.float32)
     elif case == "res_in":
         ri = np.zeros(n + 1, np.float32)
@@ -323,6 +329,55 @@ def test_the_c_pass_checks_its_own_arguments(case):
     elif case == "packed4":
         packed = np.full(1024, 7, np.float32).view(np.uint8)[:4095]
     with pytest.raises(ValueError, match="split"):
-        _blockops.split(x, ri, packed, ro, data, starts, lens, kind, at)
+        _blockops.split(x, ri, packed, ro, data, starts, lens, kind, at, live)
     if case not in ("packed4",):
         assert (packed == 7).all()  # nothing written
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=NO_C), False], ids=["c", "torch"])
+@pytest.mark.parametrize("sizes,block", LAYOUTS)
+@pytest.mark.parametrize("seed", range(3))
+def test_live_flags_skip_the_zero_blocks_of_an_in_place_residual(native, sizes, block, seed):
+    """With ``live``, a block flagged 0 is neither read (y = x, -0.0 kept) nor written in the residual; the others as
+    without flags; the flags end as ``kind == KEPT``. Stale values under a 0 flag show both: they stay, and y ignores
+    them."""
+    layout, x, kind, g = _inputs(sizes, block, seed)
+    rng = np.random.default_rng(seed + 10)
+    live = rng.integers(0, 2, layout.nblocks).astype(np.uint8)
+    res = torch.randn(layout.numel, generator=g)
+    dead = layout.expand(torch.from_numpy(live == 0))
+    imp = kind == IMPORTANT
+    packed_at = packed_offsets(layout, imp)
+    n_packed = int(layout.block_len.numpy()[imp].sum())
+    ref = _reference(torch.where(dead, x, x + res), None, layout, kind, packed_at, n_packed)  # flagged 0: y = x
+    packed, data = torch.full((n_packed,), 7.0), torch.full((layout.numel,), 7.0)
+    r = res.clone()
+    flags = live.copy()
+    split_blocks(x, r, packed, r, data, layout, kind, packed_at, native=native, live=flags)
+    want = torch.from_numpy(ref[1].copy())
+    stale = dead & ~layout.expand(torch.from_numpy(kind == KEPT))
+    want[stale] = res[stale]  # a block flagged zero and not kept is left as it was
+    _check_against_reference((packed, None, data), ref, layout, kind, packed_at)  # the residual: below
+    assert np.array_equal(_bits(r), _bits(want))
+    assert np.array_equal(flags, (kind == KEPT).astype(np.uint8))
+
+
+@pytest.mark.parametrize("native", [pytest.param(True, marks=NO_C), False], ids=["c", "torch"])
+@pytest.mark.parametrize("bad", ["dtype", "length", "no_res_in", "apart"])
+def test_live_flags_are_refused_where_they_cannot_hold(native, bad):
+    layout, x, kind, _ = _inputs([4096], 1024, 0)
+    res, other = torch.zeros(layout.numel), torch.zeros(layout.numel)
+    live = np.ones(layout.nblocks, np.uint8)
+    res_in, res_out = res, res
+    if bad == "dtype":
+        live = live.astype(bool)
+    elif bad == "length":
+        live = np.ones(layout.nblocks + 1, np.uint8)
+    elif bad == "no_res_in":
+        res_in = None
+    else:
+        res_out = other
+    imp = kind == IMPORTANT
+    with pytest.raises(ValueError, match="live flags"):
+        split_blocks(x, res_in, torch.empty(layout.numel), res_out, torch.empty(layout.numel), layout, kind,
+                     packed_offsets(layout, imp), native=native, live=live)

@@ -7,12 +7,15 @@
  *     otherwise:          out = src                              (lost or kept back: the input alone)
  * and sums[b] = sum of |out| over the block (float32), the next hop's block scores.
  *
- * split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at): the sending end of the hop. For every
+ * split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at, live): the sending end of the hop. For every
  * block b, y = x + res_in (res_in empty: y = x), then by kind[b]:
  *     0 (important):  packed[packed_at[b] ...] = y   (the stream lane's message)
  *     1 (kept back):  res_out = y                     (the send budget kept it: error feedback carries it)
  *     2 (sent):       data = y                        (the round's datagrams read it there)
  * and res_out (when not empty) is zero on the blocks of kind 0 and 2. res_out may be res_in (in place).
+ * live (optional, a byte per block, only with res_out the same buffer as res_in): live[b] == 0 says the residual's
+ * block b is zero already, so it is neither read (y = x) nor zeroed again; afterwards live[b] = (kind[b] == 1), which
+ * the pass has made true. Without it every block of res_in is read and every block of res_out written.
  *
  * abs_sums(x, starts, lens, sums): sums[b] = sum of |x| over block b (float32): the codec's block scores of a chunk no
  * combine pass has summed (a hop's first chunk).
@@ -174,24 +177,28 @@ typedef struct {
     float *p, *o, *d;
     const int64_t *S, *L, *P;
     const unsigned char *K;
+    unsigned char *live;
 } SplitCtx;
 
 static void split_range(const void *ctx, Py_ssize_t b0, Py_ssize_t b1) {
     const SplitCtx *c = ctx;
     for (Py_ssize_t b = b0; b < b1; b++) {
         int64_t s0 = c->S[b], k = c->L[b];
-        const float *rb = c->r ? c->r + s0 : NULL;
+        int lv = !c->live || c->live[b];  /* the residual's block may be nonzero */
+        const float *rb = c->r && lv ? c->r + s0 : NULL;
         if (c->K[b] == 0) put(c->p + c->P[b], c->a + s0, rb, k);
         else if (c->K[b] == 1) put(c->o + s0, c->a + s0, rb, k);
         else put(c->d + s0, c->a + s0, rb, k);
-        if (c->o && c->K[b] != 1) memset(c->o + s0, 0, (size_t)k * sizeof(float));
+        if (c->o && c->K[b] != 1 && lv) memset(c->o + s0, 0, (size_t)k * sizeof(float));
+        if (c->live) c->live[b] = c->K[b] == 1;
     }
 }
 
 static PyObject *split(PyObject *self, PyObject *args) {
-    Py_buffer x, ri, packed, ro, data, st, ln, kd, pa;
+    Py_buffer x, ri, packed, ro, data, st, ln, kd, pa, lv;
     int threads = 1;
-    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*y*y*|i", &x, &ri, &packed, &ro, &data, &st, &ln, &kd, &pa, &threads))
+    if (!PyArg_ParseTuple(args, "y*y*w*w*w*y*y*y*y*w*|i", &x, &ri, &packed, &ro, &data, &st, &ln, &kd, &pa, &lv,
+                          &threads))
         return NULL;
     PyObject *res = NULL;
     Py_ssize_t n = x.len / 4, nb = st.len / 8, np_ = packed.len / 4;
@@ -202,6 +209,8 @@ static PyObject *split(PyObject *self, PyObject *args) {
         why = "split: x, data (and res_in, res_out when given) are float32 of one size, packed float32";
     else if (ln.len != st.len || pa.len != st.len || kd.len != nb)
         why = "split: starts, lens, packed_at (int64) and kind (bytes) need one entry per block";
+    else if (lv.len && (lv.len != nb || !ro.len || ri.buf != ro.buf))
+        why = "split: live flags need one byte per block and res_out the same buffer as res_in";
     for (Py_ssize_t b = 0; b < nb && !why; b++) {
         if (S[b] < 0 || L[b] < 0 || S[b] > n - L[b]) why = "split: a block lies outside the bucket";
         else if (K[b] > 2) why = "split: a block's kind is not 0, 1 or 2";
@@ -212,7 +221,7 @@ static PyObject *split(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, why);
     } else {
         SplitCtx c = {x.buf, ri.len ? (const float *)ri.buf : NULL, packed.buf, ro.len ? (float *)ro.buf : NULL,
-                      data.buf, S, L, P, K};
+                      data.buf, S, L, P, K, lv.len ? (unsigned char *)lv.buf : NULL};
         Py_BEGIN_ALLOW_THREADS
         for_blocks(split_range, &c, nb, threads);
         Py_END_ALLOW_THREADS
@@ -228,6 +237,7 @@ static PyObject *split(PyObject *self, PyObject *args) {
     PyBuffer_Release(&ln);
     PyBuffer_Release(&kd);
     PyBuffer_Release(&pa);
+    PyBuffer_Release(&lv);
     return res;
 }
 
@@ -274,7 +284,7 @@ static PyObject *abs_sums(PyObject *self, PyObject *args) {
 static PyMethodDef methods[] = {
     {"abs_sums", abs_sums, METH_VARARGS, "abs_sums(x, starts, lens, sums[, threads]): sum of |x| per block (float32)"},
     {"split", split, METH_VARARGS,
-     "split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at[, threads]): a lossy hop's send side per "
+     "split(x, res_in, packed, res_out, data, starts, lens, kind, packed_at, live[, threads]): a lossy hop's send side per "
      "block "
      "(see dgt/protocol/block_ops.py)"},
     {"combine", combine, METH_VARARGS,

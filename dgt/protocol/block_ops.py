@@ -139,11 +139,15 @@ IMPORTANT, KEPT, SENT = 0, 1, 2  # split_blocks' kinds
 
 def split_blocks(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Tensor, res_out: torch.Tensor | None,
                  data: torch.Tensor, layout: BucketLayout, kind: np.ndarray, packed_at: np.ndarray,
-                 native: bool = True) -> None:
+                 native: bool = True, live: np.ndarray | None = None) -> None:
     """Per block, ``y = x + res_in`` (``res_in`` None: ``y = x``) goes to ``packed`` at ``packed_at`` (kind
     IMPORTANT), to ``res_out`` (KEPT) or to ``data`` (SENT); ``res_out`` (None: no block may be KEPT) is zero on
     the other blocks and may be ``res_in`` itself. Contiguous 1-D float32 CPU tensors, ``layout.numel`` long
-    except ``packed``."""
+    except ``packed``.
+
+    ``live`` (a uint8 per block, only with ``res_out`` the same tensor as ``res_in``): 0 says the residual's block is
+    zero already, so it is neither read nor zeroed again (the caller keeps that true): there ``y = x`` as without
+    ``res_in`` (a -0.0 stays -0.0). Updated in place to ``kind == KEPT``, the blocks the residual holds afterwards."""
     for t in (x, res_in, packed, res_out, data):
         if t is not None and (t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous()
                               or t.dim() != 1):
@@ -155,18 +159,22 @@ def split_blocks(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Ten
     packed_at = np.ascontiguousarray(packed_at, dtype=np.int64)
     if len(kind) != layout.nblocks or len(packed_at) != layout.nblocks:
         raise ValueError(f"split_blocks: {len(kind)} / {len(packed_at)} flags for {layout.nblocks} blocks")
+    if live is not None and (live.dtype != np.uint8 or live.shape != (layout.nblocks,) or not live.flags.c_contiguous
+                             or res_in is None or res_out is None or res_in.data_ptr() != res_out.data_ptr()):
+        raise ValueError("split_blocks: live flags are a uint8 per block, with res_out the same tensor as res_in")
     if _blockops is None or not native:
-        split_blocks_torch(x, res_in, packed, res_out, data, layout, kind, packed_at)
+        split_blocks_torch(x, res_in, packed, res_out, data, layout, kind, packed_at, live)
         return
     none = np.zeros(0, np.float32)
     _blockops.split(x.numpy(), none if res_in is None else res_in.numpy(), packed.numpy(),
                     none if res_out is None else res_out.numpy(), data.numpy(), layout.block_start.numpy(),
-                    layout.block_len.numpy(), kind, packed_at, pass_threads(4 * layout.numel))
+                    layout.block_len.numpy(), kind, packed_at, np.zeros(0, np.uint8) if live is None else live,
+                    pass_threads(4 * layout.numel))
 
 
 def split_blocks_torch(x: torch.Tensor, res_in: torch.Tensor | None, packed: torch.Tensor,
                        res_out: torch.Tensor | None, data: torch.Tensor, layout: BucketLayout, kind: np.ndarray,
-                       packed_at: np.ndarray) -> None:
+                       packed_at: np.ndarray, live: np.ndarray | None = None) -> None:
     """The twin of the C pass, in whole-tensor torch operations (the bound checks included)."""
     lens = layout.block_len.numpy()
     imp = kind == IMPORTANT
@@ -176,7 +184,8 @@ def split_blocks_torch(x: torch.Tensor, res_in: torch.Tensor | None, packed: tor
         raise ValueError("split: an important block lies outside packed")
     if res_out is None and bool((kind == KEPT).any()):
         raise ValueError("split: a kept-back block needs res_out")
-    y = x.clone() if res_in is None else x + res_in
+    dead = None if live is None else layout.expand(torch.from_numpy(live == 0))  # no residual there: y = x
+    y = x.clone() if res_in is None else x + res_in if dead is None else torch.where(dead, x, x + res_in)
     for b in np.flatnonzero(imp).tolist():  # the reference: clarity over speed
         a, k, p = int(layout.block_start[b]), int(lens[b]), int(packed_at[b])
         packed[p : p + k] = y[a : a + k]
@@ -184,4 +193,7 @@ def split_blocks_torch(x: torch.Tensor, res_in: torch.Tensor | None, packed: tor
     data[sent] = y[sent]
     if res_out is not None:
         kept = layout.expand(torch.from_numpy(kind == KEPT))
-        res_out.copy_(torch.where(kept, y, torch.zeros((), dtype=y.dtype)))
+        rest = torch.zeros((), dtype=y.dtype) if dead is None else torch.where(dead, res_out, 0.0)
+        res_out.copy_(torch.where(kept, y, rest))
+    if live is not None:
+        live[:] = kind == KEPT

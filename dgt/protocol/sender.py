@@ -147,6 +147,9 @@ class RoundSender:
         # buckets whose residual prepare() has already added into a copy: it reads as zero, but is only zeroed when
         # next used (plan() overwrites it whole when it keeps blocks back: one pass instead of zero + fold)
         self._spent: set[int] = set()
+        # bucket -> a byte per block, 0 where its (unspent) residual is surely zero: plan_split neither reads nor
+        # re-zeroes those blocks (it keeps the flags; any other writer of the residual drops them)
+        self._live: dict[int, np.ndarray] = {}
         self._pending: OrderedDict[tuple[int, int],
                                    tuple[torch.Tensor, BucketLayout, np.ndarray | None, np.ndarray | None]] = \
             OrderedDict()
@@ -179,6 +182,7 @@ class RoundSender:
                 out += res
         if res is not None:
             self._spent.add(bucket)  # instead of zeroing it now: see _live_residual and plan()
+            self._live.pop(bucket, None)
         self._copies[bucket] = weakref.ref(out)
         return out
 
@@ -203,6 +207,7 @@ class RoundSender:
         return spare[:n]
 
     def residual(self, bucket: int) -> torch.Tensor | None:
+        self._live.pop(bucket, None)  # the caller may write into it
         return self._live_residual(bucket)
 
     def _live_residual(self, bucket: int) -> torch.Tensor | None:
@@ -210,6 +215,7 @@ class RoundSender:
         res = self._residual.get(bucket)
         if res is not None and bucket in self._spent:
             res.zero_()
+            self._live.pop(bucket, None)
         self._spent.discard(bucket)
         return res
 
@@ -238,6 +244,11 @@ class RoundSender:
         folded = 0
         if n_missing and self.error_feedback:
             folded = fold_blocks(self._residual_for(frame.bucket, sent), sent, layout, torch.nonzero(missing).flatten())
+            live = self._live.get(frame.bucket)
+            if live is not None and len(live) == nb:
+                live[missing_np] = 1
+            else:
+                self._live.pop(frame.bucket, None)
         self._recycle(frame.bucket, sent)
         stage = self._stages.pop(key, None)
         if stage is not None:
@@ -249,6 +260,7 @@ class RoundSender:
         if res is None or res.numel() != sent.numel() or res.dtype != sent.dtype:
             res = torch.zeros_like(sent)
             self._residual[bucket] = res
+            self._live.pop(bucket, None)
         return res
 
     def closed(self, bucket: int, round: int) -> bool:
@@ -352,12 +364,19 @@ class RoundSender:
         if packed is None or packed.numel() < n_imp:
             packed = self._packed[bucket] = torch.empty(n_imp + n_imp // 4, dtype=src.dtype)
         at = packed_offsets(layout, imp) if pack else np.full(layout.nblocks, -1, np.int64)
-        split_blocks(src, res_in, packed, res_out, data, layout, kind, at)
+        live = None  # which blocks of an unspent residual may be nonzero (all, when not known)
+        if res_in is not None and res_out is res_in:
+            live = self._live.get(bucket)
+            if live is None or len(live) != layout.nblocks:
+                live = np.ones(layout.nblocks, np.uint8)
+        split_blocks(src, res_in, packed, res_out, data, layout, kind, at, live=live)
         if res_out is not None:
             self._residual[bucket] = res_out
             self._spent.discard(bucket)
+            self._live[bucket] = (kind == KEPT).astype(np.uint8) if live is None else live
         elif res_in is not None:
             self._spent.add(bucket)  # consumed: it reads as zero from now on
+            self._live.pop(bucket, None)
         if stage is not None:
             stage(packed[:n_imp])
         plan = self._frame(bucket, round, data, layout, sel, report, codec, elsewhere=pack)
@@ -420,6 +439,7 @@ class RoundSender:
         elsewhere) instead of being zeroed and then added to block by block."""
         res = self._residual.get(bucket)
         fresh = res is None or bucket in self._spent
+        self._live.pop(bucket, None)
         if fresh and flat.device.type == "cpu" and flat.is_contiguous() and flat.dim() == 1:
             if res is None or res.numel() != flat.numel() or res.dtype != flat.dtype:
                 res = self._residual[bucket] = torch.empty_like(flat)
