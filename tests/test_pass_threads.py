@@ -51,25 +51,37 @@ def test_abs_sums_are_the_same_bits_for_every_thread_count(sizes, block, seed):
 
 @pytest.mark.parametrize("sizes,block", LAYOUTS)
 @pytest.mark.parametrize("seed", range(2))
-@pytest.mark.parametrize("with_res", [False, True])
-def test_split_is_the_same_bits_for_every_thread_count(sizes, block, seed, with_res):
+@pytest.mark.parametrize("mode", ["no-res", "res", "live"])
+def test_split_is_the_same_bits_for_every_thread_count(sizes, block, seed, mode):
+    """No residual, one read and another written, or one in place with residual flags (live)."""
     lay, x, res, kind, _ = _case(sizes, block, seed)
     imp = kind == IMPORTANT
     at = packed_offsets(lay, imp)
     n_packed = int(lay.block_len.numpy()[imp].sum())
     st, ln = lay.block_start.numpy(), lay.block_len.numpy()
     none = np.zeros(0, np.float32)
+    live0 = np.random.default_rng(seed).integers(0, 2, lay.nblocks).astype(np.uint8) if mode == "live" else None
     outs = []
     for t in THREADS:
         packed, res_out, data = (np.full(n, 7.0, np.float32) for n in (n_packed, lay.numel, lay.numel))
-        block_ops._blockops.split(x.numpy(), res.numpy() if with_res else none, packed, res_out, data, st, ln, kind,
-                                  at, t)
-        outs.append((packed, res_out, data))
+        res_in, live = (res.numpy() if mode == "res" else none), np.zeros(0, np.uint8)
+        if live0 is not None:
+            res_out, live = res.numpy().copy(), live0.copy()
+            res_in = res_out
+        block_ops._blockops.split(x.numpy(), res_in, packed, res_out, data, st, ln, kind, at, live, t)
+        outs.append((packed, res_out, data, live))
     twin = (torch.full((n_packed,), 7.0), torch.full((lay.numel,), 7.0), torch.full((lay.numel,), 7.0))
-    block_ops.split_blocks_torch(x, res if with_res else None, *twin, lay, kind, at)
+    live = None if live0 is None else live0.copy()
+    if live is None:
+        block_ops.split_blocks_torch(x, res if mode == "res" else None, *twin, lay, kind, at)
+    else:
+        twin = (twin[0], res.clone(), twin[2])
+        block_ops.split_blocks_torch(x, twin[1], twin[0], twin[1], twin[2], lay, kind, at, live)
     for t, out in zip(THREADS, outs):
-        for got, want in zip(out, twin):
+        for got, want in zip(out[:3], twin):
             assert np.array_equal(_bits(got), _bits(want)), t
+        if live is not None:
+            assert np.array_equal(out[3], live), t
 
 
 @pytest.mark.parametrize("sizes,block", LAYOUTS)
