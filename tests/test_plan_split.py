@@ -50,7 +50,9 @@ def _same_residual(a: RoundSender, b: RoundSender, when: str) -> None:
 def _flags_hold(tx: RoundSender, layout: BucketLayout) -> int:
     """plan_split's residual flags (RoundSender._live) are true: every block flagged 0 is zero in the (unspent)
     residual. Returns how many blocks the next plan_split will neither read nor re-zero."""
-    live, res = tx._live.get(0), tx._residual.get(0)
+    entry, res = tx._live.get(0), tx._residual.get(0)
+    live = None if entry is None else entry[1]
+    assert entry is None or entry[0] == (layout.block, layout.sizes), "flags kept for another geometry"
     if live is None or res is None or 0 in tx._spent:
         return 0
     for b in np.flatnonzero(live == 0).tolist():
@@ -300,12 +302,14 @@ def test_plan_split_refuses_a_bucket_it_cannot_split_before_touching_anything(ba
 def test_a_bucket_whose_geometry_changes_between_rounds(seed):
     """The same bucket id with another layout (a residual, private copy and packing buffer of the wrong size left
     from the last round): plan_split still matches prepare + plan + pack, and the residual is rebuilt alike."""
-    layouts = [BucketLayout([3000, 1024, 7, 5000], 1024), BucketLayout([16384], 1024), BucketLayout([2500], 1024)]
+    # the last two: the same elements and block count, other block boundaries (the residual's flags must not carry)
+    layouts = [BucketLayout([3000, 1024, 7, 5000], 1024), BucketLayout([16384], 1024), BucketLayout([2500], 1024),
+               BucketLayout([1500, 1000], 1024)]
     rng = np.random.default_rng(seed)
     a, b = _sender(1024, 1400, True, False), _sender(1024, 1400, True, False)
     rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01))
     for rnd in range(9):
-        layout = layouts[int(rng.integers(0, 3))]
+        layout = layouts[int(rng.integers(0, 4))]
         x, cls, order, budget = _inputs(layout, rng)
         staged: list[torch.Tensor] = []
         pa, _ = a.plan_split(0, rnd, x, layout, cls, order, True, budget, None, _keep(staged))
@@ -315,7 +319,40 @@ def test_a_bucket_whose_geometry_changes_between_rounds(seed):
         assert torch.equal(staged[0].view(torch.int32), want.view(torch.int32))
         _same_plan(pa, pb)
         _same_residual(a, b, f"round {rnd} planned")
+        _flags_hold(a, layout)
         done = _deliver(rx, pa, rnd, 0.3, rng)
         report = wire.decode_frames(done.report)[0]
         _same_info(a.on_drop_report(report), b.on_drop_report(report))
         _same_residual(a, b, f"round {rnd}'s report")
+        _flags_hold(a, layout)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_late_report_of_another_geometry_drops_the_residual_flags(seed):
+    """Round r planned with one layout, round r + 1 with another of the same elements and block count (other block
+    boundaries), then round r's report: its lost blocks are folded by r's layout, so the flags (for r + 1's blocks)
+    are dropped, and the next round reads the whole residual. Equal to prepare + plan throughout."""
+    layouts = [BucketLayout([2500], 1024), BucketLayout([1500, 1000], 1024)]
+    rng = np.random.default_rng(seed)
+    a, b = _sender(1024, 1400, True, False), _sender(1024, 1400, True, False)
+    rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01))
+    pending, folded = None, 0
+    for rnd in range(10):
+        layout = layouts[rnd % 2]
+        x = torch.from_numpy(rng.standard_normal(layout.numel).astype(np.float32))
+        cls = torch.from_numpy(rng.choice(3, size=layout.nblocks, p=[0.2, 0.6, 0.2]))
+        staged: list[torch.Tensor] = []
+        pa, _ = a.plan_split(0, rnd, x, layout, cls, None, True, 3000, None, _keep(staged))
+        pb = b.plan(0, rnd, b.prepare(0, x), layout, cls, None, budget=3000, elsewhere=True)
+        _same_plan(pa, pb)
+        _flags_hold(a, layout)
+        if pending is not None:  # the previous round's report, of the other layout
+            ia = a.on_drop_report(pending)
+            _same_info(ia, b.on_drop_report(pending))
+            folded += ia.folded_elems
+            if ia.folded_elems:
+                assert 0 not in a._live  # folded by another geometry's blocks: the flags are gone
+            _same_residual(a, b, f"round {rnd - 1}'s late report")
+        done = _deliver(rx, pa, rnd, 0.5, rng)
+        pending = wire.decode_frames(done.report)[0]
+    assert folded  # the case under test ran

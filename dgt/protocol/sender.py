@@ -147,9 +147,9 @@ class RoundSender:
         # buckets whose residual prepare() has already added into a copy: it reads as zero, but is only zeroed when
         # next used (plan() overwrites it whole when it keeps blocks back: one pass instead of zero + fold)
         self._spent: set[int] = set()
-        # bucket -> a byte per block, 0 where its (unspent) residual is surely zero: plan_split neither reads nor
-        # re-zeroes those blocks (it keeps the flags; any other writer of the residual drops them)
-        self._live: dict[int, np.ndarray] = {}
+        # bucket -> (the geometry, a byte per block), 0 where its (unspent) residual is surely zero: plan_split
+        # neither reads nor re-zeroes those blocks (it keeps the flags; any other writer of the residual drops them)
+        self._live: dict[int, tuple[tuple[int, list[int]], np.ndarray]] = {}
         self._pending: OrderedDict[tuple[int, int],
                                    tuple[torch.Tensor, BucketLayout, np.ndarray | None, np.ndarray | None]] = \
             OrderedDict()
@@ -244,16 +244,22 @@ class RoundSender:
         folded = 0
         if n_missing and self.error_feedback:
             folded = fold_blocks(self._residual_for(frame.bucket, sent), sent, layout, torch.nonzero(missing).flatten())
-            live = self._live.get(frame.bucket)
-            if live is not None and len(live) == nb:
+            live = self._flags(frame.bucket, layout)
+            if live is not None:
                 live[missing_np] = 1
-            else:
-                self._live.pop(frame.bucket, None)
         self._recycle(frame.bucket, sent)
         stage = self._stages.pop(key, None)
         if stage is not None:
             self._stage_spare[frame.bucket] = stage
         return DropInfo(frame.bucket, frame.round, n_missing, folded, n_unsent, timing, missing_np)
+
+    def _flags(self, bucket: int, layout: BucketLayout) -> np.ndarray | None:
+        """The bucket's residual flags when they are for ``layout``'s blocks; else none (dropped)."""
+        geom, live = self._live.pop(bucket, ((0, []), None))
+        if live is None or geom != (layout.block, layout.sizes):
+            return None
+        self._live[bucket] = (geom, live)
+        return live
 
     def _residual_for(self, bucket: int, sent: torch.Tensor) -> torch.Tensor:
         res = self._live_residual(bucket)
@@ -366,16 +372,18 @@ class RoundSender:
         at = packed_offsets(layout, imp) if pack else np.full(layout.nblocks, -1, np.int64)
         live = None  # which blocks of an unspent residual may be nonzero (all, when not known)
         if res_in is not None and res_out is res_in:
-            live = self._live.get(bucket)
-            if live is None or len(live) != layout.nblocks:
+            live = self._flags(bucket, layout)
+            if live is None:
                 live = np.ones(layout.nblocks, np.uint8)
         split_blocks(src, res_in, packed, res_out, data, layout, kind, at, live=live)
         if res_out is not None:
             self._residual[bucket] = res_out
             self._spent.discard(bucket)
-            self._live[bucket] = (kind == KEPT).astype(np.uint8) if live is None else live
-        elif res_in is not None:
-            self._spent.add(bucket)  # consumed: it reads as zero from now on
+            flags = (kind == KEPT).astype(np.uint8) if live is None else live
+            self._live[bucket] = ((layout.block, list(layout.sizes)), flags)
+        else:
+            if res_in is not None:
+                self._spent.add(bucket)  # consumed: it reads as zero from now on
             self._live.pop(bucket, None)
         if stage is not None:
             stage(packed[:n_imp])
