@@ -214,8 +214,7 @@ class RoundSender:
         """The bucket's residual, zeroed first if :meth:`prepare` already added it into a copy."""
         res = self._residual.get(bucket)
         if res is not None and bucket in self._spent:
-            res.zero_()
-            self._live.pop(bucket, None)
+            res.zero_()  # (a spent bucket has no flags: prepare and plan_split drop them as they spend it)
         self._spent.discard(bucket)
         return res
 
@@ -255,11 +254,11 @@ class RoundSender:
 
     def _flags(self, bucket: int, layout: BucketLayout) -> np.ndarray | None:
         """The bucket's residual flags when they are for ``layout``'s blocks; else none (dropped)."""
-        geom, live = self._live.pop(bucket, ((0, []), None))
-        if live is None or geom != (layout.block, layout.sizes):
+        entry = self._live.get(bucket)
+        if entry is not None and entry[0] != (layout.block, layout.sizes):
+            del self._live[bucket]
             return None
-        self._live[bucket] = (geom, live)
-        return live
+        return None if entry is None else entry[1]
 
     def _residual_for(self, bucket: int, sent: torch.Tensor) -> torch.Tensor:
         res = self._live_residual(bucket)
