@@ -203,6 +203,56 @@ def test_cancel_stops_both_halves_promptly(pair):
         os.close(w)
 
 
+def test_a_cancel_ends_a_long_pacing_sleep_at_once(pair):
+    """At a crawl a GSO call's tokens are seconds away: the pacer's sleep must not hold the cancel (or the hop)."""
+    a, b = pair
+    r, w = os.pipe()
+    try:
+        tx = _send(_rows(100), a, b, rate=100.0, burst=1000)  # after the first datagram: 16 kB calls at 100 B/s
+        hd = HopDatagrams(b, tx, PacerThread())
+        hd.start()
+        threading.Timer(0.1, lambda: os.write(w, b"x")).start()
+        t0 = time.perf_counter()
+        with pytest.raises(HopDatagramsCancelled):
+            hd.finish(_recv(a, 5, grace=10.0), cancel_fd=r)
+        assert time.perf_counter() - t0 < 1.0  # the send half ended too (finish waits for it)
+        assert tx.sent < 100 and tx.abandoned == 0  # cancelled: the call fails, nothing is accounted as abandoned
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+@pytest.mark.parametrize("grace", [0.05, 0.2])
+def test_the_send_half_abandons_what_its_peer_no_longer_takes(pair, grace):
+    """The peer's round closes at most its policy's longest wait after its important blocks: what the send half
+    still holds twice that after this rank's were in is abandoned (counted), not paced out for minutes."""
+    a, b = pair
+    rows = _rows(400)
+    tx = _send(rows, a, b, rate=1e4, burst=10_000)  # 10 rows at once, then one every 0.1 s: ~40 s in all
+    rx = _recv(b, 0, grace=grace)
+    rx.peer_wait = grace
+    hd = HopDatagrams(a, tx, PacerThread())
+    hd.start()
+    t0 = time.perf_counter()
+    hd.finish(rx)
+    assert time.perf_counter() - t0 < 2 * grace + 0.5
+    assert 10 <= tx.sent < 400 and tx.abandoned == 400 - tx.sent and tx.errors == 0
+    assert max(t for t, _, _ in tx.sends) <= rx.imp_at + 2 * grace  # nothing left after the cutoff
+    sent = tx.sent
+    time.sleep(0.15)
+    assert tx.sent == sent
+
+
+def test_a_policy_without_a_longest_wait_keeps_sending_until_the_limit(pair):
+    a, b = pair
+    tx = _send(_rows(40), a, b, rate=2e5, burst=10_000)  # 10 at once, the rest over ~0.15 s
+    rx = _recv(b, 0, grace=0.01)  # peer_wait unknown (inf): no cutoff
+    hd = HopDatagrams(a, tx, PacerThread())
+    hd.start()
+    hd.finish(rx)
+    assert tx.sent == 40 and tx.abandoned == 0
+
+
 def test_a_send_to_a_closed_port_is_lost_not_fatal(pair):
     a, b = pair
     gone = _sock()

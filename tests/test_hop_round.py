@@ -129,6 +129,21 @@ def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops
         torch.testing.assert_close(res[0]["outs"][0][0], ref[0], rtol=1e-5, atol=1e-5)
 
 
+def test_a_crawling_fixed_pace_does_not_hold_the_ring():
+    """No congestion control, so no send budget: every unimportant block is planned as a datagram, at 300 B/s after
+    an 8 kB burst (~50 s a hop). Each hop's send half gives up once its peer's round must have closed (twice the
+    adaptive policy's longest wait): the calls end in seconds, the blocks not sent count as dropped (error feedback
+    carries them), every rank holds the same sum."""
+    world = 3
+    cfg = {"congestion_control": False, "pace_rate": 300.0, "pace_burst": 8192}
+    res = run_ranks(_worker, world, cfg, 2, timeout=60)
+    for r in range(world):
+        for k, (t, st) in enumerate(res[r]["outs"]):
+            assert st["dropped"] > 0, st  # announced, abandoned by the send half
+            assert torch.isfinite(t).all() and torch.equal(t, res[0]["outs"][k][0])
+        assert sum(res[r]["closed_by"].values()) == (world - 1) * 2
+
+
 def test_a_stranger_flooding_the_hop_socket_is_counted_and_changes_nothing():
     world = 3
     noisy = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, "stranger", timeout=120)

@@ -214,6 +214,22 @@ def test_adaptive_deadline_learns_its_bound_across_rounds():
     assert off.bound() == off.cap  # the behaviour before: a fixed hard bound
 
 
+@settings(max_examples=200, deadline=None)
+@given(t0=st.floats(0, 1e3), last=st.one_of(st.none(), st.floats(0, 2e3)), gap=st.one_of(st.none(), st.floats(0, 10)),
+       left=st.one_of(st.none(), st.integers(0, 10**6)), batch=st.one_of(st.none(), st.floats(0, 10)),
+       dense=st.one_of(st.none(), st.floats(0, 10)), waits=st.lists(st.floats(0, 2), max_size=12))
+def test_no_deadline_passes_the_policys_longest_wait(t0, last, gap, left, batch, dense, waits):
+    """A hop's send half abandons its datagrams past twice ``longest_wait`` (dgt.channels.hop_datagrams): no round
+    the policy closes may still be waiting for them then, learnt bound or not."""
+    pol = AdaptiveGrace()
+    for i, w in enumerate(waits):
+        pol.observe(w, complete=i % 3 != 0)
+    state = DeadlineState(t0, last, gap, left, batch, dense)
+    assert pol.deadline(state) <= t0 + pol.longest_wait() + 1e-9
+    fixed = FixedGrace(0.02)
+    assert fixed.deadline(state) <= t0 + fixed.longest_wait() + 1e-9
+
+
 def test_adaptive_deadline_never_waits_longer_than_sending_the_rest_densely():
     pol = AdaptiveGrace(k=4, floor=0.001, cap=0.5, learn=0)
     silent = DeadlineState(1.0, None, None, remaining_frames=3, dense_wait=0.0004)

@@ -104,6 +104,9 @@ class DatagramRecv:
     stale: int = 0  # datagrams of other rounds (late ones of an earlier round, early ones of the next)
     others: dict[bytes, int] = field(default_factory=dict)  # those, by the 12 header bytes of their round
     longest: float = float("inf")  # the most to wait whatever the policy says (the next hop's peer waits meanwhile)
+    # the most the peer this hop sends to waits for its datagrams after its important blocks (the policy's longest,
+    # its peer runs the same): the send half abandons what it still holds past that (HopDatagrams.finish)
+    peer_wait: float = float("inf")
     strangers: int = 0  # datagrams from another address (dropped)
     truncated: int = 0
     full: bool = False  # the buffer filled up before the round did
@@ -131,6 +134,8 @@ class HopDatagrams:
             self.pacer.tokens = min(float(tx.burst), tx.tokens)
         self.row = self.odd = 0
         self.stop = False
+        self.cutoff = float("inf")  # (clock) what the send half still holds then is abandoned (see finish)
+        self._wake = threading.Event()  # wakes a pacing sleep: stop, or a new cutoff
         self.error: BaseException | None = None
         self._done: threading.Event | None = None  # set once the pacer thread is done with this hop
 
@@ -159,12 +164,14 @@ class HopDatagrams:
         try:
             while self._sending():
                 now = clock()
-                if now - self.t0 > tx.limit:
+                end = min(self.t0 + tx.limit, self.cutoff)
+                if now > end:
                     tx.abandoned += len(tx.rows) - self.row + len(tx.odd) - self.odd
                     return
                 short = min(self._next_call(), pacer.burst) - pacer.available(now)
                 if short > 0:  # a whole GSO call at a time: one wake-up and one system call per batch, not per datagram
-                    time.sleep(short / pacer.rate)
+                    if self._wake.wait(min(short / pacer.rate, end - now)):  # stop or a cutoff wakes it at once
+                        self._wake.clear()  # (stop and cutoff are set before the wake-up, read after this)
                     continue
                 self.row, self.odd = _send_some(self.sock, tx, pacer, self.row, self.odd, now)
         except BaseException as exc:  # the caller raises it (finish)
@@ -174,16 +181,26 @@ class HopDatagrams:
         """(Called once the hop's stream messages are done: the send half's ``window`` is the time they took.)
         The receive half until it closed: every datagram the round announced is in, its deadline passed (from
         now: the important blocks are in), or the buffer is full; then the send half's end (sent, or abandoned after
-        ``tx.limit`` seconds). HopDatagramsCancelled when the cancel fd fires (the send half stops too)."""
+        ``tx.limit`` seconds, or once the peer's round must have closed: ``rx.peer_wait``). HopDatagramsCancelled when
+        the cancel fd fires (the send half stops too).
+
+        The peer's deadline starts when its important blocks are in: about when this rank's were (``rx.imp_at``, the
+        hop's stream messages in both directions are done), later if the peer's own next hop took longer, hence twice
+        its longest wait. A pacer slowed to a crawl (a fixed low ``pace_rate``, no send budget) held the hop, and
+        through it the whole ring, until ``tx.limit`` for datagrams its peer no longer takes."""
         if self.tx is not None:
             self.tx.window = self.clock() - self.t0
         try:
             if rx is not None:
                 self._receive(rx, cancel_fd)
+                if self.tx is not None and rx.peer_wait < float("inf"):
+                    self.cutoff = rx.imp_at + 2 * min(rx.peer_wait, rx.longest)
+                    self._wake.set()
             while self._done is not None and not self._done.wait(0.002):
                 _wait(None, cancel_fd, 0.0)
         finally:
             self.stop = True
+            self._wake.set()  # a pacing sleep ends now, not when its tokens would have come
             if self._done is not None:
                 self._done.wait()
         if self.error is not None:

@@ -22,6 +22,11 @@ class DeadlinePolicy:
     def deadline(self, st: DeadlineState) -> float:
         raise NotImplementedError
 
+    def longest_wait(self) -> float:
+        """The most seconds this policy waits after the important blocks were in, whatever arrives (inf: unknown).
+        A lossy ring hop's sender reads its own policy's as the longest its peer may still take datagrams."""
+        return float("inf")
+
     def observe(self, wait: float, complete: bool) -> None:  # noqa: B027 - optional hook
         """A round closed ``wait`` seconds after its important blocks were in: ``complete`` when every announced
         unimportant block had arrived by then (``wait`` is what it needed), else at its deadline (it needed more)."""
@@ -35,6 +40,9 @@ class FixedGrace(DeadlinePolicy):
 
     def deadline(self, st: DeadlineState) -> float:
         return st.important_done_at + self.grace
+
+    def longest_wait(self) -> float:
+        return self.grace
 
 
 @dataclass
@@ -84,6 +92,9 @@ class AdaptiveGrace(DeadlinePolicy):
         if not self.learn or self.mean is None or self.seen < self.warm:
             return self.cap
         return min(self.cap, max(self.floor, self.mean + self.spread * self.dev))
+
+    def longest_wait(self) -> float:
+        return self.bound()  # every deadline is at most this after the important blocks
 
     def deadline(self, st: DeadlineState) -> float:
         t0 = st.important_done_at

@@ -165,7 +165,8 @@ class HopRoundMixin(OutboundMixin):
             ctl = control()
             announced = wire.decode_round_end(ctl[len(ctl) - _END + wire.HEADER_SIZE :])[3] if len(ctl) >= _END else 0
             expect = min(int(announced), most)
-            return DatagramRecv(buf(expect * seg + 2 * SLOT), addr, name.tobytes()[NAME], expect, policy.deadline)
+            return DatagramRecv(buf(expect * seg + 2 * SLOT), addr, name.tobytes()[NAME], expect, policy.deadline,
+                                peer_wait=policy.longest_wait())
 
         return receipt
 
