@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from functools import cached_property, lru_cache
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -36,6 +37,17 @@ def _abs_sum(t: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     if t.dtype in (torch.float32, torch.float16, torch.bfloat16):
         return torch.linalg.vector_norm(t, 1, dim=dim, dtype=torch.float32)
     return t.abs().sum(dim, dtype=torch.float32)
+
+
+class PackingFacts(NamedTuple):
+    """Per layout, for packing a subset of its blocks: block lengths (int64), which blocks are full, whether the full
+    blocks fall in one residue class modulo the block size (then packed in block order, the short tails after), and
+    whether moreover every short block comes after every full one (then the packed order is the block order)."""
+
+    lens: np.ndarray
+    full: np.ndarray
+    one_class: bool
+    block_order: bool
 
 
 class BucketLayout:
@@ -97,6 +109,17 @@ class BucketLayout:
 
     def __repr__(self) -> str:
         return f"BucketLayout(tensors={len(self.sizes)}, numel={self.numel}, block={self.block}, blocks={self.nblocks})"
+
+    @cached_property
+    def packing(self) -> PackingFacts:
+        """What :func:`dgt.protocol.block_ops.packed_offsets` reads of this layout, derived once (numpy)."""
+        starts, lens = self.block_start.numpy(), self.block_len.numpy().astype(np.int64)
+        full = lens == self.block
+        res = starts[full] % self.block
+        one_class = len(res) == 0 or bool((res == res[0]).all())
+        short = np.flatnonzero(~full)
+        tails_last = one_class and (len(short) == 0 or int(short.min()) > int(np.flatnonzero(full).max(initial=-1)))
+        return PackingFacts(lens, full, one_class, tails_last)
 
     @cached_property
     def _segments(self) -> list[tuple[int, int, int]]:

@@ -7,6 +7,8 @@ input with a ValueError before writing anything."""
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from dgt.layout import BucketLayout
 from dgt.protocol import block_ops
@@ -20,6 +22,7 @@ LAYOUTS = [
     ([2500], 1024),  # one tensor, a partial tail
     ([300] * 12 + [0, 5], 256),  # many tensors, an empty one, a 5-element one
     ([1, 1023, 1025, 2047], 1024),  # starts at 0, 1, 0 (1024), 1 (2049): two residues; tails of 1 and 1023 elements
+    ([1000, 2048], 1024),  # the full blocks in one residue class (1000), a short block before them
 ]
 
 
@@ -119,6 +122,27 @@ def test_packed_order_is_the_pack_blocks_order(sizes, block):
     for native in ([True, False] if NATIVE else [False]):
         packed, _, _ = _run(native, x, res_in, layout, kind, packed_offsets(layout, imp), n, False, True)
         assert np.array_equal(_bits(packed), _bits(want))
+
+
+@settings(max_examples=150, deadline=None)
+@given(sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6), block=st.sampled_from([4, 256, 1024]),
+       seed=st.integers(0, 2**16))
+def test_packed_offsets_place_each_block_where_pack_blocks_puts_it(sizes, block, seed):
+    """Every layout shape (one residue class or several, short blocks anywhere): block b of the mask lies at
+    ``packed_offsets[b]`` of pack_blocks' message, the others are -1."""
+    from dgt.protocol.packed_blocks import pack_blocks
+
+    layout = BucketLayout.of(sizes, block)
+    rng = np.random.default_rng(seed)
+    mask = rng.random(layout.nblocks) < 0.5
+    x = torch.arange(layout.numel, dtype=torch.float32)
+    n = int(layout.block_len.numpy()[mask].sum())
+    packed = pack_blocks(x, layout, mask, torch.empty(n)).numpy()
+    at = packed_offsets(layout, mask)
+    assert np.array_equal(at < 0, ~mask)
+    starts, lens = layout.block_start.numpy(), layout.block_len.numpy()
+    for b in np.flatnonzero(mask):
+        assert np.array_equal(packed[at[b] : at[b] + lens[b]], x.numpy()[starts[b] : starts[b] + lens[b]]), b
 
 
 @pytest.mark.parametrize("native", [True, False])

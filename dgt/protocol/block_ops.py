@@ -43,20 +43,23 @@ def packed_offsets(layout: BucketLayout, mask: np.ndarray) -> np.ndarray:
     """Per block of ``layout``: where it starts in the packed message of the blocks ``mask`` selects (in
     :func:`dgt.protocol.packed_blocks.pack_blocks`' order), -1 for a block not in it."""
     mask = np.asarray(mask, dtype=bool)
-    starts, lens, n = layout.block_start.numpy(), layout.block_len.numpy(), layout.block
-    full = lens == n
-    res = starts[full] % n
-    if len(res) == 0 or bool((res == res[0]).all()):  # one residue class (a one-tensor bucket): block order
-        order = np.concatenate((np.flatnonzero(mask & full), np.flatnonzero(mask & ~full))).astype(np.int64)
+    pk = layout.packing  # derived once per layout
+    full = pk.full
+    if pk.block_order:  # one residue class, the short tails last (a one-tensor bucket): block order
+        order = np.flatnonzero(mask)
+    elif pk.one_class:  # block order, the short tails after the full blocks
+        order = np.concatenate((np.flatnonzero(mask & full), np.flatnonzero(mask & ~full)))
     else:
+        starts, n = layout.block_start.numpy(), layout.block
         blocks = [np.searchsorted(starts, first + idx.numpy() * n)
                   for first, _, idx in row_groups(layout.numel, starts[mask & full], n)]
         blocks.append(np.flatnonzero(mask & ~full))
         order = np.concatenate(blocks).astype(np.int64)
     at = np.full(layout.nblocks, -1, dtype=np.int64)
     if len(order):
-        ends = np.cumsum(lens[order])
-        at[order] = ends - lens[order]
+        lens = pk.lens[order]
+        ends = np.cumsum(lens)
+        at[order] = ends - lens
     return at
 
 
