@@ -225,7 +225,8 @@ def test_a_cancel_ends_a_long_pacing_sleep_at_once(pair):
 @pytest.mark.parametrize("grace", [0.05, 0.2])
 def test_the_send_half_abandons_what_its_peer_no_longer_takes(pair, grace):
     """The peer's round closes at most its policy's longest wait after its important blocks: what the send half
-    still holds twice that after this rank's were in is abandoned (counted), not paced out for minutes."""
+    still holds that long after this rank's were in, plus one transfer time (its stream messages' ``window``), is
+    abandoned (counted), not paced out for minutes."""
     a, b = pair
     rows = _rows(400)
     tx = _send(rows, a, b, rate=1e4, burst=10_000)  # 10 rows at once, then one every 0.1 s: ~40 s in all
@@ -235,9 +236,10 @@ def test_the_send_half_abandons_what_its_peer_no_longer_takes(pair, grace):
     hd.start()
     t0 = time.perf_counter()
     hd.finish(rx)
-    assert time.perf_counter() - t0 < 2 * grace + 0.5
+    assert time.perf_counter() - t0 < grace + tx.window + 0.5
     assert 10 <= tx.sent < 400 and tx.abandoned == 400 - tx.sent and tx.errors == 0
-    assert max(t for t, _, _ in tx.sends) <= rx.imp_at + 2 * grace  # nothing left after the cutoff
+    assert max(t for t, _, _ in tx.sends) <= rx.imp_at + grace + tx.window  # nothing left after the cutoff
+    assert hd.cutoff == rx.imp_at + grace + tx.window
     sent = tx.sent
     time.sleep(0.15)
     assert tx.sent == sent

@@ -219,8 +219,9 @@ def test_adaptive_deadline_learns_its_bound_across_rounds():
        left=st.one_of(st.none(), st.integers(0, 10**6)), batch=st.one_of(st.none(), st.floats(0, 10)),
        dense=st.one_of(st.none(), st.floats(0, 10)), waits=st.lists(st.floats(0, 2), max_size=12))
 def test_no_deadline_passes_the_policys_longest_wait(t0, last, gap, left, batch, dense, waits):
-    """A hop's send half abandons its datagrams past twice ``longest_wait`` (dgt.channels.hop_datagrams): no round
-    the policy closes may still be waiting for them then, learnt bound or not."""
+    """A hop's send half abandons its datagrams past ``longest_wait`` and a transfer time
+    (dgt.channels.hop_datagrams): no round the policy closes may still be waiting for them then, learnt bound or
+    not."""
     pol = AdaptiveGrace()
     for i, w in enumerate(waits):
         pol.observe(w, complete=i % 3 != 0)

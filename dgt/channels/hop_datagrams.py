@@ -185,16 +185,17 @@ class HopDatagrams:
         the cancel fd fires (the send half stops too).
 
         The peer's deadline starts when its important blocks are in: about when this rank's were (``rx.imp_at``, the
-        hop's stream messages in both directions are done), later if the peer's own next hop took longer, hence twice
-        its longest wait. A pacer slowed to a crawl (a fixed low ``pace_rate``, no send budget) held the hop, and
-        through it the whole ring, until ``tx.limit`` for datagrams its peer no longer takes."""
+        hop's stream messages in both directions are done), later if the peer's own messages took longer, hence the
+        slack of one more transfer time (``tx.window``, what this hop's messages took) after its longest wait. A pacer
+        slowed to a crawl (a fixed low ``pace_rate``, no send budget) held the hop, and through it the whole ring,
+        until ``tx.limit`` for datagrams its peer no longer takes."""
         if self.tx is not None:
             self.tx.window = self.clock() - self.t0
         try:
             if rx is not None:
                 self._receive(rx, cancel_fd)
                 if self.tx is not None and rx.peer_wait < float("inf"):
-                    self.cutoff = rx.imp_at + 2 * min(rx.peer_wait, rx.longest)
+                    self.cutoff = rx.imp_at + min(rx.peer_wait, rx.longest) + (self.tx.window or 0.0)
                     self._wake.set()
             while self._done is not None and not self._done.wait(0.002):
                 _wait(None, cancel_fd, 0.0)
