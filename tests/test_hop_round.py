@@ -132,8 +132,8 @@ def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops
 def test_a_crawling_fixed_pace_does_not_hold_the_ring():
     """No congestion control, so no send budget: every unimportant block is planned as a datagram, at 300 B/s after
     an 8 kB burst (~50 s a hop). Each hop's send half gives up once its peer's round must have closed (the adaptive
-    policy's longest wait and a transfer time after the important blocks): the calls end in seconds, the blocks not sent count as dropped (error feedback
-    carries them), every rank holds the same sum."""
+    policy's longest wait and a transfer time after the important blocks): the calls end in seconds, the blocks not
+    sent count as dropped (error feedback carries them), every rank holds the same sum."""
     world = 3
     cfg = {"congestion_control": False, "pace_rate": 300.0, "pace_burst": 8192}
     res = run_ranks(_worker, world, cfg, 2, timeout=60)
