@@ -334,3 +334,37 @@ def test_the_send_half_measures_how_long_the_stream_messages_took(pair):
     t_messages = time.perf_counter()
     hd.finish(None)
     assert tx.window is not None and 0.05 <= tx.window <= t_messages - hd.t0 + 1e-3
+
+
+def test_the_hop_reads_its_threads_runqueue_wait_while_the_messages_travel(pair, monkeypatch):
+    """``queued`` / ``span``: the CPU gate's reading (dgt.protocol.cpu_gate), from the kernel's runqueue wait of the
+    thread that carries the hop's messages, read as the hop starts and again when they are done; None where the
+    kernel keeps none."""
+    import dgt.channels.hop_datagrams as hdm
+
+    a, _ = pair
+    waits = iter([2.0, 2.0125])  # seconds runnable but not running: 12.5 ms during the hop
+    monkeypatch.setattr(hdm, "runqueue_seconds", lambda: next(waits))
+    hd = HopDatagrams(a, None, PacerThread())
+    time.sleep(0.03)  # the stream messages
+    hd.finish(None)
+    assert hd.queued == pytest.approx(0.0125) and 0.03 <= hd.span < 1.0
+    monkeypatch.setattr(hdm, "runqueue_seconds", lambda: None)
+    hd = HopDatagrams(a, None, PacerThread())
+    hd.finish(None)
+    assert hd.queued is None
+
+
+def test_runqueue_seconds_reads_the_second_schedstat_field(tmp_path):
+    from dgt.channels.hop_datagrams import SCHEDSTAT, runqueue_seconds
+
+    f = tmp_path / "schedstat"
+    f.write_text("353912732 4500000000 19\n")
+    assert runqueue_seconds(str(f)) == 4.5
+    f.write_text("garbage\n")
+    assert runqueue_seconds(str(f)) is None
+    assert runqueue_seconds(str(tmp_path / "missing")) is None
+    if not os.path.exists(SCHEDSTAT):
+        pytest.skip(f"{SCHEDSTAT} is absent (not Linux, or schedstats off): the gate never closes here")
+    first = runqueue_seconds()
+    assert first is not None and 0.0 <= first <= runqueue_seconds()  # this thread's, and it only grows

@@ -21,7 +21,8 @@ def data(rank: int, seed: int = 0) -> torch.Tensor:
 
 def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
     """``rounds`` DGT ring calls; ``meddle``: "stranger" (rank 0 floods rank 1's hop socket from a socket of its
-    own during the calls) or "tamper" (rank 1 flips a payload byte of the first datagram each hop read)."""
+    own during the calls), "tamper" (rank 1 flips a payload byte of the first datagram each hop read), "busy" or
+    "idle" (every rank's threads read as waiting for a CPU 40 % of the time, or never: the CPU gate's input)."""
     import socket
     import threading
 
@@ -41,6 +42,13 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
             return land(self, rx, off)
 
         HopRoundMixin._land_reads = tampered
+    if meddle in ("busy", "idle"):
+        import time
+
+        import dgt.channels.hop_datagrams as hdm
+
+        share = 0.4 if meddle == "busy" else 0.0
+        hdm.runqueue_seconds = lambda: share * time.perf_counter()  # the hop's clock: queued = share * span
 
     transfers: list[float] = []  # each hop's transfer time as the worker measured it (DatagramSend.window)
     sent = HopRoundMixin.hop_round_sent
@@ -70,9 +78,11 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
             stop = threading.Event()
             flood = None
             outs = []
+            hop_tx: list[int] = []  # datagrams the hop socket sent, after each call
             for rnd in range(rounds):
                 res = await ring.allreduce(data(rank, rnd), 0, SEGMENTS)
                 outs.append((res.tensor, res.stats.to_dict()))
+                hop_tx.append(g.endpoint.streams.hop.counters.tx_datagrams)
                 if meddle == "stranger" and rank == 0 and flood is None:  # the links are up after the first call
                     target = ("127.0.0.1", g.endpoint._links[1].address.hop_port)
                     junk = np.zeros(2000, np.uint8).tobytes()
@@ -94,9 +104,29 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
                     "hop_strangers": hop.counters.rx_unknown_source, "lane_tx": g.endpoint.udp[1].counters.tx_datagrams,
                     "lane1_tx_frames": lane1.tx_frames, "closed_by": st.closed_by, "rejects": st.reject_reasons,
                     "hop_port": g.endpoint.address.hop_port, "transfers": transfers,
-                    "window": g.endpoint._links[(rank + 1) % world].window.value, "halves": halves[0]}
+                    "window": g.endpoint._links[(rank + 1) % world].window.value, "halves": halves[0],
+                    "hop_tx_after": hop_tx, "gated": st.rounds_cpu_gated, "cpu_wait": st.cpu_wait,
+                    "kept": _kept_back(g, world, rank)}
 
     return trio.run(main)
+
+
+def _kept_back(g, world, rank):
+    """What this rank's error feedback still holds after its calls, laid over the bucket: hop s of every call sent
+    chunk rank - s, and its residual (to the next rank) holds what it kept back or lost of that chunk's sum."""
+    from dgt.collectives.chunks import Chunking
+    from dgt.collectives.parts import transport_key
+    from dgt.layout import BucketLayout
+
+    ch = Chunking(BucketLayout.of(SEGMENTS, g.endpoint.cfg.block), world)
+    kept = torch.zeros(NUMEL)
+    sender = g.endpoint._links[(rank + 1) % world].sender
+    for s in range(world - 1):
+        res = sender.residual(transport_key(0, "rs", s, 0))
+        if res is not None:
+            a = (rank - s) % world
+            kept[ch.edges[a] : ch.edges[a + 1]] += res.reshape(-1)
+    return kept
 
 
 @pytest.mark.parametrize("hops,threads", [("auto", 1), ("auto", 2), ("python", 1)])
@@ -104,8 +134,9 @@ def test_the_rounds_travel_on_the_hop_socket_and_lose_nothing_when_nothing_drops
     """With the native hop loop and with its Python twin (the datagram loop is Python in both); with one torch
     thread per rank (the hop's sum in one pass) and two (in two halves, the first beside the datagram reads)."""
     world = 3
-    # a long fixed deadline: every datagram sent is in before a round closes
-    res = run_ranks(_worker, world, {"deadline": "fixed:10", "stream_hops": hops}, 3, timeout=120,
+    # a long fixed deadline: every datagram sent is in before a round closes; the CPU gate off (cpu_gate 0): this is
+    # about the datagram path, which a busy CI host would otherwise close (test_a_host_with_no_cpu_to_spare_...)
+    res = run_ranks(_worker, world, {"deadline": "fixed:10", "stream_hops": hops, "cpu_gate": 0.0}, 3, timeout=120,
                     env={"DGT_THREADS": str(threads)})
     ref = [torch.stack([data(r, k) for r in range(world)]).mean(0) for k in range(3)]  # the ring averages
     for r in range(world):
@@ -144,9 +175,42 @@ def test_a_crawling_fixed_pace_does_not_hold_the_ring():
         assert sum(res[r]["closed_by"].values()) == (world - 1) * 2
 
 
+def test_a_host_with_no_cpu_to_spare_sends_no_datagrams_and_loses_nothing():
+    """Every hop's thread reads as waiting for a CPU 40 % of its transfer: the CPU gate (default 0.1) closes after
+    the first hop, and from then on no hop sends a datagram: its unimportant blocks are all kept back (unsent, into
+    error feedback), none is lost, every rank holds the same sum, and the stats say why. With the same calls on an
+    idle host the gate stays open and datagrams flow in every call."""
+    world = 3
+    busy = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, "busy", timeout=120)
+    idle = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, "idle", timeout=120)
+    for r in range(world):
+        b, i = busy[r], idle[r]
+        # (the fake wait runs on the clock, so a GIL switch between a hop's two reads counts too: about 0.4, not exact)
+        assert 0.3 <= b["cpu_wait"] <= 1.0 and i["cpu_wait"] == pytest.approx(0.0, abs=1e-6)
+        # calls 2 and 3 sent nothing (call 1's first hop went before the gate had a reading)
+        assert b["hop_tx_after"][2] == b["hop_tx_after"][0], b["hop_tx_after"]
+        assert b["gated"] >= 2 * (world - 1) and i["gated"] == 0
+        for k in range(1, 3):
+            st = b["outs"][k][1]
+            assert st["dropped"] == 0 and st["unsent"] > 0, st
+            assert torch.equal(b["outs"][k][0], busy[0]["outs"][k][0])
+            assert torch.isfinite(b["outs"][k][0]).all()
+        assert i["hop_tx_after"][0] < i["hop_tx_after"][1] < i["hop_tx_after"][2], i["hop_tx_after"]
+    # nothing lost on the busy host: over the calls, the sums (the ring averages) plus what error feedback still
+    # keeps back on every rank are the whole input
+    total = sum(data(r, k) for r in range(world) for k in range(3))
+    held = world * sum(busy[0]["outs"][k][0] for k in range(3)) + sum(busy[r]["kept"] for r in range(world))
+    assert sum(busy[r]["kept"].abs().sum() for r in range(world)) > 0  # (something was kept back)
+    torch.testing.assert_close(held, total, rtol=1e-4, atol=1e-4)
+    # call 1 of the idle host (no rank kept anything back then) gives the exact mean
+    if all(idle[r]["outs"][0][1]["unsent"] == 0 for r in range(world)):
+        ref = torch.stack([data(r, 0) for r in range(world)]).mean(0)
+        torch.testing.assert_close(idle[0]["outs"][0][0], ref, rtol=1e-5, atol=1e-5)
+
+
 def test_a_stranger_flooding_the_hop_socket_is_counted_and_changes_nothing():
     world = 3
-    noisy = run_ranks(_worker, world, {"deadline": "fixed:10"}, 3, "stranger", timeout=120)
+    noisy = run_ranks(_worker, world, {"deadline": "fixed:10", "cpu_gate": 0.0}, 3, "stranger", timeout=120)
     assert noisy[1]["hop_strangers"] > 0  # dropped before landing, and counted
     assert not noisy[1]["rejects"]  # none of it reached the receiver
     for k in range(3):
@@ -158,7 +222,7 @@ def test_a_stranger_flooding_the_hop_socket_is_counted_and_changes_nothing():
 
 def test_a_tampered_datagram_is_refused_by_its_mac_and_counted_as_lost():
     world = 2
-    res = run_ranks(_worker, world, {"deadline": "fixed:10"}, 2, "tamper", timeout=120)
+    res = run_ranks(_worker, world, {"deadline": "fixed:10", "cpu_gate": 0.0}, 2, "tamper", timeout=120)
     info = res[1]
     if info["hop_rx"] == 0:
         pytest.skip("no datagram was sent in these rounds (the send budget kept every one back)")

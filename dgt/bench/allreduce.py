@@ -148,7 +148,7 @@ def method_name(name: str, codec: str, codecs: tuple[str, ...]) -> str:
     return name if len(codecs) == 1 else f"{name}[{codec}]"
 
 
-UDP_FIELDS = ("datagrams", "unsent_blocks", "lost_blocks", "deadline_wait_s")
+UDP_FIELDS = ("datagrams", "unsent_blocks", "lost_blocks", "deadline_wait_s", "cpu_gated_rounds")
 
 
 def _timed(fn: Callable[[], object], snap: Callable[[], list[float]] | None) -> tuple[float, float, list[float] | None]:
@@ -163,7 +163,7 @@ def _timed(fn: Callable[[], object], snap: Callable[[], list[float]] | None) -> 
 
 def _udp_now(endpoints: list) -> list[float]:
     """The counters of ``UDP_FIELDS`` over the endpoints' unreliable lanes, as of now (per trial: the difference)."""
-    keys = ("udp_datagrams_sent", "unsent_blocks", "lost_blocks", "deadline_wait_total")  # _lane_summary's
+    keys = ("udp_datagrams_sent", "unsent_blocks", "lost_blocks", "deadline_wait_total", "cpu_gated_rounds")
     sums = [_lane_summary(ep.stats()) for ep in endpoints]
     return [float(sum(s[k] for s in sums)) for k in keys]
 
@@ -171,7 +171,8 @@ def _udp_now(endpoints: list) -> list[float]:
 def _per_trial(res: dict, name: str) -> list[dict]:
     """Trial by trial: the slowest rank's seconds, the mean CPU milliseconds per rank, and the unreliable lanes'
     counters summed over ranks (datagrams sent, blocks kept back by the send budget, blocks lost, seconds receivers
-    held rounds open after their important blocks): what makes one trial slower than another."""
+    held rounds open after their important blocks, lossy ring hops the CPU gate kept from sending datagrams): what
+    makes one trial slower than another."""
     ranks = [res[r] for r in sorted(res)]
     rows = []
     for i, secs in enumerate(zip(*(r["seconds"][name] for r in ranks))):
@@ -188,7 +189,9 @@ def _lane_summary(st: TransportStats) -> dict:
     """What one rank's unreliable lanes did over every trial: datagrams handed to the kernel, abandoned (their
     round had closed), unimportant blocks kept back by the send budget (unsent) and reported missing (lost), and
     the congestion controller's final rate per peer (bytes/s); of the rounds it received, how each closed and how
-    long it held them open after their important blocks were in (deadline waits, seconds)."""
+    long it held them open after their important blocks were in (deadline waits, seconds); the lossy ring hops the
+    CPU gate kept from sending datagrams (``cpu_gated_rounds``) and its last reading (``cpu_wait``: the fraction of
+    a hop's transfer its thread waited for a CPU, averaged; dgt.protocol.cpu_gate)."""
     udp = [ln for ln in st.lanes if ln.kind == "udp"]
     return {"udp_datagrams_sent": sum(ln.tx_frames for ln in udp),
             "udp_abandoned": sum(ln.tx_abandoned for ln in udp),
@@ -196,7 +199,8 @@ def _lane_summary(st: TransportStats) -> dict:
             "lost_blocks": sum(ln.tx_lost_blocks for ln in udp),
             "delivered_blocks": sum(ln.delivered_blocks for ln in udp),
             "pace_rates": {str(k): v for k, v in st.pace_rates.items()},
-            "closed_by": dict(st.closed_by), "deadline_wait_total": st.deadline_wait_total}  # fmt: skip
+            "closed_by": dict(st.closed_by), "deadline_wait_total": st.deadline_wait_total,
+            "cpu_gated_rounds": st.rounds_cpu_gated, "cpu_wait": st.cpu_wait}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -45,6 +45,18 @@ SLOT = 1 << 16  # room for one read: a GRO run is at most 64 KiB
 _ANC = socket.CMSG_SPACE(4) * 2
 _MSG_TRUNC = int(socket.MSG_TRUNC)
 NAME = slice(16, 28)  # the header bytes that name a round: rank, round, bucket (dgt.wire.HEADER_DTYPE)
+SCHEDSTAT = "/proc/thread-self/schedstat"
+
+
+def runqueue_seconds(path: str = SCHEDSTAT) -> float | None:
+    """Seconds the calling thread has spent runnable but waiting for a CPU (the kernel's schedstat, second field);
+    None where the kernel does not keep it (not Linux, schedstats off): the CPU gate then never closes."""
+    try:
+        with open(path, "rb") as f:
+            fields = f.read().split()
+        return int(fields[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 class HopDatagramsCancelled(Exception):
@@ -129,6 +141,11 @@ class HopDatagrams:
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.sock, self.tx, self.clock, self.thread = sock, tx, clock, pacer
         self.t0 = clock()
+        # (this thread carries the hop's stream messages) its runqueue wait from here until they are done: ``queued``
+        # seconds of ``span`` (the CPU gate's reading, dgt.protocol.cpu_gate); None where the kernel keeps none
+        self._queued0 = runqueue_seconds()
+        self.queued: float | None = None
+        self.span = 0.0
         self.pacer = None if tx is None else TokenBucket(tx.rate, tx.burst, self.t0)
         if tx is not None and self.pacer is not None:
             self.pacer.tokens = min(float(tx.burst), tx.tokens)
@@ -189,8 +206,11 @@ class HopDatagrams:
         slack of one more transfer time (``tx.window``, what this hop's messages took) after its longest wait. A pacer
         slowed to a crawl (a fixed low ``pace_rate``, no send budget) held the hop, and through it the whole ring,
         until ``tx.limit`` for datagrams its peer no longer takes."""
+        self.span = self.clock() - self.t0
+        q1 = runqueue_seconds() if self._queued0 is not None else None
+        self.queued = None if q1 is None or self._queued0 is None else q1 - self._queued0
         if self.tx is not None:
-            self.tx.window = self.clock() - self.t0
+            self.tx.window = self.span
         try:
             if rx is not None:
                 self._receive(rx, cancel_fd)

@@ -93,6 +93,11 @@ class TransportConfig:
         clusters); None: any port. Default: the DGT_PORT_RANGE environment variable ("30000-30999"), else None.
     hop_threads: threads per native stream hop: 1 (send and receive in one loop) or 2 (the send half on a second
         thread, so the kernel's two copies of a hop run on two cores); 0 = auto (see :meth:`hop_thread_count`).
+    cpu_gate: a lossy ring hop sends no unimportant datagram (its send budget is zero: error feedback carries those
+        blocks) while its stream transfers spend more than this fraction of their time waiting for a CPU (an EWMA
+        of the kernel's runqueue wait; dgt.protocol.cpu_gate): on a host with no core to spare the datagrams are not
+        free, they slow the step. 0 switches the gate off (every hop sends what the congestion controller allows).
+        Only with congestion_control and error_feedback (the send budget's conditions).
     """
 
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
@@ -130,6 +135,7 @@ class TransportConfig:
     max_buffered_results: int = 256
     stream_hops: str = "auto"
     hop_threads: int = 0
+    cpu_gate: float = 0.1
     limits: wire.Limits = field(default_factory=lambda: wire.DEFAULT_LIMITS)
     port_range: tuple[int, int] | None = field(default_factory=env_port_range)
 
@@ -149,6 +155,8 @@ class TransportConfig:
         self.port_range = check_port_range(self.port_range)
         if self.hop_threads not in (0, 1, 2):
             raise ValueError("hop_threads must be 0 (auto), 1 or 2")
+        if not 0.0 <= self.cpu_gate <= 1.0:
+            raise ValueError("cpu_gate must be in [0, 1] (0: off)")
 
     def payload_for(self, host: str) -> int:
         """``datagram_payload`` for a peer at ``host``: the configured value, else sized by the route's MTU."""

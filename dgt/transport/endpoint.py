@@ -33,6 +33,7 @@ from dgt.channels.udp import UdpChannel, merged
 from dgt.channels.udp_scheduler import DatagramScheduler
 from dgt.errors import PeerClosed, RankMismatch, single_error
 from dgt.protocol.bulk import BulkReceiver
+from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import RoundReceiver
 from dgt.transport import auth, control
@@ -140,7 +141,8 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
-                                 hop_threads=c.hop_thread_count(), hop=hop)
+                                 hop_threads=c.hop_thread_count(), hop=hop,
+                                 cpu_gate=CpuGate(c.cpu_gate) if c.cpu_gate else None)
 
     @classmethod
     async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,
@@ -276,6 +278,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         """A snapshot of the endpoint's counters (per lane both directions, rounds, losses, deadline waits)."""
         st = self._stats
         rc = self.receiver.counters
+        gate = self.streams.cpu_gate
         lanes = []
         l0 = self.cfg.lanes[0]
         tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)
@@ -316,6 +319,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             deadline_wait_total=st.deadline_wait_total, deadline_wait_max=st.deadline_wait_max,
             receive_seconds=st.receive_seconds, results_evicted=st.results_evicted, rounds_copied=st.rounds_copied,
             pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
+            rounds_cpu_gated=0 if gate is None else gate.gated, cpu_wait=None if gate is None else gate.value,
         )  # fmt: skip
 
     def socket_info(self) -> dict[str, Any]:

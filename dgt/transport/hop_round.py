@@ -86,7 +86,7 @@ class HopRoundMixin(OutboundMixin):
         now = trio.current_time()
         packed: list[torch.Tensor] = []
         plan, _ = self._plan_round(link, bucket, round, flat.detach().reshape(-1), layout, cls, order, False, True,
-                                   codec, packed.append)
+                                   codec, packed.append, self.streams.cpu_gate)
         stats = SendStats(peer, bucket, round, 0, plan.unimportant_blocks, 1, 0, copied=True,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)
         for lane, n in plan.unsent_lanes.items():

@@ -19,6 +19,7 @@ from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import round_feedback
+from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import DropInfo, RoundPlan
 from dgt.protocol.stats import lane_counts
@@ -257,12 +258,16 @@ class OutboundMixin(EndpointState):
 
     def _plan_round(self, link: _Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                     cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, codec: int,
-                    stage: Callable[[torch.Tensor], None] | None = None) -> tuple[RoundPlan, bool]:
-        """The round's plan under the link's send budget, and whether it sends from a private copy."""
+                    stage: Callable[[torch.Tensor], None] | None = None,
+                    gate: CpuGate | None = None) -> tuple[RoundPlan, bool]:
+        """The round's plan under the link's send budget (zero while ``gate`` is closed), and whether it sends from
+        a private copy."""
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
             budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
+            if gate is not None and not gate.admit():
+                budget = 0
         if stage is not None:  # residual, pack and private copy in one pass (RoundSender.plan_split)
             link.dirty.discard(bucket)
             return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,

@@ -131,6 +131,10 @@ class TransportStats:
     results_evicted: int = 0  # finished rounds nobody collected, evicted from the buffer
     rounds_copied: int = 0  # rounds given an ``out`` they could not land in (opened before it was posted): one copy
     pace_rates: dict[int, float] = field(default_factory=dict)  # peer -> bytes/s
+    # lossy ring hops: rounds the CPU gate kept from sending datagrams (dgt.protocol.cpu_gate), and its reading:
+    # the average fraction of a hop's transfer its thread waited for a CPU (None: no reading, or no gate)
+    rounds_cpu_gated: int = 0
+    cpu_wait: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

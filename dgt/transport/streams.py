@@ -41,6 +41,7 @@ from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout
+from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
 
@@ -134,9 +135,12 @@ class StreamHub:
     def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int, int], Awaitable[TcpChannel]],
                  link_error: Callable[[int], BaseException | None], native: bool = NATIVE,
                  frame_bytes: int = wire.DEFAULT_LIMITS.max_payload, hop_threads: int = 1,
-                 hop: UdpChannel | None = None) -> None:
+                 hop: UdpChannel | None = None, cpu_gate: CpuGate | None = None) -> None:
         self.rank = rank
         self.hop = hop  # the hop socket (datagrams of lossy hops, dgt.channels.hop_datagrams); closed with the hub
+        # fed, in the worker thread, every hop's runqueue wait while its messages travelled; read by the trio side
+        # when it plans a hop's round (dgt.protocol.cpu_gate)
+        self.cpu_gate = cpu_gate
         self._pacer = PacerThread()  # their paced sends
         self._carried: OrderedDict[bytes, int] = OrderedDict()  # datagrams read ahead of their round, by its name
         self.split = hop_threads == 2 and native  # a hop's send half on a second thread (native loop only)
@@ -450,6 +454,8 @@ class StreamHub:
             dgrams.finish(rx, self._cancel_r)
         except HopDatagramsCancelled:
             raise HopCancelled(f"rank {self.rank} hop datagrams (bucket {h.bucket:#x}, round {h.round})") from None
+        if self.cpu_gate is not None:
+            self.cpu_gate.observe(dgrams.queued, dgrams.span)
         if rx is not None:  # what it read of later rounds: their own hops count it (the receiver buffers the data)
             for name, n in rx.others.items():
                 self._carried[name] = self._carried.get(name, 0) + n
