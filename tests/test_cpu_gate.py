@@ -13,7 +13,7 @@ from dgt.transport import TransportConfig
 
 
 def test_the_gate_closes_above_its_threshold_and_reopens_under_half_of_it():
-    g = CpuGate(threshold=0.1, alpha=1.0)  # no averaging: each reading is the value
+    g = CpuGate(threshold=0.1, alpha=1.0, warm=1)  # no averaging: each reading is the value
     assert g.admit() and g.value is None
     g.observe(0.0005, 0.01)  # 5 % of the transfer waiting for a CPU: there is CPU to spare
     assert g.admit() and g.value == pytest.approx(0.05)
@@ -27,11 +27,20 @@ def test_the_gate_closes_above_its_threshold_and_reopens_under_half_of_it():
 
 
 def test_the_average_needs_several_busy_transfers_to_close():
-    g = CpuGate(threshold=0.1, alpha=0.25)
+    g = CpuGate(threshold=0.1, alpha=0.25, warm=1)
     g.observe(0.0, 0.01)
     while not g.closed and g.readings < 10:
         g.observe(0.003, 0.01)  # 30 % each: the EWMA crosses 10 % on the second
     assert g.readings == 3 and g.value == pytest.approx(0.25 * 0.3 + 0.75 * 0.25 * 0.3)
+
+
+def test_the_first_transfers_never_close_it():
+    g = CpuGate(threshold=0.1, alpha=1.0)  # warm = 3 by default
+    g.observe(0.009, 0.01)
+    g.observe(0.009, 0.01)
+    assert g.value == pytest.approx(0.9) and g.admit()  # a link's start-up, not yet the host
+    g.observe(0.009, 0.01)
+    assert not g.admit() and g.closes == 1
 
 
 def test_unknown_or_too_short_readings_change_nothing():
@@ -56,16 +65,16 @@ def test_bad_settings_are_refused(kw):
 
 
 @given(st.lists(st.tuples(st.floats(0, 0.02), st.floats(0.0002, 0.02)), max_size=60),
-       st.floats(0.01, 1.0), st.floats(0.05, 1.0), st.floats(0.0, 1.0))
-def test_open_or_closed_always_agrees_with_the_average(readings, threshold, alpha, reopen):
-    g = CpuGate(threshold=threshold, alpha=alpha, reopen=reopen)
+       st.floats(0.01, 1.0), st.floats(0.05, 1.0), st.floats(0.0, 1.0), st.integers(0, 5))
+def test_open_or_closed_always_agrees_with_the_average(readings, threshold, alpha, reopen, warm):
+    g = CpuGate(threshold=threshold, alpha=alpha, reopen=reopen, warm=warm)
     for queued, span in readings:
         g.observe(queued, span)
         assert 0.0 <= g.value <= 1.0
         if g.closed:  # closed only above the threshold, and stays closed until under threshold * reopen
-            assert g.value >= threshold * reopen
+            assert g.value >= threshold * reopen and g.readings >= warm
         else:
-            assert g.value <= threshold
+            assert g.value <= threshold or g.readings < warm
 
 
 def test_the_transport_setting():

@@ -28,13 +28,15 @@ from dataclasses import dataclass
 @dataclass
 class CpuGate:
     """EWMA (weight ``alpha``) of the fraction of a transfer's time its thread waited for a CPU; closed above
-    ``threshold``, open again under ``threshold * reopen``. Transfers shorter than ``min_span`` seconds are not
-    read (the kernel's accounting is too coarse for them). ``closes``: how often it closed; ``gated``: rounds it
-    kept from sending (counted by the caller through :meth:`admit`)."""
+    ``threshold``, open again under ``threshold * reopen``; it never closes before ``warm`` readings (a link's first
+    transfers pay its start-up: slow start, first-touch page faults). Transfers shorter than ``min_span`` seconds
+    are not read (the kernel's accounting is too coarse for them). ``closes``: how often it closed; ``gated``:
+    rounds it kept from sending (counted by the caller through :meth:`admit`)."""
 
     threshold: float = 0.1
     alpha: float = 0.25
     reopen: float = 0.5
+    warm: int = 3
     min_span: float = 0.0002
     value: float | None = None
     closed: bool = False
@@ -55,7 +57,7 @@ class CpuGate:
         self.value = frac if self.value is None else self.value + self.alpha * (frac - self.value)
         if self.closed and self.value < self.threshold * self.reopen:
             self.closed = False
-        elif not self.closed and self.value > self.threshold:
+        elif not self.closed and self.value > self.threshold and self.readings >= self.warm:
             self.closed = True
             self.closes += 1
 
