@@ -117,6 +117,9 @@ def _round_reports(a: RoundSender, b: RoundSender, rx: RoundReceiver, plan: Roun
         _same_residual(a, b, f"round {rnd - 1}'s late report")
     done = _deliver(rx, plan, rnd, float(rng.choice([0.0, 0.2, 0.6])), rng)
     lost = int((~done.mask.numpy() & ~not_counted).sum())
+    if done.report is None:  # a round that sent no datagram (budget 0) asks for none (NO_REPORT): nothing to fold
+        assert plan.unimportant_blocks == 0 and not any(len(r) for r in plan.datagrams.values()), plan
+        return None, lost
     report = wire.decode_frames(done.report)[0]
     if late:
         return report, lost
@@ -242,7 +245,7 @@ def test_conservation_over_rounds_with_loss(geom, leave_lost, seed):
     rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01))
     total_in = np.zeros(layout.numel, np.float64)
     total_out = np.zeros(layout.numel, np.float64)
-    seen = {"kept": 0, "lost": 0, "received": 0, "carried": 0}
+    seen = {"kept": 0, "lost": 0, "received": 0, "carried": 0, "unreported": 0}
     for rnd in range(10):
         x, cls, order, budget = _inputs(layout, rng, integer=True)
         before = _effective(tx)
@@ -253,7 +256,11 @@ def test_conservation_over_rounds_with_loss(geom, leave_lost, seed):
         if leave_lost:
             rx.leave_lost((1, 0, rnd))
         done = _deliver(rx, plan, rnd, float(rng.choice([0.1, 0.3, 0.7])), rng)
-        tx.on_drop_report(wire.decode_frames(done.report)[0])
+        if done.report is not None:
+            tx.on_drop_report(wire.decode_frames(done.report)[0])
+        else:  # no datagram sent (budget 0): the round asked for no report, its kept-back blocks are folded already
+            assert plan.unimportant_blocks == 0
+            seen["unreported"] += 1
         after = _effective(tx)
         r1 = torch.zeros(layout.numel) if after is None else after
 
@@ -288,7 +295,8 @@ def test_plan_split_refuses_a_bucket_it_cannot_split_before_touching_anything(ba
     layout = BucketLayout([3000, 1024], 1024)
     tx = _sender(1024, 1400, True, False)
     cls = torch.from_numpy(np.array([0, 1, 1, 2] * 2)[: layout.nblocks])
-    tx.plan_split(0, 0, torch.ones(layout.numel), layout, cls, None, True, 0, None, lambda p: None)  # kept back
+    # one block sent (so a report is awaited: a round that sends none asks for none), the rest kept back
+    tx.plan_split(0, 0, torch.ones(layout.numel), layout, cls, None, True, 1, None, lambda p: None)
     res = _effective(tx).clone()
     x = {"bfloat16": torch.ones(layout.numel, dtype=torch.bfloat16), "float64": torch.ones(layout.numel).double(),
          "strided": torch.ones(2 * layout.numel)[::2], "short": torch.ones(layout.numel - 1)}[bad]
@@ -321,6 +329,9 @@ def test_a_bucket_whose_geometry_changes_between_rounds(seed):
         _same_residual(a, b, f"round {rnd} planned")
         _flags_hold(a, layout)
         done = _deliver(rx, pa, rnd, 0.3, rng)
+        if done.report is None:  # no datagram sent (budget 0): no report asked for, nothing to fold
+            assert pa.unimportant_blocks == 0
+            continue
         report = wire.decode_frames(done.report)[0]
         _same_info(a.on_drop_report(report), b.on_drop_report(report))
         _same_residual(a, b, f"round {rnd}'s report")
@@ -356,3 +367,30 @@ def test_a_late_report_of_another_geometry_drops_the_residual_flags(seed):
         done = _deliver(rx, pa, rnd, 0.5, rng)
         pending = wire.decode_frames(done.report)[0]
     assert folded  # the case under test ran
+
+
+def test_a_split_round_that_sends_no_datagram_asks_for_no_report():
+    """Budget 0 (a lossy ring hop while the CPU gate is closed, or its pacer in debt): the important blocks go to the
+    stage, every other one into the residual, nothing on the datagram lanes. Nothing of the round can be lost and
+    nothing waits to be folded, so its ROUND_BEGIN carries NO_REPORT, the receiver closes it complete without a
+    report, and the sender keeps no pending entry; stage + residual is the input. With one block's budget the same
+    round asks for its report as before."""
+    layout = BucketLayout([3000, 1024, 7, 5000], 1024)
+    cls = torch.from_numpy(np.array([0, 1, 1, 2, 0, 1, 1, 2, 1, 0])[: layout.nblocks])
+    x = torch.from_numpy(np.random.default_rng(5).standard_normal(layout.numel).astype(np.float32))
+    for budget, quiet in [(0, True), (1, False)]:
+        tx = _sender(1024, 1400, True, False)
+        rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01))
+        staged: list[torch.Tensor] = []
+        plan, _ = tx.plan_split(0, 0, x, layout, cls, None, True, budget, None, _keep(staged))
+        begin = wire.decode_frames(bytes(plan.reliable[0][0]) + bytes(plan.reliable[0][1]))[0]
+        assert bool(begin.flags & wire.Flags.NO_REPORT) == quiet
+        assert (plan.unimportant_blocks == 0) == quiet and plan.unsent_blocks > 0
+        done = _deliver(rx, plan, 0, 0.0, np.random.default_rng(0))
+        assert (done.report is None) == quiet and done.stats.closed_by == "complete" and done.stats.dropped == 0
+        assert (list(tx._pending) == []) == quiet
+        if quiet:
+            imp = _important(layout, cls)
+            pieces = tx.residual(0).clone()
+            unpack_blocks(pieces, staged[0], layout, imp)
+            assert torch.equal(pieces, x)  # every element either staged or kept back, none lost

@@ -403,7 +403,10 @@ class RoundSender:
 
         reliable: list[tuple[bytes, memoryview]] = []
         begin = wire.encode_round_begin(layout.numel, layout.block, geom.frag, layout.sizes)
-        quiet = Flags.NO_REPORT if not report and len(important) == layout.nblocks else 0
+        # a round that sends no block as a datagram, its important ones carried elsewhere (a lossy ring hop whose
+        # budget was zero): nothing of it can be lost and the blocks kept back are folded already, so no report
+        nothing_out = elsewhere and not len(unimp)
+        quiet = Flags.NO_REPORT if (not report and len(important) == layout.nblocks) or nothing_out else 0
         begin_hdr = wire.encode_header(FrameType.ROUND_BEGIN, length=len(begin), dtype=dt, flags=quiet, **common)
         reliable.append((begin_hdr, memoryview(begin)))
         if elsewhere:
@@ -425,7 +428,7 @@ class RoundSender:
                 self._datagrams(plan, lane, raw, isz, dt, geom, blocks, common, pads)
         end = wire.encode_round_end(plan.important_blocks, len(unimp), len(reliable) - 1, plan.unreliable_frames())
         reliable.append((wire.encode_header(FrameType.ROUND_END, length=len(end), **common), memoryview(end)))
-        if self.error_feedback and (len(unimp) or len(unsent)):
+        if self.error_feedback and (len(unimp) or (len(unsent) and not nothing_out)):
             skip = None
             if elsewhere and len(important):
                 skip = np.zeros(layout.nblocks, dtype=bool)

@@ -104,7 +104,7 @@ class HopRoundMixin(OutboundMixin):
                                 segments=hop.segments_per_send(rows.shape[1]), gso=hop.gso,
                                 limit=self.cfg.round_timeout or 10.0)
         track = None
-        if plan.unimportant_blocks or plan.unsent_blocks:  # a report will come: it finds its track
+        if plan.unimportant_blocks:  # a report will come: it finds its track (none without datagrams: NO_REPORT)
             track = self._sending[key] = _SendTrack(t0=now, cls=plan.cls, detached=True)
         return HopRoundSend(peer, key, control, packed[0], send, stats, job, track)
 
