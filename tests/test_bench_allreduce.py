@@ -115,3 +115,16 @@ def test_the_table_prints_bracketed_keys_as_text(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert "seconds.ring[dense]" in out and "seconds.ring[dgt:p=0.3]" in out
     assert "per_trial.ring[dense][0]" in out and "[bold]x" in out
+
+
+def test_the_cpu_gate_can_be_switched_off_for_a_run():
+    """``--cpu-gate 0``: no lossy ring hop is kept from sending datagrams, whatever the host's load (the datagram
+    path's own cost, beside the default run); a value outside [0, 1] is refused before any rank starts."""
+    args = argparse.Namespace(ranks=2, mb=0.3, repeat=3, codec="dgt:p=0.3", timeout=240.0, stream_hops="auto",
+                              collectives="ring", cpu_gate=0.0)
+    out = allreduce.run(args)
+    assert out["cpu_gate"] == 0.0
+    assert all(r["cpu_gated_rounds"] == 0 for r in out["per_trial"]["ring"])
+    assert all(t["cpu_gated_rounds"] == 0 and t["cpu_wait"] is None for t in out["transport"].values())
+    with pytest.raises(SystemExit, match="cpu-gate"):
+        allreduce.run(argparse.Namespace(ranks=2, mb=0.3, repeat=1, codec="dense", timeout=60.0, cpu_gate=1.5))

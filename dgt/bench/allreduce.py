@@ -42,6 +42,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hop-threads", default="0",
                    help="threads per native ring hop: 0 auto, 1, 2 (send half on its own thread); a list such as 1,2 "
                    "times the ring once per value in the same run, as ring/1t, ring/2t")
+    p.add_argument("--cpu-gate", type=float, default=None,
+                   help="TransportConfig.cpu_gate for the DGT groups (default: its own, 0.1): a lossy ring hop sends "
+                   "no unimportant datagram while its transfer thread waits for a CPU more than this fraction of the "
+                   "time; 0 switches the gate off (what the datagram path costs this host)")
     p.add_argument("--timeout", type=float, default=300.0)
 
 
@@ -49,7 +53,8 @@ COLLECTIVES = ("ring", "ps_sharded", "ps_central")
 
 
 def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...], stream_hops: str = "auto",
-          collectives: tuple[str, ...] = COLLECTIVES, hop_threads: tuple[int, ...] = (0,)) -> dict:
+          collectives: tuple[str, ...] = COLLECTIVES, hop_threads: tuple[int, ...] = (0,),
+          cpu_gate: float | None = None) -> dict:
     import torch
     import torch.distributed as dist
     import trio
@@ -97,7 +102,8 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
         async with AsyncExitStack() as stack:  # the groups, closed in reverse order on the way out
             groups = {t: await stack.enter_async_context(Group.open(
                           rank, world, store=store, prefix=f"bench-allreduce-{t}", timeout=60,
-                          config=TransportConfig(stream_hops=stream_hops, hop_threads=t)))
+                          config=TransportConfig(stream_hops=stream_hops, hop_threads=t,
+                                                 **({} if cpu_gate is None else {"cpu_gate": cpu_gate}))))
                       for t in hop_threads}  # fmt: skip
             g = groups[hop_threads[0]]
             portal = trio.lowlevel.current_trio_token()
@@ -217,13 +223,16 @@ def run(args: argparse.Namespace) -> dict:
     if not threads or set(threads) - {0, 1, 2}:
         raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2")
     codecs = _codecs(getattr(args, "codec", None))
-    res = run_ranks(_rank, args.ranks, numel, args.repeat, codecs, hops, colls, threads, timeout=args.timeout)
+    gate = getattr(args, "cpu_gate", None)
+    if gate is not None and not 0.0 <= gate <= 1.0:
+        raise SystemExit("--cpu-gate: a fraction in [0, 1] (0: off)")
+    res = run_ranks(_rank, args.ranks, numel, args.repeat, codecs, hops, colls, threads, gate, timeout=args.timeout)
     # a collective ends when its slowest rank does: per trial the slowest rank's time, then the best and the median
     trials = {k: [max(t) for t in zip(*(r["seconds"][k] for r in res.values()))] for k in res[0]["seconds"]}
     best = {k: min(v) for k, v in trials.items()}
     median = {k: statistics.median(v) for k, v in trials.items()}
     out = {"bench": "allreduce", "ranks": args.ranks, "mb": args.mb,
-           "codec": codecs[0] if len(codecs) == 1 else list(codecs), "repeat": args.repeat,
+           "codec": codecs[0] if len(codecs) == 1 else list(codecs), "repeat": args.repeat, "cpu_gate": gate,
            "seconds": best, "median_seconds": median}  # fmt: skip
     if len(codecs) > 1:
         out["vs_first_codec"] = _vs_first(best, median, codecs)
