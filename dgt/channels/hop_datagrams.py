@@ -138,12 +138,13 @@ class HopDatagrams:
     COALESCE = 0.0005  # seconds between reads while a round's datagrams trickle in: a few per wake-up, not one
 
     def __init__(self, sock: socket.socket, tx: DatagramSend | None, pacer: PacerThread,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, cpu_wait: bool = True) -> None:
         self.sock, self.tx, self.clock, self.thread = sock, tx, clock, pacer
         self.t0 = clock()
         # (this thread carries the hop's stream messages) its runqueue wait from here until they are done: ``queued``
-        # seconds of ``span`` (the CPU gate's reading, dgt.protocol.cpu_gate); None where the kernel keeps none
-        self._queued0 = runqueue_seconds()
+        # seconds of ``span`` (the CPU gate's reading, dgt.protocol.cpu_gate); None where the kernel keeps none, or
+        # not read (``cpu_wait`` False: no gate to feed)
+        self._queued0 = runqueue_seconds() if cpu_wait else None
         self.queued: float | None = None
         self.span = 0.0
         self.pacer = None if tx is None else TokenBucket(tx.rate, tx.burst, self.t0)
@@ -207,8 +208,9 @@ class HopDatagrams:
         slowed to a crawl (a fixed low ``pace_rate``, no send budget) held the hop, and through it the whole ring,
         until ``tx.limit`` for datagrams its peer no longer takes."""
         self.span = self.clock() - self.t0
-        q1 = runqueue_seconds() if self._queued0 is not None else None
-        self.queued = None if q1 is None or self._queued0 is None else q1 - self._queued0
+        q0 = self._queued0
+        q1 = None if q0 is None else runqueue_seconds()
+        self.queued = None if q0 is None or q1 is None else q1 - q0
         if self.tx is not None:
             self.tx.window = self.span
         try:

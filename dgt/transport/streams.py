@@ -438,7 +438,7 @@ class StreamHub:
             return None
         if self.hop is None:
             raise RuntimeError("a hop with datagrams needs the hop socket (this endpoint has none)")
-        dgrams = HopDatagrams(self.hop.sock, h.datagrams, self._pacer)
+        dgrams = HopDatagrams(self.hop.sock, h.datagrams, self._pacer, cpu_wait=self.cpu_gate is not None)
         dgrams.start()
         return dgrams
 
