@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import functools
 import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any, TypeVar
+
+import trio
 
 if sys.version_info < (3, 11):  # Python 3.10: the backport trio itself depends on (a builtin from 3.11)
     from exceptiongroup import BaseExceptionGroup
@@ -78,6 +80,17 @@ def single_error() -> Iterator[None]:
         # a mismatch between ranks explains the closed connections it causes: it is the one to report
         mismatch = [e for e in found if isinstance(e, RankMismatch)]
         raise (mismatch or found)[0] from group
+
+
+@asynccontextmanager
+async def open_nursery() -> AsyncIterator[trio.Nursery]:
+    """``trio.open_nursery()`` whose failure is the one error that ended it (:func:`single_error`), on every trio the
+    package accepts: trio 0.22 raised a lone error as itself, trio >= 0.25 always wraps it in an exception group.
+    Every nursery inside dgt is opened with this (tests/test_trio_compat.py checks it), so a caller's
+    ``except PeerClosed`` works whichever trio pip picked."""
+    with single_error():
+        async with trio.open_nursery() as nursery:
+            yield nursery
 
 
 F = TypeVar("F", bound=Callable[..., Any])

@@ -25,6 +25,8 @@ import numpy as np
 import torch
 import trio
 
+from dgt.errors import open_nursery
+
 TOKEN = 0xD67B_E7C4
 
 
@@ -190,7 +192,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
                     rows.append((await ep.send_round(peer, 0, i, x, layout, cls, order)).to_dict())
                     cpu.append(time.process_time() - c0)
                 else:
-                    async with trio.open_nursery() as n:
+                    async with open_nursery() as n:
                         box = {}
 
                         async def recv(i=i, box=box):

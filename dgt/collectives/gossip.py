@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import trio
 
 from dgt.codecs.base import Codec, Part, Received
 from dgt.collectives.base import Collective, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import one_error
+from dgt.errors import one_error, open_nursery
 
 
 def ring_matrix(world: int) -> np.ndarray:
@@ -66,7 +65,7 @@ class Gossip(Collective):
                                       device=parts[0].data.device if parts else None)
 
         with self.phase(stats, "exchange"):
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for j in self.neighbours:
                     nursery.start_soon(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
                     nursery.start_soon(recv, j)

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from dgt.collectives.rendezvous import Rendezvous
-from dgt.errors import PeerClosed, single_error
+from dgt.errors import PeerClosed, open_nursery, single_error
 from dgt.transport.contract import Transport
 
 if TYPE_CHECKING:
@@ -101,10 +101,9 @@ class Group:
         """``async with Group.open(rank, world, ...) as group:`` :meth:`create` (the same arguments but ``nursery``)
         in a nursery of this block's own: leaving the block closes the group and no task of its endpoint outlives
         the block; an error in the endpoint's service cancels the block and is raised from it."""
-        import trio
 
         with single_error():
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 group = await cls.create(rank, world, store=store, config=config, host=host, timeout=timeout,
                                          prefix=prefix, connect=connect, nursery=nursery)
                 try:

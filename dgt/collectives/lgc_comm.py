@@ -17,7 +17,7 @@ import trio
 from dgt.codecs.lgc.comm import CommStats, nbytes
 from dgt.collectives.group import Group
 from dgt.collectives.ring import RingAllReduce
-from dgt.errors import PeerClosed, single_error
+from dgt.errors import PeerClosed, open_nursery, single_error
 from dgt.transport.bridge import TrioThread
 
 
@@ -83,7 +83,7 @@ class TransportComm:
             async def recv(p: int) -> None:
                 out[p] = await self._ep.recv_tensor(p, tid)
 
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for p in range(self.world_size):
                     if p != self.rank:
                         nursery.start_soon(self._ep.send_tensor, p, flat, tid)
@@ -102,7 +102,7 @@ class TransportComm:
             flat = t.detach().reshape(-1).to("cpu")
 
             async def go() -> None:
-                async with trio.open_nursery() as nursery:
+                async with open_nursery() as nursery:
                     for p in range(self.world_size):
                         if p != src:
                             nursery.start_soon(self._ep.send_tensor, p, flat, tid)
@@ -127,7 +127,7 @@ class TransportComm:
             async def recv(p: int) -> None:
                 out[p] = await self._ep.recv_tensor(p, tid)
 
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for p in range(self.world_size):
                     if p != root:
                         nursery.start_soon(recv, p)

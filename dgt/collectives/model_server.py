@@ -24,7 +24,6 @@ import inspect
 from dataclasses import dataclass, field
 
 import torch
-import trio
 
 from dgt.codecs.base import BucketState, Codec, Part, Received
 from dgt.codecs.bucketinfo import set_segments
@@ -33,7 +32,7 @@ from dgt.collectives.base import Collective
 from dgt.collectives.group import Group
 from dgt.collectives.parts import as_received, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import one_error
+from dgt.errors import one_error, open_nursery
 from dgt.wire import HEADER_SIZE
 
 
@@ -196,7 +195,7 @@ class ModelServer(Collective):
             received[w] = await self._recv(w, "push", rnd, self.codec, stats)
 
         with self.phase(stats, "gather"):
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for w in self.workers:
                     if w != g.rank:
                         nursery.start_soon(gather, w)
@@ -211,7 +210,7 @@ class ModelServer(Collective):
                 self.w -= self.lr * agg
         with self.phase(stats, "pull"):
             pull = self.pull_codec.encode(self.w, self.pull_tx_state)
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 for w in self.workers:
                     if w != g.rank:
                         nursery.start_soon(self._send, w, "pull", rnd, pull, stats)
@@ -252,7 +251,7 @@ class ModelServer(Collective):
         async def one(i: int) -> None:
             results[i] = await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, i), rnd)
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for i in range(len(geometry)):
                 if results[i] is None:
                     nursery.start_soon(one, i)

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import torch
-import trio
 
 from dgt.codecs.base import Part, Received
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import RankMismatch, op_mismatch, shape_mismatch
+from dgt.errors import RankMismatch, op_mismatch, open_nursery, shape_mismatch
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
@@ -91,7 +90,7 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
     if len(jobs) == 1:  # the common case (dense, DGT): no nursery to set up per hop
         await _send_one(stats, *jobs[0])
         return
-    async with trio.open_nursery() as nursery:
+    async with open_nursery() as nursery:
         for job in jobs:
             nursery.start_soon(_send_one, stats, *job)
 
@@ -153,7 +152,7 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
     if len(like) == 1:
         await one(0, like[0])
     else:
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for i, part in enumerate(like):
                 nursery.start_soon(one, i, part)
     return out  # type: ignore[return-value]

@@ -22,7 +22,6 @@ import time
 from functools import partial
 
 import torch
-import trio
 
 from dgt.codecs.base import Codec, Received
 from dgt.collectives.base import Collective, tells_peers
@@ -39,7 +38,7 @@ from dgt.collectives.parts import (
     transport_key,
 )
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import CodecMismatch, one_error
+from dgt.errors import CodecMismatch, one_error, open_nursery
 from dgt.transport.streams import Hop
 
 
@@ -120,7 +119,7 @@ class ParameterServer(Collective):
                     received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
                                                    device=piece.device, exact=self.codec.capabilities.summable, op=op)
 
-                async with trio.open_nursery() as nursery:
+                async with open_nursery() as nursery:
                     for w in range(g.world):
                         if w != g.rank:
                             nursery.start_soon(gather, w)
@@ -138,13 +137,13 @@ class ParameterServer(Collective):
                 own_rx = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
                 mine = self.codec.decode([as_received(p) for p in pull], own_rx, piece)
                 ch.chunk(out, shard).copy_(mine)
-                async with trio.open_nursery() as nursery:
+                async with open_nursery() as nursery:
                     for w in range(g.world):
                         if w != g.rank:
                             nursery.start_soon(partial(send_parts, g.endpoint, w, bucket_id, "pull", shard, rnd,
                                                        pull, stats, not self.lossy_pull, op=op))
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             for shard, owner in enumerate(self.servers):
                 nursery.start_soon(serve_shard, shard, owner)
         return CollectiveResult(out.view_as(bucket), stats)  # averaged by the server already: op is applied there

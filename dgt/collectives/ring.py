@@ -13,7 +13,6 @@ import time
 from functools import partial
 
 import torch
-import trio
 
 from dgt.codecs.base import Received
 from dgt.collectives.base import Collective, tells_peers
@@ -31,7 +30,7 @@ from dgt.collectives.parts import (
 )
 from dgt.collectives.ring_lossy import LossyHops, lossy_on_streams
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import one_error
+from dgt.errors import one_error, open_nursery
 from dgt.transport.streams import Hop, streamable
 
 
@@ -227,7 +226,7 @@ class RingAllReduce(Collective):
             got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
                                         device=mine.device, exact=True, op=self.call_code))
 
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             if parts:
                 # the next hop needs what this one receives, not the drop report of what it sent: do not wait a
                 # round trip per hop for it (error feedback folds it in when it comes)

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from dgt.errors import open_nursery
 from dgt.experiment.config import RunSpec
 from dgt.experiment.data import Dataset, ShardSampler, load_dataset
 from dgt.experiment.models import build_model
@@ -80,9 +81,8 @@ def _lane_dict(d: dict) -> dict[str, int]:
 
 async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> dict[str, Any]:
     """One rank's run of ``spec``; the group's endpoint serves in a nursery of this call (closed before it ends)."""
-    import trio
 
-    async with trio.open_nursery() as services:
+    async with open_nursery() as services:
         try:
             return await _train(spec, rank, world, bind, emit, services)
         finally:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-import trio
-
+from dgt.errors import open_nursery
 from dgt.transport import Endpoint, TransportConfig
 
 
@@ -21,7 +20,7 @@ async def connected_pair(token: int, cfg_a: TransportConfig | None = None, cfg_b
     token_b = token if token_b is None else token_b
     async with Endpoint.open(0, token, cfg_a, host=host) as a, Endpoint.open(1, token_b, cfg_b or cfg_a, host) as b:
         try:
-            async with trio.open_nursery() as n:
+            async with open_nursery() as n:
                 n.start_soon(a.connect, {1: b.address})
                 n.start_soon(b.connect, {0: a.address})
             yield a, b

@@ -7,9 +7,8 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
-import trio
-
 from dgt.collectives.group import Group
+from dgt.errors import open_nursery
 
 
 @asynccontextmanager
@@ -19,17 +18,17 @@ async def local_groups(world: int, store: Any, **create: Any) -> AsyncIterator[l
     closed, and every task of theirs ended, when the block ends."""
     groups: list[Group | None] = [None] * world
 
-    async with trio.open_nursery() as services:
+    async with open_nursery() as services:
         async def one(r: int) -> None:
             groups[r] = await Group.create(r, world, store=store, nursery=services, **create)
 
-        async with trio.open_nursery() as n:
+        async with open_nursery() as n:
             for r in range(world):
                 n.start_soon(one, r)
         made = [g for g in groups if g is not None]
         try:
             yield made
         finally:
-            async with trio.open_nursery() as n:
+            async with open_nursery() as n:
                 for g in made:
                     n.start_soon(g.aclose)

@@ -25,6 +25,8 @@ from typing import Any, Generic, TypeVar
 
 import trio
 
+from dgt.errors import open_nursery
+
 T = TypeVar("T")
 R = TypeVar("R")
 
@@ -72,7 +74,7 @@ class TrioThread(Generic[T]):
                     teardown: Callable[[T], Awaitable[None]] | None) -> None:
         self._stop = trio.Event()
         self._token = trio.lowlevel.current_trio_token()
-        async with trio.open_nursery() as n:
+        async with open_nursery() as n:
             self._nursery = n
             try:
                 value = self.value = await setup(n)

@@ -31,7 +31,7 @@ from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
 from dgt.channels.udp import UdpChannel, merged
 from dgt.channels.udp_scheduler import DatagramScheduler
-from dgt.errors import PeerClosed, RankMismatch, single_error
+from dgt.errors import PeerClosed, RankMismatch, open_nursery, single_error
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.datagram_mac import DatagramMac
@@ -170,7 +170,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
     async def _serve(cls, rank: int, token: int, cfg: TransportConfig | None,
                      host: str) -> AsyncIterator[Endpoint]:
         with single_error():
-            async with trio.open_nursery() as nursery:
+            async with open_nursery() as nursery:
                 ep = await cls.start(rank, token, cfg, host, nursery=nursery)
                 try:
                     yield ep
@@ -197,7 +197,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
 
     async def _service(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         try:
-            async with trio.open_nursery() as n:
+            async with open_nursery() as n:
                 self._nursery = n
                 n.start_soon(self._guard, self._accept_loop)
                 for lane, chan in self.udp.items():

@@ -21,7 +21,7 @@ from dgt.channels.slot import Slot
 from dgt.channels.sockopts import canonical_host
 from dgt.channels.tcp import TcpChannel, dial
 from dgt.channels.tcp_writer import ReliableWriter
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error, open_nursery
 from dgt.protocol.budget import RoundWindow
 from dgt.protocol.congestion import LedbatRate
 from dgt.protocol.pacing import Pacer
@@ -80,7 +80,7 @@ class HandshakeMixin(EndpointState):
             if len(addr.udp_ports) != len(self.udp):
                 raise ValueError(f"rank {rank} has {len(addr.udp_ports)} UDP lanes, this endpoint {len(self.udp)}")
             wanted[rank] = addr
-        async with trio.open_nursery() as n:
+        async with open_nursery() as n:
             for rank, addr in wanted.items():
                 link = self._links.get(rank)
                 if link is not None and link.error is None:

@@ -13,7 +13,7 @@ import trio
 
 from dgt import wire
 from dgt.channels.framing import KEEP
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, RankMismatch, one_error, path_mismatch
+from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, RankMismatch, one_error, open_nursery, path_mismatch
 from dgt.protocol.events import Event
 from dgt.transport import control
 from dgt.transport.handshake import _Link
@@ -34,7 +34,7 @@ class LinkMixin(EndpointState):
                 link.scope = scope
                 if link.error is not None:
                     return
-                async with trio.open_nursery() as n:
+                async with open_nursery() as n:
                     n.start_soon(self._link_task, link, self._reader, link)
                     n.start_soon(self._link_task, link, link.writer.run)
         finally:

@@ -15,7 +15,7 @@ import trio
 from dgt import wire
 from dgt.channels.slot import Slot
 from dgt.channels.udp_scheduler import DatagramJob
-from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError
+from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError, open_nursery
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import round_feedback
@@ -167,7 +167,7 @@ class OutboundMixin(EndpointState):
         for them outlived a receiver that had reported and closed its endpoint (PeerClosed on a finished round).
         A report and the peer's goodbye read in one pass fail the queued datagrams (the link closed) before this task
         runs again: a round already reported is complete all the same (seen under load, `dgt bench transport`)."""
-        async with trio.open_nursery() as nursery:
+        async with open_nursery() as nursery:
             async def on_report() -> None:
                 try:
                     await track.report.wait()

@@ -40,7 +40,7 @@ from dgt.channels.hop_datagrams import DatagramRecv, DatagramSend, HopDatagrams,
 from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
 from dgt.channels.udp import UdpChannel
-from dgt.errors import PeerClosed, PeerTimeout
+from dgt.errors import PeerClosed, PeerTimeout, open_nursery
 from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
@@ -359,7 +359,7 @@ class StreamHub:
                     raise ln.error.with_traceback(None)
             return known
         lanes: dict[int, StreamLane] = {}
-        async with trio.open_nursery() as n:
+        async with open_nursery() as n:
 
             async def get(p: int) -> None:
                 lanes[p] = await self.lane(p)
