@@ -68,17 +68,18 @@ class DGTProcessGroup(dist.ProcessGroup):
                  options: DGTBackendOptions | None = None) -> None:
         super().__init__(rank, size)
         self._rank, self._size = rank, size
-        self.options = options or DGTBackendOptions()
+        # not `options`: torch 2.1's ProcessGroup has a read-only property of that name
+        self.dgt_options = options or DGTBackendOptions()
         self.gloo = dist.ProcessGroupGloo(dist.PrefixStore("gloo/", store), rank, size, timeout)
         for dev in ("cpu", "cuda"):
             if dev == "cpu" or torch.cuda.is_available():
                 self._register_backend(torch.device(dev), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        connect = group_connector(rank, size, store=store, config=self.options.transport, host=self.options.host,
+        connect = group_connector(rank, size, store=store, config=self.dgt_options.transport, host=self.dgt_options.host,
                                   timeout=timeout.total_seconds(), prefix="dgt")
         self.worker = TrioWorker(connect, name=f"dgt-backend-r{rank}")
         self._lossless = make_codec("dense")
-        self._lossy = make_codec(self.options.codec)
+        self._lossy = make_codec(self.dgt_options.codec)
         self._colls: dict[tuple[bool, str], Any] = {}
         self._keys: dict[tuple, int] = {}
         self._next_key = itertools.count()
@@ -124,7 +125,7 @@ class DGTProcessGroup(dist.ProcessGroup):
         return _create_work_from_future(for_cpp(self.worker.submit(job, devices)))
 
     def _codec_for(self, t: torch.Tensor) -> bool:
-        return self._lossy.name != "dense" and t.numel() >= self.options.lossy_min_numel
+        return self._lossy.name != "dense" and t.numel() >= self.dgt_options.lossy_min_numel
 
     def _key(self, t: torch.Tensor) -> int:
         """A bucket id per tensor shape and dtype (first-seen order, identical on every rank), so a lossy codec's
@@ -140,7 +141,7 @@ class DGTProcessGroup(dist.ProcessGroup):
         key = (lossy, op)
         if key not in self._colls:
             codec = self._lossy if lossy else self._lossless
-            if self.options.collective == "ring":
+            if self.dgt_options.collective == "ring":
                 self._colls[key] = RingAllReduce(group, codec, op=op)
             else:
                 self._colls[key] = ParameterServer(group, codec, op=op, server=0)
@@ -159,7 +160,7 @@ class DGTProcessGroup(dist.ProcessGroup):
         return BACKEND
 
     def __repr__(self) -> str:
-        return f"DGTProcessGroup(rank={self._rank}, size={self._size}, codec={self.options.codec!r})"
+        return f"DGTProcessGroup(rank={self._rank}, size={self._size}, codec={self.dgt_options.codec!r})"
 
 
 # Collectives a Python ProcessGroup subclass inherits from C++ (torch's PyProcessGroup trampoline, WORK_OVERRIDE).
