@@ -3,9 +3,9 @@
 A split ring hop (:mod:`dgt.collectives.ring_lossy`) carries its important blocks on the stream lane and the rest
 as one DGT round of datagrams. Driven from trio, that round cost more than its bytes: the link's reader for its
 opening and closing frames, the UDP ingress, the datagram scheduler and their wake-ups, ~9 ms of the ~20 ms a
-4-rank 25 MB call spends on the trio thread (issue 26, docs/transport.md). Here the worker thread that runs the
-hop's stream messages also runs its datagrams, on the endpoint's hop socket (one UDP socket of its own, which trio
-never reads):
+4-rank 25 MB call spends on the trio thread (issue 26, docs/history/transport-journal.md). Here the worker thread
+that runs the hop's stream messages also runs its datagrams, on the endpoint's hop socket (one UDP socket of its own,
+which trio never reads):
 
 - the send half (:class:`DatagramSend`): the round's datagrams, packed on the trio side (headers, payloads, MAC
   trailers), handed to the kernel one GSO batch at a time from a pacer thread while the hop's stream messages

@@ -2,7 +2,7 @@
 
 A lossy hop as one DGT round on the session link costs about 16 copies of its chunk in protocol work, most of it the
 important blocks: framed, written and read frame by frame by the link's trio tasks, landed and marked run by run
-(docs/transport.md, issue 26). Here a hop is split by lane, as the paper splits it:
+(docs/history/transport-journal.md, issue 26). Here a hop is split by lane, as the paper splits it:
 
 - the **important blocks** (class 0) go as one packed message on the stream lane to the next rank (TCP, marked EF
   like lane 0), in the native hop loop off the trio thread, preceded by a mask message (a byte per block of the

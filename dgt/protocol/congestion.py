@@ -33,7 +33,7 @@ loopback that is all the "delay" there is) shows up in single readings and is fi
   our own step by all of it. It goes through the same filter (the reading of a report is the larger of its queuing
   delay and its scaled hold). With the hold read at the delay's 10 ms target, a 4-rank lossy ring on loopback was
   held ~10 ms per hop once the close time stopped the false loss back-offs: 141.5 ms per all-reduce against 125
-  before; with 2 ms, 120-122 ms (``docs/transport.md``);
+  before; with 2 ms, 120-122 ms (``docs/history/transport-journal.md``);
 * the important blocks' *slowdown* counts as queuing delay too: how much longer than their fastest recent time
   (per bucket, :class:`dgt.protocol.budget.RoundWindow`, less its 2 ms of slack; the endpoint reads none from a
   round with under 64 KiB of datagrams) they took to arrive, relative, scaled so that
@@ -41,7 +41,7 @@ loopback that is all the "delay" there is) shows up in single readings and is fi
   important ones take; where they are not free (a FIFO bottleneck ignoring DSCP, a CPU-bound host) they lengthen
   that time, which raised the budget, which sent more: on a 4-rank lossy ring over loopback (2 cores) every
   unimportant block was soon sent and a call took 125-160 ms with 55-66 ms of CPU per rank, against 83-102 ms and
-  36-44 ms with the rounds closed before the important blocks were in (``docs/transport.md``);
+  36-44 ms with the rounds closed before the important blocks were in (``docs/history/transport-journal.md``);
 * a rate the sender itself cannot reach is capped: when some of a round's datagrams did not leave by the last
   useful moment (sent after ``close - base``, or abandoned), the rate is at most what did leave in time over the
   time it took (:meth:`Feedback.send_rate`; a loaded CPU, not the path), so the budget does not promise blocks that

@@ -6,7 +6,7 @@ machine over loopback, or ranks whose cores the training itself keeps busy) they
 ends CPU time the important blocks' transfer and the sums need, and the step takes longer by about that time. The
 congestion controller cannot see this (no queue builds: a datagram is late because a process was not scheduled, not
 because a link was full), and the slowdown of the important blocks it reads is drowned by the scheduling jitter of
-such a host (issue 26, docs/transport.md).
+such a host (issue 26: docs/transport.md, docs/history/transport-journal.md).
 
 The direct measure is the kernel's: how long the thread that carries a hop's important blocks was *runnable but
 waiting for a CPU* while they travelled (``/proc/thread-self/schedstat``, read at the I/O edge,
