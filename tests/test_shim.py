@@ -254,7 +254,12 @@ def _backend_checks(rank: int, world: int, pg) -> dict:
         dist.recv(p2p, src=0)
     out["p2p"] = p2p
     rs = torch.zeros(2)
-    dist.reduce_scatter(rs, [torch.full((2,), float(rank + 1) * (j + 1)) for j in range(world)])
+    try:
+        dist.reduce_scatter(rs, [torch.full((2,), float(rank + 1) * (j + 1)) for j in range(world)])
+    except RuntimeError as exc:  # forwarded to Gloo, which has none on older torch (2.4: CI's oldest-versions run)
+        if "ProcessGroupGloo does not support reduce_scatter" not in str(exc):
+            raise
+        rs = None
     out["reduce_scatter"] = rs
     dist.barrier()
     return out
@@ -320,7 +325,10 @@ def test_backend_collectives(runs):
         assert o["bcast"].tolist() == [1.0] * 4
         assert [g.tolist() for g in o["gather"]] == [[0.0, 0.0], [1.0, 1.0]]
         assert o["p2p"].tolist() == [5.0] * 3
-        assert o["reduce_scatter"].tolist() == [3.0 * (r + 1)] * 2  # sum over ranks of (rank + 1) * (r + 1)
+        if o["reduce_scatter"] is None:  # only where torch's own Gloo lacks it, never on the README's torch
+            assert tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 13)
+        else:
+            assert o["reduce_scatter"].tolist() == [3.0 * (r + 1)] * 2  # sum over ranks of (rank + 1) * (r + 1)
 
 
 def test_backend_forwards_inherited_collectives_to_gloo_from_python():

@@ -74,7 +74,8 @@ class DGTProcessGroup(dist.ProcessGroup):
         for dev in ("cpu", "cuda"):
             if dev == "cpu" or torch.cuda.is_available():
                 self._register_backend(torch.device(dev), dist.ProcessGroup.BackendType.GLOO, self.gloo)
-        self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+        if hasattr(self, "_set_default_backend"):  # torch 2.4 has no such call: its backend per device is enough
+            self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
         connect = group_connector(rank, size, store=store, config=self.dgt_options.transport, host=self.dgt_options.host,
                                   timeout=timeout.total_seconds(), prefix="dgt")
         self.worker = TrioWorker(connect, name=f"dgt-backend-r{rank}")
