@@ -76,7 +76,8 @@ class DGTProcessGroup(dist.ProcessGroup):
                 self._register_backend(torch.device(dev), dist.ProcessGroup.BackendType.GLOO, self.gloo)
         if hasattr(self, "_set_default_backend"):  # torch 2.4 has no such call: its backend per device is enough
             self._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-        connect = group_connector(rank, size, store=store, config=self.dgt_options.transport, host=self.dgt_options.host,
+        opts = self.dgt_options
+        connect = group_connector(rank, size, store=store, config=opts.transport, host=opts.host,
                                   timeout=timeout.total_seconds(), prefix="dgt")
         self.worker = TrioWorker(connect, name=f"dgt-backend-r{rank}")
         self._lossless = make_codec("dense")
