@@ -62,12 +62,30 @@ def test_bench_reports_each_trial_with_its_cpu_and_unreliable_lane_counters():
         assert all(r["cpu_ms_per_rank"] > 0 for r in rows)
         assert out["cpu_ms_per_rank_median"][name] == sorted(r["cpu_ms_per_rank"] for r in rows)[1]
     ring = trials["ring"]
+    # the endpoints' totals over every call (the uncounted warm-up and the 3 trials): each call plans the same number
+    # of unimportant blocks (p is constant), and over loopback each goes as one datagram (a block fits one), was
+    # abandoned (its round closed first) or was kept back by the send budget
+    tot = out["transport"].values()
+    planned = sum(t["udp_datagrams_sent"] + t["udp_abandoned"] + t["unsent_blocks"] for t in tot)
+    assert planned > 0 and planned % 4 == 0, planned
+    per_call = planned // 4
     for r in ring:
-        assert all(isinstance(r[f], int) and r[f] >= 0 for f in ("datagrams", "unsent_blocks", "lost_blocks"))
-        assert r["deadline_wait_s"] >= 0
+        assert all(isinstance(r[f], int) for f in ("datagrams", "unsent_blocks", "lost_blocks"))
+        # sent or kept back, never more than were planned; what was neither was abandoned, and so reported lost
+        assert r["datagrams"] + r["unsent_blocks"] <= per_call <= r["datagrams"] + r["unsent_blocks"] + r["lost_blocks"]
+        assert r["lost_blocks"] <= per_call - r["unsent_blocks"]  # only a block handed to the lane can be lost
+        # the receivers' waits (summed over the 2 ranks) happened within the trial (its slowest rank's time)
+        assert 0 <= r["deadline_wait_s"] <= 2 * r["seconds"], r
+    # the trials' counters are part of the endpoints' totals (which also hold the warm-up call)
+    for f, k in (("datagrams", "udp_datagrams_sent"), ("unsent_blocks", "unsent_blocks"),
+                 ("lost_blocks", "lost_blocks"), ("cpu_gated_rounds", "cpu_gated_rounds")):
+        assert sum(r[f] for r in ring) <= sum(t[k] for t in tot), f
+    assert sum(r["deadline_wait_s"] for r in ring) <= sum(t["deadline_wait_total"] for t in tot) + 1e-9
     # every unimportant block of every trial either went out as datagrams or was kept back (or both, in part)
     assert all(r["datagrams"] + r["unsent_blocks"] > 0 for r in ring)
-    assert all(r["unsent_blocks"] == 0 for r in trials["gloo"])  # no DGT round is planned during Gloo's trials
+    for r in trials["gloo"]:  # no DGT round is planned, sent or received during Gloo's trials
+        assert r["datagrams"] == r["unsent_blocks"] == r["lost_blocks"] == r["cpu_gated_rounds"] == 0, r
+        assert r["deadline_wait_s"] == 0.0, r
 
 
 def test_bench_times_several_codecs_in_one_run_and_reports_each_against_the_first():

@@ -2,6 +2,8 @@
 into another round, a wrong key, a stripped tag are all refused (counted ``bad-mac``) and reach error feedback as
 lost, never the sum; a forged first copy does not shut out the genuine fragment; C and numpy NH agree."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -12,12 +14,25 @@ from dgt.harness import planned
 from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.protocol import datagram_mac as dm
+from dgt.protocol import landing
 from dgt.protocol.receiver import RoundDone, RoundReceiver
 
 TOKEN = 0xC0FFEE
 KEY = bytes(range(32))
 SIZES = planned.SIZES
 SENDER, RECEIVER = 3, 1
+
+
+def test_the_nh_extension_is_built_where_a_compiler_is():
+    """An install on a machine with a C compiler must not silently fall back to numpy NH and the numpy landing (the
+    C-only tests here and tests/test_fused_landing.py would all be skipped): the extension imports, has every entry
+    point dgt calls, and the fused landing is on."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: numpy NH and the numpy landing are the expected paths")
+    assert dm._nh is not None, "dgt.protocol._nh was not built (setup.py builds it with optional=True)"
+    missing = [f for f in ("nh", "tags", "land", "decode", "all_fragments") if not hasattr(dm._nh, f)]
+    assert not missing, f"dgt.protocol._nh lacks {missing}: a stale build"
+    assert landing.FUSED
 
 
 def plan_round(mac, rnd=0, bucket=0, seed=0, dtype=torch.float32):

@@ -232,25 +232,27 @@ async def test_bytes_and_tensors_lossless_in_order():
 
 async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
     """A paced sender is still sending a round's unimportant datagrams when the receiver closes it at its
-    deadline: the rest is abandoned and the next round goes out without waiting behind it."""
+    deadline: the rest is abandoned (never sent later) and the next round goes out. How long such a round takes,
+    against sending all its unimportant bytes at the pace, is measured by ``dgt bench transport --variants
+    dgt-p30-stale`` (tests/test_bench_transport.py runs it), not timed here."""
     cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10, congestion_control=False)  # fixed pace
     async with pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02")) as (a, b):
         layout = BucketLayout([200_000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.1)
-        t0 = trio.current_time()
         sent, res = await send_and_recv(a, b, 0, 0, x, layout, c.cls, c.order)
-        elapsed = trio.current_time() - t0
         assert res.stats.closed_by == "deadline" and res.mask[c.important].all()
         assert sent.abandoned[1] > sent.datagrams[1]  # most of the round was never sent
-        assert elapsed < 0.6  # sending all unimportant bytes at 1 MB/s would take 0.72 s
         residual = a._links[1].sender.residual(0).clone()  # what was abandoned or lost, for the next round
         lost = layout.expand(~res.mask)
         assert torch.equal(residual[lost], x[lost])
-        t1 = trio.current_time()
         sent2, res2 = await send_and_recv(a, b, 0, 1, x, layout, 0)
-        assert trio.current_time() - t1 < 0.5 and res2.mask.all() and torch.equal(res2.data, x + residual)
-        assert a.stats().lanes[1].tx_abandoned == sent.abandoned[1]
+        assert res2.mask.all() and torch.equal(res2.data, x + residual)
+        # the abandoned datagrams stayed abandoned: the lane sent round 0's datagrams that went before its close
+        # and nothing of it afterwards (round 1 is all important: the reliable lane)
+        lane = a.stats().lanes[1]
+        assert lane.tx_abandoned == sent.abandoned[1] and lane.tx_frames == sent.datagrams[1]
+        assert not sent2.datagrams.get(1) and not sent2.abandoned.get(1)
 
 
 async def test_congestion_control_backs_off_on_loss_and_probes_up_without():

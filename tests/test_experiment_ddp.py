@@ -142,7 +142,16 @@ def test_every_arm_trains_on_loopback_tiny(tmp_path):
     assert all(d["buckets"] >= 3 and d["codec_buckets"] >= 1 for d in hook["dgt"])  # 2 dense warm-up steps
     for d in hook["dgt"]:  # what explains a step's time: per path (phases) and the endpoint's deadline waits
         assert d["paths"]["lossless"]["buckets"] >= 2 and d["paths"]["lossless"]["seconds"] > 0
-        assert d["transport"]["deadline_wait_total"] >= 0 and "critical" in d["transport"]["lanes"]
+        tr = d["transport"]
+        # the endpoint's TCP lane carried at least the payload bytes the hook counted as sent on lane 0 (and headers)
+        assert 0 < d["lanes"]["0"] <= tr["lanes"]["critical"]["tx_bytes"], (d["lanes"], tr["lanes"])
+        # every DGT round received closed one way or another, none aborted (the lossless hops' stream messages are
+        # not rounds: 0 of each here)
+        assert sum(tr["closed_by"].values()) == tr["rounds_received"] and "aborted" not in tr["closed_by"], tr
+        # the deadline waits are parts of the rounds' time: the longest within the sum, the sum within the rounds'
+        assert 0 <= tr["deadline_wait_max"] <= tr["deadline_wait_total"] <= tr["receive_seconds"], tr
+        if d["lossy_buckets"] == 0:  # no lossy round was run (3 steps: the chooser's first is lossless): no wait
+            assert tr["deadline_wait_total"] == 0.0 and tr["blocks_dropped"] == 0, tr
     fed = next(r for r in res["runs"] if r["arm"] == "dgt-hook-loss")
     assert all(d["codec_buckets"] >= 1 for d in fed["dgt"]) and fed["summary"]["dgt_lane_bytes_per_rank_step"]["0"] > 0
     backend = next(r for r in res["runs"] if r["arm"] == "dgt-backend")

@@ -42,7 +42,16 @@ def test_a_diverged_ablation_is_never_the_better_one():
     assert rep["margin"]["final_train_loss"] is None and rep["margin"]["train_loss_ratio"] is None
 
 
-def test_tiny_ablation_run_decodes_zero_and_template():
+# ~30 s of CPU (dense, then each variant with the AE, zero and template decoders); about twice that on a loaded 2-core
+# machine
+@pytest.mark.slow
+def test_small_ablation_run_the_ae_beats_both_code_free_decoders():
+    """4 dense rounds, 50 rounds of top-k while the AE trains, 10 compressed rounds: on those held-out rounds the AE's
+    decoded update is closer to the true one than the zero and the template decoder's, on both variants (measured:
+    rel_error 0.245 against the template's 0.313 (PS), 0.301 against 0.430 (ring); cosine 0.970 / 0.950 and
+    0.955 / 0.908). With 6 AE-training rounds (the earlier tiny run) or 30 it does not: the template (the mean of the
+    AE's training targets) is right from its first round, the AE needs some 50 Adam steps to pass it (docs/lgc.md,
+    "What the numbers show", Tests). Seed 0, the bench's default."""
     import argparse
 
     from dgt.bench.lgc import add_arguments, run
@@ -51,17 +60,20 @@ def test_tiny_ablation_run_decodes_zero_and_template():
     torch.set_num_threads(1)
     parser = argparse.ArgumentParser()
     add_arguments(parser)
-    args = parser.parse_args(["--iters", "16", "--warmup", "4", "--ae-iters", "6", "--ablation"])
+    args = parser.parse_args(["--iters", "64", "--warmup", "4", "--ae-iters", "50", "--ablation"])
     res = run(args)
     for variant in ("ps", "ring"):
         abl = res["ablation"][variant]
         assert set(abl) == {"ae", "zero", "template", "margin"}
+        # the AE beats the better of the two code-free decoders on the held-out reconstruction, both figures
+        assert abl["margin"]["rel_error"] > 0 and abl["margin"]["cosine"] > 0, (variant, abl)
+        for other in ("zero", "template"):
+            assert abl["ae"]["rel_error"] < abl[other]["rel_error"] and abl["ae"]["cosine"] > abl[other]["cosine"]
         if variant == "ring":  # nothing but the decoded output reaches the AE layers: predicting zeros is 1.0
             assert abl["zero"]["rel_error"] == pytest.approx(1.0)
         else:  # PS keeps the exactly-sent innovation values
             assert 0.5 < abl["zero"]["rel_error"] < 1.0
         assert abl["zero"]["rel_error"] > abl["template"]["rel_error"]  # the template already beats zeros
-        assert abl["margin"]["rel_error"] is not None
         # the default top-k (0.5 %) keeps the compressed phase in issue 25's band: at least 100x, but not the paper's
         # 0.1 % (1093x PS / 1779x ring on this model), whose top-k learned too slowly to stay within 2 points of dense
         assert 100 <= res[f"lgc_{variant}"]["traffic"]["compressed_phase_ratio"] < 500

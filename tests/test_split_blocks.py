@@ -4,6 +4,8 @@ blocks, the residual out and the SENT blocks of the round's copy, for every resi
 for multi-tensor layouts whose block starts differ modulo the block and end in partial blocks, and must refuse bad
 input with a ValueError before writing anything."""
 
+import shutil
+
 import numpy as np
 import pytest
 import torch
@@ -24,6 +26,16 @@ LAYOUTS = [
     ([1, 1023, 1025, 2047], 1024),  # starts at 0, 1, 0 (1024), 1 (2049): two residues; tails of 1 and 1023 elements
     ([1000, 2048], 1024),  # the full blocks in one residue class (1000), a short block before them
 ]
+
+
+def test_the_blockops_extension_is_built_where_a_compiler_is():
+    """An install on a machine with a C compiler must not silently fall back to the torch passes (every C test here and
+    tests/test_pass_threads.py would be skipped): the extension imports and has every entry point dgt calls."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the torch passes are the expected ones")
+    assert NATIVE and block_ops._blockops is not None, "dgt.protocol._blockops was not built (setup.py, optional=True)"
+    missing = [f for f in ("split", "combine", "abs_sums") if not hasattr(block_ops._blockops, f)]
+    assert not missing, f"dgt.protocol._blockops lacks {missing}: a stale build"
 
 
 def _bits(t: torch.Tensor) -> np.ndarray:

@@ -14,6 +14,7 @@ BENCHES: dict[str, str] = {
     "ddp": "DDP training step time: Gloo vs the DGT communication hook (lossless, lossy)",
     "lgc": "learned gradient compression: accuracy and compression ratio, PS and ring variants",
     "hop": "CPU of one lossy ring hop (a DGT round of a chunk), sans-IO on one thread, stage by stage, vs a copy",
+    "inspect": "dgt inspect's summary of a synthetic ~100k-packet capture vs scapy's bare read of the file",
 }
 
 

@@ -4,7 +4,13 @@
 - tcp-ours: our trio TCP channel alone (1 MiB length-prefixed frames, ``recv_into`` in place), no DGT protocol;
 - dgt-lossless: the endpoint with every block reliable (p = 100 %), received into a preallocated buffer, and again
   into a fresh buffer per round (what ``recv_round`` without ``out`` does);
-- dgt-p30: p = 30 % (top blocks by contribution over TCP, the rest over UDP), GSO/GRO on, then off.
+- dgt-p30: p = 30 % (top blocks by contribution over TCP, the rest over UDP), GSO/GRO on, then off;
+- dgt-p30-stale: p = 30 % from a sender paced at a fixed ``--stale-pace`` (no congestion control, no send budget)
+  to a receiver that closes each round 20 ms after its important blocks (``deadline="fixed:0.02"``): the datagrams
+  still queued are abandoned. ``paced_send_seconds`` is what sending every unimportant byte at that pace would take,
+  ``seconds_vs_paced_send`` the median round's time over it (below 1: the close did not wait for the pace), and as
+  every round after the first starts while the sender may still hold the previous one's abandoned datagrams, the
+  rounds' times also show whether a round waits behind a stale one.
 
 Times run from the sender starting the round to the receiver holding the result (CLOCK_MONOTONIC is shared by the
 two processes); MB/s = 1e6 bytes per second of the bucket's size; ratios are against the raw anchor.
@@ -166,6 +172,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
     x = _payload(st, numel)
     layout = BucketLayout.flat(numel)
     cls, order = 0, None
+    unimportant_bytes = 0
     if role == "send" and p < 1.0:
         if st.get("classes", (None,))[0] != p:
             est = ContributionEstimator(layout)
@@ -173,6 +180,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
             c = est.classify(p)
             st["classes"] = (p, c.cls, c.order)
         _, cls, order = st["classes"]
+        unimportant_bytes = int(layout.block_len[cls != 0].sum()) * x.element_size()
     out = torch.empty(numel) if use_out else None
     if out is not None:
         out.view(torch.uint8).numpy()[::4096] = 0  # fault the pages in once, as the raw anchor's buffer is
@@ -214,7 +222,14 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
                     })  # fmt: skip
                     del r  # done with the result, as a training step is: its buffer can land a later round
                     box.clear()
-            return {"t": times, "cpu": cpu, "rows": rows, "stats": ep.stats().to_dict()}
+            # the receiver stays until the sender's last round has returned: closing at once would fail the
+            # datagrams the sender still holds of that round, uncounted, instead of abandoning them (counted)
+            if role == "send":
+                await ep.send_bytes(peer, b"done")
+            elif await ep.recv_bytes(peer, timeout=60) != b"done":
+                raise RuntimeError("bad done message")
+            return {"t": times, "cpu": cpu, "rows": rows, "stats": ep.stats().to_dict(),
+                    "unimportant_bytes": unimportant_bytes}
 
     return trio.run(main)
 
@@ -297,9 +312,11 @@ def _socket_pair_run(pair: _Pair, kind: str, nbytes: int, repeats: int) -> dict:
     return _rates(nbytes, sent["t"], got["t"], sent["cpu"], got["cpu"])
 
 
-def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out: bool) -> dict:
-    for who, role in ((0, "send"), (1, "recv")):
-        pair.post(who, "dgt", role=role, cfg=cfg, numel=numel, repeats=repeats, p=p, use_out=use_out)
+def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out: bool,
+             recv_cfg: dict | None = None) -> dict:
+    """One DGT variant: ``cfg`` for both endpoints, or for the sender only when ``recv_cfg`` is given."""
+    for who, role, c in ((0, "send", cfg), (1, "recv", cfg if recv_cfg is None else recv_cfg)):
+        pair.post(who, "dgt", role=role, cfg=c, numel=numel, repeats=repeats, p=p, use_out=use_out)
     addrs = [pair.result(who) for who in (0, 1)]  # each side's ("addr", ...) message comes first
     pair.conns[0].send(addrs[1])
     pair.conns[1].send(addrs[0])
@@ -316,6 +333,8 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
         unimportant_blocks=last["unimportant_blocks"],
         datagrams=last["datagrams"],
         abandoned=last["abandoned"],
+        abandoned_per_round=[sum(s["abandoned"].values()) for s in sent["rows"]],
+        unimportant_bytes=sent["unimportant_bytes"],
         lost_blocks=[s["lost_blocks"] for s in sent["rows"]],
         unsent_blocks=[s.get("unsent_blocks", 0) for s in sent["rows"]],
         pace_rate=[s.get("pace_rate") for s in sent["rows"]],
@@ -323,6 +342,18 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
                                                    "rx_kernel_drops", "rcvbuf")}
                    for ln in got["stats"]["lanes"] if ln["kind"] == "udp"},  # fmt: skip
     )
+    return out
+
+
+def _stale_run(pair: _Pair, base: dict, numel: int, p: float, repeats: int, pace: float) -> dict:
+    """dgt-p30-stale: a fixed-pace sender (no congestion control, so no send budget: every unimportant block is
+    planned as a datagram) to a receiver closing each round 20 ms after its important blocks."""
+    sender = base | {"congestion_control": False, "pace_rate": pace, "pace_burst": 16 << 10}
+    out = _dgt_run(pair, sender, numel, p, repeats, True, recv_cfg=base | {"deadline": "fixed:0.02"})
+    paced = out["unimportant_bytes"] / pace
+    med = statistics.median(out["seconds"])
+    out.update(pace_rate_fixed=pace, paced_send_seconds=paced, seconds_median=med,
+               seconds_vs_paced_send=med / paced if paced > 0 else None)
     return out
 
 
@@ -340,11 +371,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="skip the GSO-off and fresh-buffer variants")
     parser.add_argument("--no-datagram-mac", action="store_true",
                         help="DGT variants without the datagram MAC (datagram_mac=False), to measure it")
+    parser.add_argument("--stale-pace", type=float, default=1e6,
+                        help="bytes/s of the dgt-p30-stale variant's paced sender (default 1e6: far below what the "
+                             "round's unimportant bytes need to arrive before the receiver's 20 ms deadline)")
     parser.add_argument("--variants", default="", help="comma-separated DGT variants to run (default: all; the raw "
                         f"anchor always runs): {', '.join(DGT_VARIANTS)}")
 
 
-DGT_VARIANTS = ("tcp-ours", "dgt-lossless", "dgt-lossless-fresh", "dgt-p30-gso", "dgt-p30-gso-nocc", "dgt-p30-nogso")
+DGT_VARIANTS = ("tcp-ours", "dgt-lossless", "dgt-lossless-fresh", "dgt-p30-gso", "dgt-p30-gso-nocc", "dgt-p30-nogso",
+                "dgt-p30-stale")
 
 
 def _wanted(args: argparse.Namespace) -> set[str]:
@@ -364,6 +399,9 @@ def run(args: argparse.Namespace) -> dict:
     base = {"peer_timeout": 30.0, "datagram_payload": args.datagram_payload,
             "datagram_mac": not getattr(args, "no_datagram_mac", False)}
     want = _wanted(args)  # a bad --variants fails before any process starts
+    stale_pace = float(getattr(args, "stale_pace", 1e6))
+    if not stale_pace > 0:
+        raise ValueError(f"--stale-pace must be positive bytes/s, not {stale_pace}")
     pair = _Pair()
     t0 = time.perf_counter()
     try:
@@ -381,6 +419,8 @@ def run(args: argparse.Namespace) -> dict:
             res["dgt-p30-gso-nocc"] = _dgt_run(pair, base | {"congestion_control": False}, numel, args.p, reps, True)
         if "dgt-p30-nogso" in want:
             res["dgt-p30-nogso"] = _dgt_run(pair, base | {"gso": False, "gro": False}, numel, args.p, reps, True)
+        if "dgt-p30-stale" in want:
+            res["dgt-p30-stale"] = _stale_run(pair, base, numel, args.p, reps, stale_pace)
     finally:
         pair.close()
     anchor = res["raw"]["mb_s_median"]
@@ -401,6 +441,9 @@ def run(args: argparse.Namespace) -> dict:
         "goal_lossless_ge_0.8x_raw": ratios["dgt-lossless"] >= 0.8 if "dgt-lossless" in ratios else None,
         "gso": {"on": res.get("dgt-p30-gso", {}).get("udp_lanes"),
                 "off": res.get("dgt-p30-nogso", {}).get("udp_lanes")},
+        "stale_round": None if "dgt-p30-stale" not in res else {
+            k: res["dgt-p30-stale"][k] for k in ("pace_rate_fixed", "paced_send_seconds", "seconds_median",
+                                                  "seconds_vs_paced_send", "abandoned_per_round", "closed_by")},
         "variants": res,
         "wall_seconds": time.perf_counter() - t0,
         "numpy": np.__version__,
