@@ -298,3 +298,29 @@ def test_cli_adds_demo_and_experiment_table1():
     assert not args.lossy_pull and args.server == "sharded" and args.cross_traffic == "5mbit"
     assert args.cross_proto == "tcp" and args.cross_dscp == 0
     assert main(["experiment"]) == 2  # no experiment named: help, exit 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--workers", "1"], "workers: need at least 2"),
+    (["demo", "--target", "2"], "target: a test accuracy in (0, 1]"),
+    (["demo", "--server", "9"], "server: a worker rank (0 to 3)"),
+    (["demo", "--rate", "fast"], "bad rate 'fast'"),
+    (["experiment", "table1", "--models", "resnet"], "models: choose from alexnet, vgg11, got resnet"),
+])
+def test_bad_values_are_usage_errors_not_tracebacks(argv, says, capsys, tmp_path, monkeypatch):
+    """Issue 41 (5): a value the option types let through but the experiment cannot run is refused by the parser
+    (exit status 2, 'dgt demo: error: ...') before anything starts."""
+    from dgt.cli import main
+    from dgt.experiment import runner
+
+    def never(*a, **k):
+        raise AssertionError("the run must not start")
+
+    monkeypatch.setattr(runner, "run_experiment", never)
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prog = "dgt demo" if argv[0] == "demo" else "dgt experiment table1"
+    assert f"{prog}: error: {says}" in err, err
+    assert "Traceback" not in err
