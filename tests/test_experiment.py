@@ -324,3 +324,20 @@ def test_bad_values_are_usage_errors_not_tracebacks(argv, says, capsys, tmp_path
     prog = "dgt demo" if argv[0] == "demo" else "dgt experiment table1"
     assert f"{prog}: error: {says}" in err, err
     assert "Traceback" not in err
+
+
+def test_reproduction_doc_gives_commands_that_work():
+    """Issue 41 (5): docs/reproduction.md installs the extra `dgt demo` needs and runs the environment's dgt under
+    sudo (a bare `sudo dgt` searches sudo's secure_path, which holds no virtual environment)."""
+    import pathlib
+    import re
+
+    from dgt.extras import COMMAND_EXTRA
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reproduction.md").read_text()
+    block = doc.split("## Run it", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    installs = [ln for ln in block.splitlines() if ln.startswith("pip install")]
+    assert installs and all(re.search(rf"-e '\.\[[^]]*\b{COMMAND_EXTRA['demo']}\b[^]]*\]'", ln) for ln in installs), \
+        installs
+    assert not re.search(r"^sudo dgt\b", doc, re.M)
+    assert 'sudo "$(command -v dgt)" demo' in block
