@@ -341,3 +341,47 @@ def test_reproduction_doc_gives_commands_that_work():
         installs
     assert not re.search(r"^sudo dgt\b", doc, re.M)
     assert 'sudo "$(command -v dgt)" demo' in block
+
+
+def _held_back_results() -> dict:
+    """A demo's results.json, as the runner writes it, for a baseline and a DGT run whose send budget held back
+    most unimportant blocks (the figures of issue 41's demo: 86,402 of 87,582 held back)."""
+    base = _rank([1.0] * 4, [{"it": 4, "train_time": 4.0, "acc": 0.98}], {"0": 400_000_000})
+    dgt = _rank([0.5] * 4, [{"it": 4, "train_time": 2.0, "acc": 0.98}], {"0": 300_000_000, "1": 2_000_000},
+                dropped=3, blocks=30_000)
+    for i, rec in enumerate(dgt["records"]):
+        rec["unsent"], rec["unsent_bytes"] = 21_600 + (2 if i == 0 else 0), 87_500_000
+        rec["unimportant_delivered"] = 292 if i else 294
+    cfg = ExperimentConfig.demo().to_dict()
+    runs = [{"model": "alexnet", "protocol": p, "codec": cfg["codecs"][p], "run_dir": "x",
+             "summary": summarize([rk], 0.97)} for p, rk in (("baseline", base), ("dgt", dgt))]
+    return {"command": None, "config": cfg, "runs": runs,
+            "network": {"mode": "loopback", "why_not_netem": None, "description": "loopback: paced"},
+            "dataset": {"name": "digits", "train": 1, "test": 1, "shape": [1, 8, 8]},
+            "models": {"alexnet": {"parameters": 1, "tensors": 1, "gradient_bytes": 4}},
+            "machine": {"cpus": 2}, "comparisons": {"alexnet": compare(runs[0]["summary"], runs[1]["summary"])}}
+
+
+def test_held_back_unimportant_blocks_are_in_the_table_the_report_and_the_json():
+    """Issue 41 (4): the headline figures say what became of the unimportant blocks: delivered, lost, and held back
+    by the send budget (never sent), not a drop rate over every block that hides the held-back ones."""
+    from rich.console import Console
+
+    from dgt.experiment.console import results_table
+    from dgt.experiment.report import render
+
+    res = _held_back_results()
+    u = res["runs"][1]["summary"]["unimportant_blocks"]
+    assert (u["delivered"], u["lost"], u["held_back"], u["total"]) == (1170, 12, 86_402, 87_584)
+    assert u["held_back_share"] == pytest.approx(86_402 / 87_584)
+    assert res["runs"][0]["summary"]["unimportant_blocks"]["total"] == 0  # the baseline has none
+    json.dumps(res)  # results.json carries it as written
+    console = Console(width=100, record=True)
+    console.print(results_table(res))
+    table = console.export_text()
+    assert "Unimp. deliv/lost/held" in table and "1.3/0.0/98.7%" in table, table
+    assert "held back" in table  # the caption says what the third figure is
+    report = render(res)
+    assert "| Unimportant blocks: delivered / lost / held back |" in report
+    assert "1,170 / 12 / 86,402 of 87,584 (1.3/0.0/98.7%)" in report, report
+    assert "86,402 of 87,584 unimportant blocks (350.0 MB, against 1.2 GB sent over TCP) were held back" in report

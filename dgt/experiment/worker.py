@@ -210,6 +210,7 @@ def _record(it: int, at: float, t: tuple[float, float, float, float], loss_v: fl
     return {"it": it, "at": at, "bct": t3 - t0, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v,
             "p": p, "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
             "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
+            "unimportant_delivered": st.unimportant_received,
             "phases": {k: round(v, 6) for k, v in st.phases.items()}}
 
 
