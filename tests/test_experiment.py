@@ -196,6 +196,10 @@ def _check_outputs(out: str, mode: str) -> dict:
     assert runs["baseline"]["summary"]["bytes_per_lane"].get("1", 0) == 0
     assert runs["dgt"]["summary"]["bytes_per_lane"].get("1", 0) > 0, "DGT must use the unreliable lane"
     assert runs["dgt"]["summary"]["p_mean"] == pytest.approx(0.3)
+    u = runs["dgt"]["summary"]["unimportant_blocks"]  # what became of them, measured (issue 41.4)
+    assert u["total"] > 0 and u["delivered"] + u["lost"] + u["held_back"] == u["total"]
+    assert u["delivered"] > 0, u
+    assert runs["baseline"]["summary"]["unimportant_blocks"]["total"] == 0
     # identical seeds and data: the first iteration's loss is the same under both protocols
     assert runs["baseline"]["loss"][0] == pytest.approx(runs["dgt"]["loss"][0])
     assert "alexnet" in res["comparisons"]
@@ -216,6 +220,13 @@ def test_table1_tiny_on_loopback_with_fashion_mnist_files(tmp_path):
     assert main(_tiny_cli(out, "loopback") + ["--dataset", "fashion-mnist", "--data-dir", str(tmp_path)]) == 0
     res = _check_outputs(out, "loopback")
     assert "paced" in res["network"]["description"]
+    # issue 41 (4): each pair of ranks' TCP and UDP share one budget, and the report says so
+    assert res["network"]["shared_budget"]["shared_by"] == ["tcp", "udp"]
+    assert "share" in res["network"]["description"] and "TCP connection and its UDP lanes share" in \
+        open(os.path.join(out, "report.md")).read()
+    for r in res["runs"]:
+        ranks = [json.load(open(os.path.join(r["run_dir"], f"rank{k}.json"))) for k in range(2)]
+        assert [rk["shared_budget_peers"] for rk in ranks] == [1, 1], r["protocol"]
     assert res["dataset"]["shape"] == [1, 28, 28] and res["dataset"]["train"] == 64
 
 
