@@ -52,6 +52,11 @@ class EmulationUnsupported(DgtError):
     """A requested network emulation property needs a kernel feature this machine lacks."""
 
 
+class PrivilegeRequired(EmulationUnsupported):
+    """Network emulation needs root, or the capabilities CAP_NET_ADMIN and CAP_SYS_ADMIN, which this process lacks
+    (the kernel may well have every feature)."""
+
+
 def leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups, in order; ``[exc]`` if it is no group."""
     inner = getattr(exc, "exceptions", None)

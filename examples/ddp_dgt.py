@@ -37,7 +37,7 @@ def load_digits(rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[rank::world], y[rank::world]
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--batch", type=int, default=64, help="samples per rank and step")
@@ -45,12 +45,27 @@ def main() -> None:
     ap.add_argument("--lr", type=float, default=0.05)
     ap.add_argument("--backend", default="gloo", help="gloo, nccl or dgt")
     ap.add_argument("--hook", choices=["dgt", "none"], default="dgt")
-    ap.add_argument("--codec", default="dgt", help="hook codec: dgt (p = p0*loss/loss0), dgt:p=0.3, dense, ...")
-    ap.add_argument("--collective", choices=["ring", "ps"], default="ring")
-    ap.add_argument("--warmup", type=int, default=2, help="dense warm-up iterations")
+    ap.add_argument("--codec", default=None,
+                    help="hook codec (default: DGTState's own, as the README's one line: after the warm-up the hook "
+                    "measures whether dropping pays and drops in fp16 where it does); an explicit one such as dgt "
+                    "(p = p0*loss/loss0), dgt:p=0.3 or dense is used as given, without the chooser or the fp16 wire")
+    ap.add_argument("--collective", choices=["ring", "ps"], default=None, help="default: DGTState's (ring)")
+    ap.add_argument("--warmup", type=int, default=None, help="dense warm-up iterations (default: DGTState's, 2)")
     ap.add_argument("--drop", type=float, default=0.0, help="inject this fraction of datagram loss (demo)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def make_state(args: argparse.Namespace) -> dgt.shim.DGTState:
+    """The hook's state: ``DGTState()`` with only the options given on the command line, so with none it is the
+    README's one line."""
+    given = {"codec": args.codec, "collective": args.collective, "warmup_iters": args.warmup,
+             "transport": {"drop_fraction": args.drop} if args.drop else None}
+    return dgt.shim.DGTState(**{k: v for k, v in given.items() if v is not None})
+
+
+def main() -> None:
+    args = parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = torch.device(f"cuda:{local_rank}" if args.device == "cuda" else "cpu")
@@ -63,8 +78,7 @@ def main() -> None:
     model = DDP(build_model(args.hidden).to(device), device_ids=[local_rank] if device.type == "cuda" else None)
     state = None
     if args.hook == "dgt":
-        state = dgt.shim.DGTState(codec=args.codec, collective=args.collective, warmup_iters=args.warmup,
-                                  transport={"drop_fraction": args.drop} if args.drop else None)
+        state = make_state(args)  # DGTState() unless options were given
         model.register_comm_hook(state, dgt.shim.hook)  # <- DGT: the one-line change
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
     x, y = load_digits(rank, world)

@@ -196,6 +196,10 @@ def _check_outputs(out: str, mode: str) -> dict:
     assert runs["baseline"]["summary"]["bytes_per_lane"].get("1", 0) == 0
     assert runs["dgt"]["summary"]["bytes_per_lane"].get("1", 0) > 0, "DGT must use the unreliable lane"
     assert runs["dgt"]["summary"]["p_mean"] == pytest.approx(0.3)
+    u = runs["dgt"]["summary"]["unimportant_blocks"]  # what became of them, measured (issue 41.4)
+    assert u["total"] > 0 and u["delivered"] + u["lost"] + u["held_back"] == u["total"]
+    assert u["delivered"] > 0, u
+    assert runs["baseline"]["summary"]["unimportant_blocks"]["total"] == 0
     # identical seeds and data: the first iteration's loss is the same under both protocols
     assert runs["baseline"]["loss"][0] == pytest.approx(runs["dgt"]["loss"][0])
     assert "alexnet" in res["comparisons"]
@@ -216,6 +220,13 @@ def test_table1_tiny_on_loopback_with_fashion_mnist_files(tmp_path):
     assert main(_tiny_cli(out, "loopback") + ["--dataset", "fashion-mnist", "--data-dir", str(tmp_path)]) == 0
     res = _check_outputs(out, "loopback")
     assert "paced" in res["network"]["description"]
+    # issue 41 (4): each pair of ranks' TCP and UDP share one budget, and the report says so
+    assert res["network"]["shared_budget"]["shared_by"] == ["tcp", "udp"]
+    assert "share" in res["network"]["description"] and "TCP connection and its UDP lanes share" in \
+        open(os.path.join(out, "report.md")).read()
+    for r in res["runs"]:
+        ranks = [json.load(open(os.path.join(r["run_dir"], f"rank{k}.json"))) for k in range(2)]
+        assert [rk["shared_budget_peers"] for rk in ranks] == [1, 1], r["protocol"]
     assert res["dataset"]["shape"] == [1, 28, 28] and res["dataset"]["train"] == 64
 
 
@@ -298,3 +309,90 @@ def test_cli_adds_demo_and_experiment_table1():
     assert not args.lossy_pull and args.server == "sharded" and args.cross_traffic == "5mbit"
     assert args.cross_proto == "tcp" and args.cross_dscp == 0
     assert main(["experiment"]) == 2  # no experiment named: help, exit 2
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["demo", "--workers", "1"], "workers: need at least 2"),
+    (["demo", "--target", "2"], "target: a test accuracy in (0, 1]"),
+    (["demo", "--server", "9"], "server: a worker rank (0 to 3)"),
+    (["demo", "--rate", "fast"], "bad rate 'fast'"),
+    (["experiment", "table1", "--models", "resnet"], "models: choose from alexnet, vgg11, got resnet"),
+])
+def test_bad_values_are_usage_errors_not_tracebacks(argv, says, capsys, tmp_path, monkeypatch):
+    """Issue 41 (5): a value the option types let through but the experiment cannot run is refused by the parser
+    (exit status 2, 'dgt demo: error: ...') before anything starts."""
+    from dgt.cli import main
+    from dgt.experiment import runner
+
+    def never(*a, **k):
+        raise AssertionError("the run must not start")
+
+    monkeypatch.setattr(runner, "run_experiment", never)
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--out", str(tmp_path / "out")])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    prog = "dgt demo" if argv[0] == "demo" else "dgt experiment table1"
+    assert f"{prog}: error: {says}" in err, err
+    assert "Traceback" not in err
+
+
+def test_reproduction_doc_gives_commands_that_work():
+    """Issue 41 (5): docs/reproduction.md installs the extra `dgt demo` needs and runs the environment's dgt under
+    sudo (a bare `sudo dgt` searches sudo's secure_path, which holds no virtual environment)."""
+    import pathlib
+    import re
+
+    from dgt.extras import COMMAND_EXTRA
+
+    doc = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "reproduction.md").read_text()
+    block = doc.split("## Run it", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    installs = [ln for ln in block.splitlines() if ln.startswith("pip install")]
+    assert installs and all(re.search(rf"-e '\.\[[^]]*\b{COMMAND_EXTRA['demo']}\b[^]]*\]'", ln) for ln in installs), \
+        installs
+    assert not re.search(r"^sudo dgt\b", doc, re.M)
+    assert 'sudo "$(command -v dgt)" demo' in block
+
+
+def _held_back_results() -> dict:
+    """A demo's results.json, as the runner writes it, for a baseline and a DGT run whose send budget held back
+    most unimportant blocks (the figures of issue 41's demo: 86,402 of 87,582 held back)."""
+    base = _rank([1.0] * 4, [{"it": 4, "train_time": 4.0, "acc": 0.98}], {"0": 400_000_000})
+    dgt = _rank([0.5] * 4, [{"it": 4, "train_time": 2.0, "acc": 0.98}], {"0": 300_000_000, "1": 2_000_000},
+                dropped=3, blocks=30_000)
+    for i, rec in enumerate(dgt["records"]):
+        rec["unsent"], rec["unsent_bytes"] = 21_600 + (2 if i == 0 else 0), 87_500_000
+        rec["unimportant_delivered"] = 292 if i else 294
+    cfg = ExperimentConfig.demo().to_dict()
+    runs = [{"model": "alexnet", "protocol": p, "codec": cfg["codecs"][p], "run_dir": "x",
+             "summary": summarize([rk], 0.97)} for p, rk in (("baseline", base), ("dgt", dgt))]
+    return {"command": None, "config": cfg, "runs": runs,
+            "network": {"mode": "loopback", "why_not_netem": None, "description": "loopback: paced"},
+            "dataset": {"name": "digits", "train": 1, "test": 1, "shape": [1, 8, 8]},
+            "models": {"alexnet": {"parameters": 1, "tensors": 1, "gradient_bytes": 4}},
+            "machine": {"cpus": 2}, "comparisons": {"alexnet": compare(runs[0]["summary"], runs[1]["summary"])}}
+
+
+def test_held_back_unimportant_blocks_are_in_the_table_the_report_and_the_json():
+    """Issue 41 (4): the headline figures say what became of the unimportant blocks: delivered, lost, and held back
+    by the send budget (never sent), not a drop rate over every block that hides the held-back ones."""
+    from rich.console import Console
+
+    from dgt.experiment.console import results_table
+    from dgt.experiment.report import render
+
+    res = _held_back_results()
+    u = res["runs"][1]["summary"]["unimportant_blocks"]
+    assert (u["delivered"], u["lost"], u["held_back"], u["total"]) == (1170, 12, 86_402, 87_584)
+    assert u["held_back_share"] == pytest.approx(86_402 / 87_584)
+    assert res["runs"][0]["summary"]["unimportant_blocks"]["total"] == 0  # the baseline has none
+    json.dumps(res)  # results.json carries it as written
+    console = Console(width=100, record=True)
+    console.print(results_table(res))
+    table = console.export_text()
+    assert "Unimp. deliv/lost/held" in table and "1.3/0.0/98.7%" in table, table
+    assert "held back" in table  # the caption says what the third figure is
+    report = render(res)
+    assert "| Unimportant blocks: delivered / lost / held back |" in report
+    assert "1,170 / 12 / 86,402 of 87,584 (1.3/0.0/98.7%)" in report, report
+    assert "86,402 of 87,584 unimportant blocks (350.0 MB, against 1.2 GB sent over TCP) were held back" in report

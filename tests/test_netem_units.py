@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import pathlib
 
 import pytest
 
@@ -194,3 +195,77 @@ def test_shaping_netem_leaves_and_fifo() -> None:
     ipr = _RecordingIPRoute()
     shaping.apply(ipr, 3, LinkSpec.make(delay="1ms", loss="1%"), use_netem=True, netem_loss=False)  # type: ignore
     assert [(c[1], c[2]) for c in ipr.calls] == [("netem", 0x10000)] and "loss" not in ipr.calls[0][3]
+
+
+@pytest.mark.parametrize("link", [[], ["--rate", "10mbit"]])
+def test_up_without_the_privilege_says_so_and_does_not_blame_the_kernel(
+        link: list[str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 41 (5): `dgt netem up` without CAP_NET_ADMIN/CAP_SYS_ADMIN (simulated: these tests may run as root)
+    says what is missing, with or without --rate, and builds nothing."""
+    import errno
+    import os
+
+    from dgt.cli import main
+    from dgt.netem import nsutil
+
+    # what an unprivileged process sees: not uid 0, no capability, and the kernel's EPERM on a namespace
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(nsutil, "missing_capabilities", lambda: ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"], raising=False)
+
+    def refused(*a: object, **k: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(nsutil._netns, "create", refused)
+    probe.probe.cache_clear()  # a probe cached as root earlier in this process must not answer for this one
+    try:
+        assert main(["netem", "up", "--hosts", "2", "--prefix", "dgtpriv", *link]) == 4
+    finally:
+        probe.probe.cache_clear()
+    err = capsys.readouterr().err
+    assert "dgt netem up: building an emulated network needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)" in err, err
+    assert "kernel" not in err and "Traceback" not in err
+    assert nsutil.list_ns("dgtpriv") == []
+
+
+def test_a_refusal_while_building_is_a_privilege_error(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Capabilities that look present but the kernel refuses with EPERM (a container's user namespace, seccomp):
+    the same message, not a raw PermissionError."""
+    import errno
+
+    from dgt.cli import main
+    from dgt.netem import nsutil, topology
+
+    monkeypatch.setattr(nsutil, "missing_capabilities", lambda: [])
+
+    def refused(name: str) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(nsutil, "create_ns", refused)
+    monkeypatch.setattr(topology, "teardown", lambda prefix: [])  # nothing was built (and nothing real is touched)
+    assert main(["netem", "up", "--hosts", "2", "--prefix", "dgtpriv"]) == 4
+    err = capsys.readouterr().err
+    assert "needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN): the kernel refused it" in err, err
+    assert "Traceback" not in err
+
+
+def test_missing_capabilities_reads_the_effective_set(monkeypatch: pytest.MonkeyPatch, tmp_path: pathlib.Path) -> None:
+    from dgt.netem import nsutil
+
+    real_open = open
+
+    def status(eff: str):
+        def fake(path, *a, **k):
+            if path == "/proc/self/status":
+                p = tmp_path / "status"
+                p.write_text(f"Name:\tpython\nCapInh:\t0\nCapPrm:\t{eff}\nCapEff:\t{eff}\n")
+                return real_open(p, *a, **k)
+            return real_open(path, *a, **k)
+        return fake
+
+    import builtins
+
+    for eff, missing in (("000001ffffffffff", []), ("0000000000000000", ["CAP_NET_ADMIN", "CAP_SYS_ADMIN"]),
+                         (f"{1 << 12:016x}", ["CAP_SYS_ADMIN"]), (f"{1 << 21:016x}", ["CAP_NET_ADMIN"])):
+        monkeypatch.setattr(builtins, "open", status(eff))
+        assert nsutil.missing_capabilities() == missing, eff

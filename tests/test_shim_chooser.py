@@ -116,6 +116,41 @@ def test_default_state_chooses_and_an_explicit_codec_does_not():
     assert DGTState(choose=False).chooser is None
 
 
+@pytest.mark.parametrize("spec", ["dgt:idle_p=0.1", "dgt:idle_p=0.10", "dgt: idle_p = 0.1", "dgt:idle_p=1e-1"])
+def test_the_default_is_recognised_by_its_parsed_spec_not_its_text(spec):
+    """Issue 41 (5): the chooser and the fp16 wire follow the default codec's meaning, not its spelling."""
+    from dgt.shim import DGTState
+    from dgt.shim.state import is_default_codec
+
+    st = DGTState(codec=spec)
+    assert is_default_codec(spec)
+    assert isinstance(st.chooser, DropChooser) and st.wire_dtype == torch.float16
+    for other in ("dgt:idle_p=0.2", "dgt", "dgt:idle_p=0.1,p=0.3", "dense", "nonsense:x"):
+        assert not is_default_codec(other)
+    assert DGTState(codec="dgt:idle_p=0.2").chooser is None and DGTState(codec="dgt:idle_p=0.2").wire_dtype is None
+
+
+def test_the_example_runs_the_readme_line_by_default():
+    """Issue 41 (5): examples/ddp_dgt.py with no options builds DGTState() (chooser, fp16 wire), as the README's
+    one line; an explicit --codec is used as given."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "ddp_dgt.py"
+    spec = importlib.util.spec_from_file_location("ddp_dgt_example", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    from dgt.shim import DGTState
+
+    st, readme = mod.make_state(mod.parse_args([])), DGTState()
+    assert isinstance(st.chooser, DropChooser) and st.wire_dtype == torch.float16
+    assert (st.collective, st.warmup_iters, st.transport) == (readme.collective, readme.warmup_iters, None)
+    assert type(st.codec) is type(readme.codec)
+    explicit = mod.make_state(mod.parse_args(["--codec", "dgt:p=0.3", "--collective", "ps", "--drop", "0.1"]))
+    assert explicit.chooser is None and explicit.wire_dtype is None and explicit.collective == "ps"
+    assert explicit.transport == {"drop_fraction": 0.1}
+
+
 # -- loopback: the ranks switch paths and the results stay right -------------------------------------------------
 class Scripted(DropChooser):
     """Real rounds, scripted timings: lossy looks faster until iteration 6, slower after; each rank reports its own

@@ -229,9 +229,11 @@ def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int
     never trained on (every compressed round), from the per-round records (``record=true``; not sent, not counted).
 
     ``rel_error`` = sqrt(sum ||decoded - true||^2 / sum ||true||^2) over the compressed rounds, each round's vectors
-    divided by that round's scale (the AE works in these units); predicting zeros gives 1.0. ``template`` is a
-    code-free decoder that outputs the mean of the AE's (normalised) training targets, times the round's scale (PS: with
-    the exact innovation values written back, like the real decoder): what the value ordering alone buys.
+    divided by that round's scale (the AE works in these units). ``template`` is a code-free decoder that outputs the
+    mean of the AE's (normalised) training targets, times the round's scale (PS: with the exact innovation values
+    written back, like the real decoder): what the value ordering alone buys. ``rel_error_zero``: the zero decoder's
+    error on the same vectors, measured like the others (ring: zeros, so 1.0; PS: zeros with the exact innovation
+    values written back, below 1.0).
     ``cosine`` is the mean over rounds of the cosine between the decoded and the true AE-layer update (ring: the
     mean of the aligned vectors; PS: the sum over workers of their vectors scattered to their indices).
     """
@@ -240,7 +242,7 @@ def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int
         rounds = len(per_rank[0])
         if not rounds:
             return None
-        e2 = t2 = r2 = 0.0
+        e2 = t2 = z2 = r2 = 0.0
         cos, cos_t = [], []
         for i in range(rounds):
             own = per_rank[trainer][i]
@@ -248,11 +250,12 @@ def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int
             s = float(own["scale"].reshape(-1)[0])
             e2 += float((own["rec"] - truth).pow(2).sum()) / s**2
             t2 += float((own["template"] - truth).pow(2).sum()) / s**2
+            z2 += float((torch.zeros_like(truth) - truth).pow(2).sum()) / s**2  # the ring's zero decoder: zeros
             r2 += float(truth.pow(2).sum()) / s**2
             cos.append(_cos(own["rec"], truth))
             cos_t.append(_cos(own["template"], truth))
         return {"rounds": rounds, "rel_error": _rel(e2, r2), "rel_error_template": _rel(t2, r2),
-                "rel_error_zero": 1.0, "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds}
+                "rel_error_zero": _rel(z2, r2), "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds}
     server = next((r for r in results if not r["is_worker"]), None)
     workers = sorted((r for r in results if r["is_worker"]), key=lambda r: r["rank"])
     if server is None:  # co-located server: its records are mixed with its worker's
@@ -264,7 +267,7 @@ def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int
     if not rounds or len(srv) != rounds * k:
         return None
     by_worker = {w: [d for d in srv if d["worker"] == w] for w in range(k)}
-    acc = {w: [0.0, 0.0, 0.0] for w in range(k)}  # err2, template err2, ref2 (normalised units)
+    acc = {w: [0.0, 0.0, 0.0, 0.0] for w in range(k)}  # err2, template err2, ref2, zero err2 (normalised units)
     cos, cos_t = [], []
     for i in range(rounds):
         true_sum = torch.zeros(numel, dtype=torch.float64)
@@ -276,14 +279,15 @@ def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int
             acc[w][0] += float((got["rec"] - mine["x"]).pow(2).sum()) / s**2
             acc[w][1] += float((got["template"] - mine["x"]).pow(2).sum()) / s**2
             acc[w][2] += float(mine["x"].pow(2).sum()) / s**2
+            acc[w][3] += float((got["zero"] - mine["x"]).pow(2).sum()) / s**2
             true_sum.index_add_(0, mine["idx"], mine["x"].double())
             dec_sum.index_add_(0, got["idx"], got["rec"].double())
             tmp_sum.index_add_(0, got["idx"], got["template"].double())
         cos.append(_cos(dec_sum, true_sum))
         cos_t.append(_cos(tmp_sum, true_sum))
-    tot = [sum(a[j] for a in acc.values()) for j in range(3)]
+    tot = [sum(a[j] for a in acc.values()) for j in range(4)]
     return {"rounds": rounds, "rel_error": _rel(tot[0], tot[2]), "rel_error_template": _rel(tot[1], tot[2]),
-            "rel_error_zero": 1.0, "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds,
+            "rel_error_zero": _rel(tot[3], tot[2]), "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds,
             "per_worker": [{"worker": w, "leader": w == leader, "rel_error": _rel(a[0], a[2]),
                             "rel_error_template": _rel(a[1], a[2])} for w, a in acc.items()]}
 
@@ -415,7 +419,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "compressed_phase_ratio_ps": ps["traffic"]["compressed_phase_ratio"],
             "compressed_phase_ratio_ring": ring["traffic"]["compressed_phase_ratio"],
             **{f"{key}_{m}": (res["reconstruction"] or {}).get(key)
-               for key in ("rel_error", "rel_error_template", "cosine") for m, res in (("ps", ps), ("ring", ring))},
+               for key in ("rel_error", "rel_error_template", "rel_error_zero", "cosine")
+               for m, res in (("ps", ps), ("ring", ring))},
             "ae_training_rel_error_ps": ps["traffic"]["ae_training"],
             "ae_training_rel_error_ring": ring["traffic"]["ae_training"],
             **{f"ablation_{m}_ae_margin": a["margin"] for m, a in ablation.items()},

@@ -12,6 +12,7 @@ class CollectiveStats:
     blocks: int = 0  # blocks received in total
     dropped: int = 0  # blocks lost (wholly or partly) at their deadline
     unsent: int = 0  # blocks received as missing because their sender's send budget kept them back (not lost)
+    unimportant_received: int = 0  # unimportant blocks that arrived before their round closed
     bytes_unsent: int = 0  # payload bytes this rank's send budget kept back (error feedback carries them)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
 
@@ -21,6 +22,7 @@ class CollectiveStats:
         self.blocks += stats.blocks
         self.dropped += stats.dropped
         self.unsent += getattr(stats, "unsent", 0)
+        self.unimportant_received += getattr(stats, "unimportant_received", 0)
 
     def add_sent(self, lane: int, nbytes: int) -> None:
         self.bytes_sent[lane] = self.bytes_sent.get(lane, 0) + nbytes
@@ -33,6 +35,7 @@ class CollectiveStats:
         self.blocks += other.blocks
         self.dropped += other.dropped
         self.unsent += other.unsent
+        self.unimportant_received += other.unimportant_received
         self.bytes_unsent += other.bytes_unsent
         for k, v in other.phases.items():
             self.phases[k] = self.phases.get(k, 0.0) + v

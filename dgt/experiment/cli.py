@@ -111,14 +111,36 @@ def _run(cfg: ExperimentConfig, print_json: bool = False) -> int:
     return 1 if failed else 0
 
 
+def _checked(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> ExperimentConfig:
+    """The configuration, or the parser's usage error (exit status 2) naming what is wrong: a value the options'
+    types let through that the experiment cannot run (``--workers 1``, ``--target 2``, ``--server 9``, a rate
+    tc does not read) is refused at the door, not by a traceback from inside the run."""
+    from dgt.errors import DgtError
+    from dgt.netem.spec import parse_rate
+
+    try:
+        cfg = _config(args, base, **extra)
+        from dgt.experiment.models import MODELS
+
+        unknown = [m for m in cfg.models if m not in MODELS]
+        if unknown or not cfg.models:
+            raise ValueError(f"models: choose from {', '.join(MODELS)}, got {', '.join(unknown) or 'none'}")
+        parse_rate(cfg.network.rate)
+        if cfg.network.cross_traffic not in (None, "unpaced"):
+            parse_rate(cfg.network.cross_traffic)
+    except (ValueError, DgtError) as exc:
+        args._parser.error(str(exc))
+    return cfg
+
+
 def demo(args: argparse.Namespace) -> int:
-    return _run(_config(args, ExperimentConfig.demo()), args.json)
+    return _run(_checked(args, ExperimentConfig.demo()), args.json)
 
 
 def table1(args: argparse.Namespace) -> int:
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    cfg = _config(args, ExperimentConfig(), models=models, dataset=args.dataset, data_dir=args.data_dir,
-                  width=args.width)
+    cfg = _checked(args, ExperimentConfig(), models=models, dataset=args.dataset, data_dir=args.data_dir,
+                   width=args.width)
     return _run(cfg, args.json)
 
 
@@ -132,7 +154,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "accuracy for both.",
     )
     _common(d, ExperimentConfig.demo())
-    d.set_defaults(func=demo)
+    d.set_defaults(func=demo, _parser=d)
 
     e = subparsers.add_parser("experiment", help="reproduce the DGT paper's experiments in emulation")
     esub = e.add_subparsers(dest="experiment", metavar="EXPERIMENT")
@@ -150,7 +172,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--data-dir", default=None, help="directory of the Fashion-MNIST IDX files (.gz or plain)")
     t.add_argument("--width", type=int, default=base.width, help="model width multiplier (default: %(default)s)")
     _common(t, base)
-    t.set_defaults(func=table1)
+    t.set_defaults(func=table1, _parser=t)
     from dgt.experiment.ddp_cli import add_ddp_parser
 
     add_ddp_parser(esub)

@@ -85,16 +85,17 @@ class ExperimentConfig:
 
     def __post_init__(self) -> None:
         if self.workers < 2:
-            raise ValueError("need at least 2 workers")
+            raise ValueError(f"workers: need at least 2 (a parameter server and a worker), got {self.workers}")
         if not 0.0 < self.target <= 1.0:
-            raise ValueError("target accuracy must be in (0, 1]")
-        if self.eval_every < 1 or self.max_iters < 1 or self.max_time <= 0:
-            raise ValueError("eval_every, max_iters and max_time must be positive")
+            raise ValueError(f"target: a test accuracy in (0, 1], got {self.target:g}")
+        if self.eval_every < 1 or self.max_iters < 1 or self.max_time <= 0 or self.batch < 1 or self.width < 1:
+            raise ValueError(f"eval_every ({self.eval_every}), max_iters ({self.max_iters}), max_time "
+                             f"({self.max_time:g}), batch ({self.batch}) and width ({self.width}) must be positive")
         unknown = [p for p in self.protocols if p not in self.codecs]
         if unknown:
             raise ValueError(f"unknown protocols {unknown}; known: {sorted(self.codecs)}")
         if self.server != "sharded" and not (self.server.isdigit() and int(self.server) < self.workers):
-            raise ValueError("server must be a worker rank or 'sharded'")
+            raise ValueError(f"server: a worker rank (0 to {self.workers - 1}) or 'sharded', got {self.server!r}")
         if self.network.mode not in ("auto", "netem", "loopback"):
             raise ValueError("network mode must be auto, netem or loopback")
         if self.network.cross_proto not in ("udp", "tcp"):

@@ -22,6 +22,18 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}%"
 
 
+def unimportant_cell(s: dict[str, Any], counts: bool = False) -> str:
+    """The unimportant blocks of a run summary: delivered / lost / held back (never sent: the send budget kept them
+    back), as shares of them all (``counts``: the block counts too); ``-`` for a run without any (the baseline)."""
+    u = s.get("unimportant_blocks")
+    if not u or not u["total"]:
+        return "-"
+    shares = "/".join(f"{100 * u[k + '_share']:.1f}" for k in ("delivered", "lost", "held_back")) + "%"
+    if not counts:
+        return shares
+    return f"{u['delivered']:,} / {u['lost']:,} / {u['held_back']:,} of {u['total']:,} ({shares})"
+
+
 def fmt_bytes(n: float) -> str:
     for unit, div in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if n >= div:
@@ -79,11 +91,14 @@ class Reporter:
 
 def results_table(results: dict[str, Any]) -> Table:
     """The paper's Table 1 columns (BCT, total iterations, total time to the target accuracy) and what DGT changed,
-    with the megabytes each lane carried and the share of blocks dropped (narrow enough for 80 columns)."""
+    with the megabytes each lane carried and what became of the unimportant blocks: delivered, lost, or held back
+    by the send budget and never sent (narrow enough for 80 columns)."""
     cfg = results["config"]
     t = Table(title=f"Time to test accuracy {cfg['target']:g}: {results['network']['mode']} network, "
-                    f"{cfg['workers']} workers, {cfg['dataset']}")
-    for col in ("Model", "Protocol", "BCT s", "Iters", "Time s", "TCP/UDP MB", "Dropped", "p"):
+                    f"{cfg['workers']} workers, {cfg['dataset']}",
+              caption="Unimportant blocks: delivered / lost / held back (never sent: the send budget kept them "
+                      "back; error feedback carries them)")
+    for col in ("Model", "Protocol", "BCT s", "Iters", "Time s", "TCP/UDP MB", "Unimp. deliv/lost/held", "p"):
         t.add_column(col, justify="left" if col in ("Model", "Protocol") else "right")
     for model in cfg["models"]:
         for r in (r for r in results["runs"] if r["model"] == model):
@@ -95,7 +110,7 @@ def results_table(results: dict[str, Any]) -> Table:
             t.add_row(
                 MODEL_NAMES.get(model, model), r["protocol"], f"{s['bct_mean']:.3f}", str(s["iterations"]),
                 f"{s['time_to_target']:.1f}" if s["reached"] else f"[red]>{s['train_time']:.1f}",
-                f"{lanes.get('0', 0) / 1e6:.0f}/{lanes.get('1', 0) / 1e6:.0f}", pct(s["drop_rate"]),
+                f"{lanes.get('0', 0) / 1e6:.0f}/{lanes.get('1', 0) / 1e6:.0f}", unimportant_cell(s),
                 f"{s['p_mean']:.2f}",
             )
         cmp = results["comparisons"].get(model)

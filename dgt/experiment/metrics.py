@@ -40,6 +40,16 @@ def _block_delivery(lane: dict[str, int]) -> float | None:
     return got / (got + lost) if got + lost else None
 
 
+def unimportant_blocks(delivered: int, lost: int, held_back: int) -> dict[str, Any]:
+    """What became of the unimportant blocks (every receiver, every round until the target): delivered before their
+    round closed, lost (sent, missing at the deadline) and held back (never sent: the sender's send budget kept them
+    back), each also as a share of them all (None when there were none)."""
+    total = delivered + lost + held_back
+    share = (lambda k: k / total if total else None)
+    return {"total": total, "delivered": delivered, "lost": lost, "held_back": held_back,
+            "delivered_share": share(delivered), "lost_share": share(lost), "held_back_share": share(held_back)}
+
+
 def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     """One run: rank 0's clock is the run's clock (it is the evaluator and, as the server, the last to finish an
     iteration). Time to target = training time (sum of BCTs, evaluation pauses excluded) at the first evaluation
@@ -61,6 +71,7 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     unsent = sum(rec.get("unsent", 0) for rk in ranks for rec in rk["records"][:n])
     unsent_bytes = sum(rec.get("unsent_bytes", 0) for rk in ranks for rec in rk["records"][:n])
     blocks = sum(rec["blocks"] for rk in ranks for rec in rk["records"][:n])
+    delivered = sum(rec.get("unimportant_delivered", 0) for rk in ranks for rec in rk["records"][:n])
     return {
         "reached": hit is not None,
         "target": target,
@@ -89,7 +100,8 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
         # whole run, blocks: delivered / (delivered + lost) on lane 1 (unsent blocks are neither)
         "udp_block_delivery": _block_delivery(lanes.get("1", {})),
         "received_blocks": blocks,
-        "drop_rate": dropped / blocks if blocks else 0.0,
+        "drop_rate": dropped / blocks if blocks else 0.0,  # of every block, important ones included
+        "unimportant_blocks": unimportant_blocks(delivered, dropped, unsent),
         "iterations_run": len(recs),
         "stop_reason": r0["stop_reason"],
         "eval_time": r0["eval_time"],

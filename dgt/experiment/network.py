@@ -7,10 +7,12 @@ bottleneck (K-1 workers push into it, it sends K-1 pulls out of it) and importan
 unimportant ones (UDP, LE) in its queues. Optional cross traffic: an extra host sends UDP or TCP at a paced rate
 into the server's link through the whole run; what it got is measured at its sink.
 
-loopback: all ranks on 127.0.0.1; every TCP connection is capped with SO_MAX_PACING_RATE and every peer's UDP lanes
-with the transport's pacer, each to rate / (K - 1): what one flow gets when a host's K - 1 flows share a link of the
-configured rate. There is no shared queue and no priority (the UDP lanes have their own budget beside TCP's): a
-weaker emulation, and the report says so.
+loopback: all ranks on 127.0.0.1; each pair of ranks has one budget of rate / (K - 1) bytes/s per direction that
+its TCP connection and its UDP lanes share: what one peer gets when a host's K - 1 peers share a link of the
+configured rate, so a host's budgets add up to the link rate for the baseline and DGT alike. The kernel paces the
+TCP socket to it (SO_MAX_PACING_RATE); the transport paces the UDP lanes from a token bucket at the same rate that
+the TCP bytes come off too (TransportConfig.pace_shared), and its send budget counts a round's important bytes
+before the unimportant ones. There is no shared queue and no priority: a weaker emulation, and the report says so.
 """
 
 from __future__ import annotations
@@ -155,9 +157,19 @@ class Network:
             return (f"netem: {self.workers} hosts in network namespaces on one switch, every link shaped to "
                     f"{self.cfg.rate} each way ({queues}){extra}{cross}")
         share = self.pace_rate or 0.0
-        return (f"loopback: every TCP connection and every peer's UDP lanes paced to {self.cfg.rate} / "
-                f"{self.workers - 1} = {share * 8 / 1e6:.3g} Mbit/s; no shared bottleneck queue and no DSCP priority "
-                f"(run as root for the netem emulation)")
+        return (f"loopback: each pair of ranks has one budget of {self.cfg.rate} / {self.workers - 1} = "
+                f"{share * 8 / 1e6:.3g} Mbit/s per direction that its TCP connection and its UDP lanes share (TCP "
+                f"paced by the kernel, UDP by the transport from what the TCP bytes left), so a host's budgets, "
+                f"one per peer, add up to {self.cfg.rate} for the baseline and DGT alike; no shared "
+                f"bottleneck queue and no DSCP priority (run as root for the netem emulation)")
+
+    def budget(self) -> dict[str, Any] | None:
+        """For results.json: the budget each pair of ranks' TCP and UDP share (loopback), None under netem (the
+        shaped links are the budget there)."""
+        if self.mode != "loopback":
+            return None
+        return {"shared_by": ["tcp", "udp"], "per_peer_bytes_per_s": self.pace_rate,
+                "per_host_bytes_per_s": rate_bytes(self.cfg.rate)}
 
     def counters(self) -> dict[str, Any] | None:
         """Per priority class bytes/packets/drops on the server's link, both directions (netem only)."""

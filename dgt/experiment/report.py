@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from dgt.experiment.console import MODEL_NAMES, PAPER, fmt_bytes, pct
+from dgt.experiment.console import MODEL_NAMES, PAPER, fmt_bytes, pct, unimportant_cell
 from dgt.experiment.metrics import reduction
 
 
@@ -56,7 +56,8 @@ def _results_table(results: dict[str, Any]) -> list[str]:
     lines: list[str] = []
     lines += ["", "## Results", "",
               _row(["Model", "Protocol", "BCT (s)", "Total Iters", "Total Time (s)", "TCP bytes", "UDP bytes",
-                    "Dropped blocks", "Mean p", "BCT p95 (s)", "Compute (s)", "Reached"]),
+                    "Unimportant blocks: delivered / lost / held back", "Mean p", "BCT p95 (s)", "Compute (s)",
+                    "Reached"]),
               _row(["---"] * 2 + ["---:"] * 10)]
     for r in results["runs"]:
         s = r.get("summary")
@@ -69,7 +70,7 @@ def _results_table(results: dict[str, Any]) -> list[str]:
             name, r["protocol"], f"{s['bct_mean']:.3f}", str(s["iterations"]),
             f"{s['time_to_target']:.1f}" if s["reached"] else f"not reached (>{s['train_time']:.1f})",
             fmt_bytes(lanes.get("0", 0)), fmt_bytes(lanes.get("1", 0)),
-            f"{s['dropped_blocks']} ({pct(s['drop_rate'])})", f"{s['p_mean']:.2f}", f"{s['bct_p95']:.3f}",
+            unimportant_cell(s, counts=True), f"{s['p_mean']:.2f}", f"{s['bct_p95']:.3f}",
             f"{s['compute_mean']:.3f}", "yes" if s["reached"] else "no",
         ]))
     return lines
@@ -88,12 +89,15 @@ def _traffic_table(results: dict[str, Any]) -> list[str]:
     lines += ["", "BCT and Compute are rank 0's means per iteration until the target (Compute: forward, backward and "
               "optimizer step; the rest of the BCT is communication). A compute time well above the other runs' "
               "means the machine was busy with something else during that run.", "",
-              "Bytes are what all ranks handed to each lane (push and pull) until the target was reached; dropped "
-              "blocks are 1024-element blocks the receivers gave up on at the deadline (error feedback re-sends "
-              "them in a later round).", "", "Traffic until the target, sent -> delivered (frame headers included "
-              "in delivered):", "", _row(["Model", "Protocol", "TCP sent", "TCP delivered", "UDP sent",
-                                          "UDP delivered", "UDP blocks delivered/(delivered+lost)",
-                                          "Unsent (send budget)", "Delivered per iteration"]),
+              "Bytes are what all ranks handed to each lane (push and pull) until the target was reached. The "
+              "unimportant blocks (1024 elements each, every receiver, push and pull, until the target) were "
+              "delivered before their round closed, lost (sent, given up on at the deadline) or held back: never "
+              "sent, because the sender's send budget (what the congestion controller's rate can deliver before "
+              "the round closes) kept them back. Error feedback carries lost and held-back blocks into a later "
+              "round." + _held_back_note(results), "",
+              "Traffic until the target, sent -> delivered (frame headers included in delivered):", "",
+              _row(["Model", "Protocol", "TCP sent", "TCP delivered", "UDP sent", "UDP delivered",
+                    "UDP blocks delivered/(delivered+lost)", "Held back (send budget)", "Delivered per iteration"]),
               _row(["---"] * 2 + ["---:"] * 7)]
     for r in results["runs"]:
         s = r.get("summary")
@@ -106,6 +110,20 @@ def _traffic_table(results: dict[str, Any]) -> list[str]:
                            fmt_bytes(s.get("delivered_per_iteration", 0))]))
     lines += _lane_lines(results)
     return lines
+
+
+def _held_back_note(results: dict[str, Any]) -> str:
+    """One sentence per run that held back unimportant blocks: how many, and their bytes beside the TCP lane's."""
+    out = []
+    for r in results["runs"]:
+        s = r.get("summary") or {}
+        u = s.get("unimportant_blocks") or {}
+        if u.get("held_back"):
+            tcp = s["bytes_per_lane"].get("0", 0)
+            out.append(f" {MODEL_NAMES.get(r['model'], r['model'])} {r['protocol']}: {u['held_back']:,} of "
+                       f"{u['total']:,} unimportant blocks ({fmt_bytes(s.get('bytes_unsent', 0))}, against "
+                       f"{fmt_bytes(tcp)} sent over TCP) were held back and never sent.")
+    return "".join(out)
 
 
 def _comparison(results: dict[str, Any]) -> list[str]:
@@ -167,11 +185,11 @@ def _lane_lines(results: dict[str, Any]) -> list[str]:
     if not any(lanes for _, lanes in rows):
         return []
     lines = ["", "Per lane, whole run, all ranks (the endpoints' counters): bytes sent and received (frame headers "
-             "included), and 1024-element blocks of DGT rounds: delivered before their round closed, unsent (kept "
-             "back by the send budget) and lost (sent, reported missing), both carried on by error feedback; "
-             "abandoned datagrams were not sent because their round had already closed. The baseline's dense "
-             "gradients travel as bulk messages, not rounds of blocks, so its block counts are 0.", "",
-             _row(["Model", "Protocol", "Lane", "Sent", "Received", "Blocks delivered", "Blocks unsent",
+             "included), and 1024-element blocks of DGT rounds: delivered before their round closed, held back "
+             "(never sent: kept back by the send budget) and lost (sent, reported missing), both carried on by "
+             "error feedback; abandoned datagrams were not sent because their round had already closed. The "
+             "baseline's dense gradients travel as bulk messages, not rounds of blocks, so its block counts are 0.", "",
+             _row(["Model", "Protocol", "Lane", "Sent", "Received", "Blocks delivered", "Blocks held back",
                    "Blocks lost", "Datagrams abandoned"]),
              _row(["---"] * 3 + ["---:"] * 6)]
     for r, lanes in rows:

@@ -47,8 +47,9 @@ def evaluate(model: torch.nn.Module, data: Dataset, batch: int = 1000) -> float:
 
 def pace_tcp(endpoint: Any, rate: float) -> int:
     """Loopback mode: cap every TCP connection of the endpoint at ``rate`` bytes/s (SO_MAX_PACING_RATE makes the
-    kernel pace TCP itself). The transport paces its UDP lanes on its own (TransportConfig.pace_rate). Returns
-    how many sockets were paced."""
+    kernel pace TCP itself). The transport paces its UDP lanes to the same rate from a budget the TCP bytes come
+    off too (TransportConfig.pace_rate, pace_shared), so both together stay within ``rate``. Returns how many
+    sockets were paced."""
     n = 0
     for link in getattr(endpoint, "_links", {}).values():  # the endpoint exposes no socket list; read its links
         sock = getattr(getattr(link, "chan", None), "sock", None)
@@ -104,12 +105,17 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
     sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
 
     store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
+    # loopback: one budget per peer that TCP and UDP share (pace_shared), so DGT gets no more than the baseline
     cfg = TransportConfig(deadline=spec.deadline, peer_timeout=spec.peer_timeout, gso=spec.gso,
-                          pace_rate=spec.pace_rate, congestion_control=spec.congestion_control)
+                          pace_rate=spec.pace_rate, pace_shared=bool(spec.pace_rate),
+                          congestion_control=spec.congestion_control)
     # every link now: TCP pacing below applies to the connections open at this point
     group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp",
                                connect="all", nursery=services)
     paced = pace_tcp(group.endpoint, spec.pace_rate) if spec.pace_rate else 0
+    # peers whose TCP and UDP bytes come off one budget (loopback: all of them), read off the links for the record
+    shared = sum(getattr(getattr(ln, "pacer", None), "shared", None) is not None
+                 for ln in getattr(group.endpoint, "_links", {}).values())
     server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
     ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)
     codec = ps.codec
@@ -167,6 +173,7 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
         "rank": rank, "world": world, "protocol": spec.protocol, "codec": spec.codec, "model": spec.model,
         "records": records, "evals": evals, "train_time": train_time, "eval_time": eval_time,
         "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "paced_tcp_sockets": paced,
+        "shared_budget_peers": shared,
         "transport": _transport_summary(group.endpoint.stats()),
     }
 
@@ -210,6 +217,7 @@ def _record(it: int, at: float, t: tuple[float, float, float, float], loss_v: fl
     return {"it": it, "at": at, "bct": t3 - t0, "compute": (t1 - t0) + (t3 - t2), "comm": t2 - t1, "loss": loss_v,
             "p": p, "train_time": train_time, "sent": _lane_dict(st.bytes_sent), "recv": _lane_dict(st.bytes_received),
             "blocks": st.blocks, "dropped": st.dropped, "unsent": st.unsent, "unsent_bytes": st.bytes_unsent,
+            "unimportant_delivered": st.unimportant_received,
             "phases": {k: round(v, 6) for k, v in st.phases.items()}}
 
 

@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-from dgt.errors import DgtError, EmulationUnsupported
+from dgt.errors import DgtError, EmulationUnsupported, PrivilegeRequired
 
 ENV_PREFIX = "DGT_NETEM_PREFIX"
 
@@ -25,6 +25,13 @@ def _guard(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namesp
     def wrapper(args: argparse.Namespace) -> int:
         try:
             return fn(args)
+        except PrivilegeRequired as exc:  # not the kernel's fault: say what the process lacks
+            print(f"dgt netem {fn.__name__.removeprefix('cmd_')}: {exc}", file=sys.stderr)
+            return 4
+        except PermissionError as exc:
+            print(f"dgt netem {fn.__name__.removeprefix('cmd_')}: needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN): "
+                  f"{exc}", file=sys.stderr)
+            return 4
         except EmulationUnsupported as exc:
             print(f"dgt netem: unsupported on this kernel: {exc}", file=sys.stderr)
             return 3

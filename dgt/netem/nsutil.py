@@ -20,16 +20,43 @@ from typing import Any, TypeVar
 
 from pyroute2 import netns as _netns
 
-from dgt.errors import DgtError
+from dgt.errors import DgtError, PrivilegeRequired
 
 NETNS_DIR = "/run/netns"
 CLONE_NEWNET = 0x40000000
 T = TypeVar("T")
+NEEDS = "needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)"
+CAPS = {"CAP_NET_ADMIN": 12, "CAP_SYS_ADMIN": 21}  # bit numbers in /proc/self/status CapEff (linux/capability.h)
 
 _libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
 _setns = _libc.setns
 _setns.argtypes = (ctypes.c_int, ctypes.c_int)
 _setns.restype = ctypes.c_int
+
+
+def missing_capabilities() -> list[str]:
+    """The capabilities namespaces and qdiscs need that this process's effective set lacks (root has them unless a
+    container took them away; a non-root process may have been given them, e.g. by setcap)."""
+    try:
+        with open("/proc/self/status") as f:
+            eff = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):  # no /proc: go by the user id alone
+        return [] if os.geteuid() == 0 else list(CAPS)
+    return [name for name, bit in CAPS.items() if not eff >> bit & 1]
+
+
+def require_privilege(what: str = "network emulation") -> None:
+    """Raise PrivilegeRequired (``WHAT needs root (or CAP_NET_ADMIN and CAP_SYS_ADMIN)``) when this process lacks
+    either capability: before anything is built, so it is never mistaken for a missing kernel feature."""
+    missing = missing_capabilities()
+    if missing:
+        raise PrivilegeRequired(f"{what} {NEEDS}; this process lacks {' and '.join(missing)} (run it with sudo)")
+
+
+def privilege_error(exc: OSError, what: str = "network emulation") -> PrivilegeRequired:
+    """The PrivilegeRequired for an EPERM/EACCES the kernel gave while building (capabilities that looked present
+    were not enough: a user namespace, a seccomp or LSM policy)."""
+    return PrivilegeRequired(f"{what} {NEEDS}: the kernel refused it ({exc})")
 
 
 def ns_path(name: str) -> str:

@@ -105,13 +105,14 @@ def _remove_stale_probes() -> None:
 @functools.lru_cache(maxsize=1)
 def probe() -> dict[str, bool]:
     """Which emulation features this kernel has: {'sch_htb': True, 'sch_netem': False, ...}."""
-    if os.geteuid() != 0:
-        raise EmulationUnsupported("network emulation needs root (CAP_NET_ADMIN and CAP_SYS_ADMIN for namespaces)")
+    nsutil.require_privilege()
     _remove_stale_probes()
     ns = f"{PROBE_PREFIX}{os.getpid()}-x"
     nsutil.remove_ns(ns)
     try:
         nsutil.create_ns(ns)
+    except PermissionError as exc:
+        raise nsutil.privilege_error(exc) from exc
     except (OSError, DgtError) as exc:
         raise EmulationUnsupported(f"network namespaces cannot be created here (CONFIG_NET_NS): {exc}") from exc
     try:

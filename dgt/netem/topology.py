@@ -198,7 +198,9 @@ class Topology:
         self.down()
 
     def up(self) -> Topology:
-        """Check the kernel can do what was asked, then build; on any failure remove what was built."""
+        """Check the privileges, then that the kernel can do what was asked, then build; on any failure remove what
+        was built. Without root (or CAP_NET_ADMIN and CAP_SYS_ADMIN): PrivilegeRequired, before anything else."""
+        nsutil.require_privilege("building an emulated network")
         self._check_kernel()
         if nsutil.list_ns(self.prefix):
             if not self.replace:
@@ -207,6 +209,9 @@ class Topology:
             teardown(self.prefix)
         try:
             self._build()
+        except PermissionError as exc:
+            self.down()
+            raise nsutil.privilege_error(exc, "building an emulated network") from exc
         except BaseException:
             self.down()
             raise

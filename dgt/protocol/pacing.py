@@ -54,28 +54,46 @@ class TokenBucket:
 
 
 class Pacer:
-    """Per-peer pacing state: a token bucket, optionally steered by a congestion controller (``cc``)."""
+    """Per-peer pacing state: a token bucket, optionally steered by a congestion controller (``cc``).
 
-    def __init__(self, rate: float, burst: int, cc: LedbatRate | None = None, now: float = 0.0) -> None:
+    ``shared``: a second bucket, at a fixed rate, that the peer's reliable lane draws from too
+    (:meth:`charge_reliable`): the unreliable lanes then send only what that one budget has left after the TCP
+    bytes, so both protocols together stay within its rate (the loopback emulation of one link that TCP and UDP
+    share; TransportConfig.pace_shared). Every method answers for both buckets: the later ready time, the larger
+    debt, the fewer tokens."""
+
+    def __init__(self, rate: float, burst: int, cc: LedbatRate | None = None, now: float = 0.0,
+                 shared: TokenBucket | None = None) -> None:
         self.cc = cc
         self.bucket = TokenBucket(rate if cc is None else cc.rate, burst, now)
+        self.shared = shared
 
     @property
     def rate(self) -> float:
-        return self.bucket.rate
+        return self.bucket.rate if self.shared is None else min(self.bucket.rate, self.shared.rate)
 
     def ready_at(self, now: float) -> float:
-        return self.bucket.ready_at(now)
+        t = self.bucket.ready_at(now)
+        return t if self.shared is None else max(t, self.shared.ready_at(now))
 
     def consume(self, nbytes: int, now: float) -> None:
         self.bucket.consume(nbytes, now)
+        if self.shared is not None:
+            self.shared.consume(nbytes, now)
+
+    def charge_reliable(self, nbytes: int, now: float) -> None:
+        """``nbytes`` handed to the peer's reliable lane: they come off the shared budget (nothing without one)."""
+        if self.shared is not None and nbytes:
+            self.shared.consume(nbytes, now)
 
     def debt(self, now: float) -> float:
-        return self.bucket.debt(now)
+        d = self.bucket.debt(now)
+        return d if self.shared is None else max(d, self.shared.debt(now))
 
     def tokens(self, now: float) -> float:
         """Bytes that may leave now without waiting (negative: a debt)."""
-        return self.bucket.available(now)
+        t = self.bucket.available(now)
+        return t if self.shared is None else min(t, self.shared.available(now))
 
     def on_feedback(self, fb: Feedback, now: float) -> None:
         """One drop report's feedback (``now``: the sender's clock): the controller moves the rate, if there is one."""

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from dgt.codecs.base import Codec
-from dgt.codecs.registry import make_codec
+from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
 from dgt.shim.chooser import LOSSY, DropChooser
@@ -118,7 +118,7 @@ class DGTState:
         self._worker: TrioWorker | None = None
         self._collectives: tuple[Any, Any] | None = None
         self._clear_iter = -1
-        default = isinstance(codec, str) and codec == DEFAULT_CODEC
+        default = is_default_codec(codec)
         self.wire_dtype = _wire_dtype(wire, default)
         if choose is None:
             choose = default
@@ -291,6 +291,18 @@ class DGTState:
         wire = "native" if self.wire_dtype is None else str(self.wire_dtype).replace("torch.", "")
         return (f"DGTState(codec={self.codec.name!r}, collective={self.collective!r}, warmup_iters={self.warmup_iters},"
                 f" wire={wire!r}, iter={self.iter})")
+
+
+def is_default_codec(codec: str | Codec) -> bool:
+    """Whether ``codec`` is the default codec's spec, compared parsed (name and options, values as numbers), not as
+    text: ``"dgt:idle_p=0.10"`` and ``"dgt: idle_p=0.1"`` are the default as much as ``DEFAULT_CODEC`` itself, and get
+    its chooser and fp16 wire. A ``Codec`` instance is an explicit choice."""
+    if not isinstance(codec, str):
+        return False
+    try:
+        return parse_spec(codec) == parse_spec(DEFAULT_CODEC)
+    except ValueError:  # not a spec at all: make_codec says why
+        return False
 
 
 def _wire_dtype(wire: str | torch.dtype, default_codec: bool) -> torch.dtype | None:

@@ -75,6 +75,12 @@ class TransportConfig:
         than it needs: a fragment is at most one block. Set it where the path MTU is smaller than the first
         hop's (a tunnel the kernel does not know of).
     pace_rate: bytes/s per peer over all unreliable lanes: fixed without congestion_control, the ceiling with it.
+    pace_shared: the reliable lane's bytes to a peer come off the same budget as its unreliable lanes: one token
+        bucket at pace_rate per peer that both protocols draw from (dgt.protocol.pacing.Pacer ``shared``), so TCP
+        and UDP together stay within pace_rate, as on one link; the send budget counts a round's important bytes
+        before it sizes the unimportant ones. Needs pace_rate. The session link's TCP bytes are counted (the
+        stream lanes of lossless ring hops are not). The experiments' loopback fallback sets it, with the TCP
+        sockets paced to the same rate by the kernel (SO_MAX_PACING_RATE).
     congestion_control: a less-than-best-effort controller per peer (dgt.protocol.congestion: LEDBAT-like, queuing
         delay target ``cc_target`` seconds, back-off on loss) sets the unreliable lanes' rate from the drop reports,
         starting at pace_start within [pace_min, pace_max] (pace_max capped by pace_rate), and a send budget
@@ -103,6 +109,7 @@ class TransportConfig:
     lanes: list[LaneSpec] = field(default_factory=default_lanes)
     datagram_payload: int | None = None
     pace_rate: float | None = None
+    pace_shared: bool = False
     congestion_control: bool = True
     cc_target: float = 0.010
     pace_start: float = 12.5e6
@@ -157,6 +164,8 @@ class TransportConfig:
             raise ValueError("hop_threads must be 0 (auto), 1 or 2")
         if not 0.0 <= self.cpu_gate <= 1.0:
             raise ValueError("cpu_gate must be in [0, 1] (0: off)")
+        if self.pace_shared and not self.pace_rate:
+            raise ValueError("pace_shared needs pace_rate: the rate of the budget TCP and UDP share")
 
     def payload_for(self, host: str) -> int:
         """``datagram_payload`` for a peer at ``host``: the configured value, else sized by the route's MTU."""

@@ -24,7 +24,7 @@ from dgt.channels.tcp_writer import ReliableWriter
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error, open_nursery
 from dgt.protocol.budget import RoundWindow
 from dgt.protocol.congestion import LedbatRate
-from dgt.protocol.pacing import Pacer
+from dgt.protocol.pacing import Pacer, TokenBucket
 from dgt.protocol.sender import RoundSender
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
@@ -294,12 +294,14 @@ class HandshakeMixin(EndpointState):
             self._sources[(host, p)] = rank
         pacer = None
         now = trio.current_time()
+        # pace_shared: the budget this peer's TCP and UDP bytes both come off (the config checked pace_rate is set)
+        shared = TokenBucket(c.pace_rate, c.pace_burst, now) if c.pace_shared and c.pace_rate else None
         if c.congestion_control:
             top = min(c.pace_max, c.pace_rate or c.pace_max)  # a configured pace_rate is the start and the ceiling
             cc = LedbatRate(min(c.pace_start, top), min(c.pace_min, top), top, target=c.cc_target)
-            pacer = Pacer(cc.rate, c.pace_burst, cc, now)
+            pacer = Pacer(cc.rate, c.pace_burst, cc, now, shared=shared)
         elif c.pace_rate:
-            pacer = Pacer(c.pace_rate, c.pace_burst, None, now)
+            pacer = Pacer(c.pace_rate, c.pace_burst, None, now, shared=shared)
         sender = RoundSender(
             self.token, self.rank, block=c.block, datagram_payload=c.payload_for(host),
             reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,

@@ -221,6 +221,8 @@ class OutboundMixin(EndpointState):
             with trio.fail_after(timeout) if timeout else nullcontext():
                 begin = link.writer.push_frames(plan.reliable[:1], urgent=True)
                 rest = link.writer.push_frames(plan.reliable[1:])
+                if link.pacer is not None:  # pace_shared: the TCP bytes come off the budget the datagrams draw from
+                    link.pacer.charge_reliable(plan.reliable_bytes, trio.current_time())
                 await begin.wait()  # datagrams only after the round's opening frame is on the wire
                 for lane in sorted(set(plan.datagrams) | set(plan.odd)):
                     rows = plan.datagrams.get(lane, np.zeros((0, 1), np.uint8))
@@ -265,7 +267,10 @@ class OutboundMixin(EndpointState):
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
         budget: int | None = None  # only with error feedback, which carries the blocks kept back (else: lost)
         if not lossless and self.cfg.error_feedback and link.pacer is not None and link.pacer.cc is not None:
-            budget = link.window.budget(link.pacer.rate, link.pacer.debt(trio.current_time()))
+            debt = link.pacer.debt(trio.current_time())
+            if link.pacer.shared is not None:  # the round's important bytes go first on the budget TCP shares
+                debt += _important_bytes(cls, layout, flat.element_size())
+            budget = link.window.budget(link.pacer.rate, debt)
             if gate is not None and not gate.admit():
                 budget = 0
         if stage is not None:  # residual, pack and private copy in one pass (RoundSender.plan_split)
@@ -306,6 +311,8 @@ class OutboundMixin(EndpointState):
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
         slot = link.writer.push_frames(frames)
+        if link.pacer is not None:  # pace_shared: the TCP bytes come off the budget the datagrams draw from
+            link.pacer.charge_reliable(stats.reliable_bytes, t0)
         self._stats.rounds_sent += 1
         return PendingSend(stats, slot, t0, link.pacer)
 
@@ -325,3 +332,12 @@ class OutboundMixin(EndpointState):
         await self.send_bytes(peer, meta, tag)
         flat = tensor.detach().to("cpu").contiguous().reshape(-1)
         await self.send_bytes(peer, flat.view(torch.uint8).numpy().tobytes(), tag)
+
+
+def _important_bytes(cls: torch.Tensor | int, layout: BucketLayout, itemsize: int) -> int:
+    """Payload bytes of a round's important (class 0) blocks, before its plan: what the reliable lane will carry of
+    it (one pass over the class array)."""
+    if not isinstance(cls, torch.Tensor):  # one class for the whole bucket
+        return layout.numel * itemsize if int(cls) == 0 else 0
+    imp = cls.detach().to("cpu") == 0
+    return int(layout.block_len[imp].sum()) * itemsize

@@ -380,11 +380,13 @@ class LGCCodec(Codec):
                 rec[pos] = ivals
             idx = self._dec_ae_idx(d["ae:idx"], dev)
             out[idx] += rec
-            if cfg.record:
+            if cfg.record:  # the code-free decoders on the same vectors, with what they would write back too
                 base = tmpl[w] * scale if tmpl is not None else torch.zeros_like(rec)
+                zero = torch.zeros_like(rec)
                 if cfg.exact_innovation:
                     base[pos] = ivals
-                self._record(state, worker=w, idx=idx, rec=rec, template=base)
+                    zero[pos] = ivals
+                self._record(state, worker=w, idx=idx, rec=rec, template=base, zero=zero)
         return out
 
     # -- control: trained weights, shipped once ------------------------------------------------------------------
