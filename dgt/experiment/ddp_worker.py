@@ -2,7 +2,8 @@
 
 Run as ``python -m dgt.experiment.ddp_worker SPEC.json`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
 environment (what torchrun sets); the process group meets through ``env://``. The arm decides the one line that
-differs: no hook (Gloo), torch's fp16 or PowerSGD hook, the DGT hook with no options, or ``backend="dgt"``.
+differs: no hook (Gloo), torch's fp16 or PowerSGD hook (plain, in fp16, or batched), the DGT hook with no options,
+or ``backend="dgt"``.
 
 Timing: a step is forward + backward (DDP all-reduces the buckets inside backward, and waits for them at its end)
 + optimizer step. Every ``eval_every`` steps rank 0 measures test accuracy while the others wait on the store; that
@@ -56,11 +57,14 @@ def attach_arm(arm: str, ddp: Any) -> Any:
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
-    if arm == "powersgd":
+    if arm in ("powersgd", "fp16-powersgd", "batched-powersgd"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         state = psgd.PowerSGDState(process_group=None, **POWERSGD)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        hook = {"powersgd": psgd.powerSGD_hook, "batched-powersgd": psgd.batched_powerSGD_hook,
+                "fp16-powersgd": default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)}[arm]
+        ddp.register_comm_hook(state, hook)
         return state
     if arm in ("dgt-hook", "dgt-hook-loss"):
         import dgt.shim
@@ -87,6 +91,19 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
         stats = getattr(pg, "stats", None)
         return {"dropped": int(stats["dropped"]), "backend": dict(stats)} if stats else {}
     return {}
+
+
+def hook_counters(state: Any) -> dict[str, Any] | None:
+    """What torch's PowerSGD state counted (the three PowerSGD arms): its iteration count, the iteration compression
+    starts at, and the elements of every compressed step's buckets before and after compression (both 0 when no step
+    was compressed). None for the other arms."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    if not isinstance(state, PowerSGDState):
+        return None
+    return {"iter": int(state.iter), "start_powerSGD_iter": int(state.start_powerSGD_iter),
+            "numel_before_compression": int(state.total_numel_before_compression),
+            "numel_after_compression": int(state.total_numel_after_compression)}
 
 
 def _transport_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -153,12 +170,13 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
             stop_reason = decision["reason"]
             break
     counters = dgt_counters(spec.arm, state)
+    hook = hook_counters(state)
     _leave(store, rank, world)
     if state is not None and hasattr(state, "close"):
         state.close()
     dist.destroy_process_group()
     return {"rank": rank, "world": world, "arm": spec.arm, "steps": steps, "evals": evals, "train_time": train_time,
-            "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "dgt": counters,
+            "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "dgt": counters, "hook": hook,
             "wire": _delta(wire_bytes(spec.wire_if), wire0)}
 
 
