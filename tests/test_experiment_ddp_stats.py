@@ -176,12 +176,46 @@ def test_seeds_option_and_config():
             DDPConfig(seeds=bad)
 
 
+def test_batched_powersgd_is_made_runnable_only_where_torch_rejects_its_matrices(monkeypatch):
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+    from dgt.experiment import ddp_worker
+
+    monkeypatch.setattr(psgd, "_orthogonalize", psgd._orthogonalize)  # restored after the test
+    monkeypatch.setattr(ddp_worker, "WORKAROUNDS", [])
+    try:
+        psgd._orthogonalize(torch.ones(2, 1))
+        rejects = False
+    except AssertionError:
+        rejects = True
+    ddp_worker.runnable_batched_powersgd(psgd)
+    assert len(ddp_worker.WORKAROUNDS) == int(rejects)
+    col = torch.tensor([[3.0], [4.0]])
+    psgd._orthogonalize(col)  # in place, as the batched hook expects
+    assert torch.allclose(col, torch.tensor([[0.6], [0.8]]))
+    m = torch.randn(6, 3, generator=torch.Generator().manual_seed(0))
+    psgd._orthogonalize(m)
+    assert torch.allclose(m.T @ m, torch.eye(3), atol=1e-5)
+    batch = torch.randn(2, 6, 2, generator=torch.Generator().manual_seed(1))
+    psgd._orthogonalize(batch)  # what powerSGD_hook itself passes still works
+    assert all(torch.allclose(b.T @ b, torch.eye(2), atol=1e-5) for b in batch)
+
+
 @pytest.mark.slow
 def test_new_torch_arms_train_with_two_seeds_on_loopback_tiny(tmp_path):
     """fp16-powersgd and batched-powersgd train past start_powerSGD_iter (10), so compression really runs, once per
     seed; results keep every seed's run and aggregate them; the report and console show the per-arm table."""
+    import torch
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
     from dgt.cli import main
 
+    try:
+        psgd._orthogonalize(torch.ones(2, 1))
+        torch_rejects_2d = False
+    except AssertionError:
+        torch_rejects_2d = True
     out = str(tmp_path / "res")
     rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "12", "--eval-every",
                "6", "--target", "0.999", "--arms", "gloo,fp16-powersgd,batched-powersgd", "--seeds", "0,1",
@@ -202,6 +236,7 @@ def test_new_torch_arms_train_with_two_seeds_on_loopback_tiny(tmp_path):
         for h in r["hook"]:  # steps 11 and 12 were compressed on every rank
             assert h["iter"] == 12 and h["start_powerSGD_iter"] == 10
             assert 0 < h["numel_after_compression"] < h["numel_before_compression"]
+            assert bool(h["workarounds"]) == (r["arm"] == "batched-powersgd" and torch_rejects_2d)
     batched = res["runs"][2]["hook"][0]
     per_layer = res["runs"][1]["hook"][0]
     assert batched["numel_after_compression"] < per_layer["numel_after_compression"]  # one square matrix per bucket

@@ -14,6 +14,8 @@ from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig
 
 
 def ddp(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from dgt.experiment.console import Reporter
     from dgt.experiment.ddp_report import table
     from dgt.experiment.ddp_runner import run_ddp
@@ -41,7 +43,7 @@ def ddp(args: argparse.Namespace) -> int:
         ui.note(results["skipped"])
         return 0
     if len(results["seeds"]) > 1:
-        ui.note(f"median [min–max] over seeds {', '.join(map(str, results['seeds']))}; ratios of medians")
+        ui.note(escape(f"median [min–max] over seeds {', '.join(map(str, results['seeds']))}; ratios of medians"))
     for line in table(results["stats"], results["ratios"]):
         print(line)
     ui.note(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md")

@@ -18,7 +18,9 @@ ARMS: dict[str, str] = {
     "fp16-powersgd": "Gloo + torch's default_hooks.fp16_compress_wrapper(powerSGD_hook), the same PowerSGDState as "
                      "powersgd (the P and Q factors travel as float16; torch's own example of the wrapper)",
     "batched-powersgd": "Gloo + torch's batched_powerSGD_hook, the same PowerSGDState as powersgd (each bucket as one "
-                        "square matrix, rank 1: fewer, larger all-reduces than powersgd's per-layer matrices)",
+                        "square matrix, rank 1: fewer, larger all-reduces than powersgd's per-layer matrices; where "
+                        "torch's _orthogonalize rejects the hook's 2-D matrices, as in torch 2.13, it is wrapped to "
+                        "take them, see ddp_worker.runnable_batched_powersgd)",
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
     "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "

@@ -30,6 +30,7 @@ from dgt.experiment.worker import PROGRESS, evaluate, worker_main
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
+WORKAROUNDS: list[str] = []  # what this process changed in torch to run its arm (hook_counters reports it)
 
 
 def wire_bytes(ifname: str | None) -> dict[str, int] | None:
@@ -62,6 +63,8 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         state = psgd.PowerSGDState(process_group=None, **POWERSGD)
+        if arm == "batched-powersgd":
+            runnable_batched_powersgd(psgd)
         hook = {"powersgd": psgd.powerSGD_hook, "batched-powersgd": psgd.batched_powerSGD_hook,
                 "fp16-powersgd": default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)}[arm]
         ddp.register_comm_hook(state, hook)
@@ -73,6 +76,27 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")
+
+
+def runnable_batched_powersgd(psgd: Any) -> None:
+    """Make torch's ``batched_powerSGD_hook`` run where it cannot: its module's ``_orthogonalize`` takes a batch of
+    matrices (3-D) and asserts so, but the batched hook hands it one 2-D matrix per bucket, so the hook raises
+    AssertionError at its first compressed step (torch 2.13). Where that is so, ``_orthogonalize`` is wrapped to view
+    a 2-D matrix as a batch of one (in place, as the hook expects); 3-D input goes through unchanged. Recorded in
+    ``WORKAROUNDS``. Nothing changes on a torch whose ``_orthogonalize`` takes a 2-D matrix."""
+    original = psgd._orthogonalize
+    try:
+        original(torch.ones(2, 1))
+        return
+    except AssertionError:
+        pass
+
+    def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        original(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    psgd._orthogonalize = orthogonalize
+    WORKAROUNDS.append("powerSGD_hook._orthogonalize wrapped to take the batched hook's 2-D matrices (torch "
+                       f"{torch.__version__} asserts 3-D)")
 
 
 def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
@@ -103,7 +127,7 @@ def hook_counters(state: Any) -> dict[str, Any] | None:
         return None
     return {"iter": int(state.iter), "start_powerSGD_iter": int(state.start_powerSGD_iter),
             "numel_before_compression": int(state.total_numel_before_compression),
-            "numel_after_compression": int(state.total_numel_after_compression)}
+            "numel_after_compression": int(state.total_numel_after_compression), "workarounds": list(WORKAROUNDS)}
 
 
 def _transport_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
