@@ -250,3 +250,35 @@ def test_new_torch_arms_train_with_two_seeds_on_loopback_tiny(tmp_path):
     assert res["ratios"]["gloo"]["step_p95"] == 1.0
     text = open(os.path.join(out, "report.md")).read()
     assert "| fp16-powersgd |" in text and "### Seed 1" in text and "Step p95 (s)" in text
+
+
+def test_run_ddp_runs_every_arm_per_seed_and_keeps_each_run(tmp_path, monkeypatch):
+    """The seed loop without processes: _one_arm is replaced by a fake that trains nothing."""
+    from dgt.experiment import ddp_runner
+    from dgt.experiment.config import NetworkConfig
+
+    calls = []
+
+    def fake(cfg, arm, mode, index, ui, seed, per_seed_dirs):
+        calls.append((arm, seed, per_seed_dirs, index))
+        steps = {"gloo": 0.2, "fp16": 0.1}[arm]
+        return _run(arm, seed, [steps] * (10 + seed), 10 + seed)
+
+    monkeypatch.setattr(ddp_runner, "_one_arm", fake)
+    net = NetworkConfig(mode="loopback", prefix="dgtd")
+    res = ddp_runner.run_ddp(DDPConfig(arms=["gloo", "fp16"], seeds=[4, 2], network=net, plots=False,
+                                       out_dir=str(tmp_path / "a")))
+    assert calls == [("gloo", 4, True, 0), ("fp16", 4, True, 1), ("gloo", 2, True, 2), ("fp16", 2, True, 3)]
+    assert res["seeds"] == [4, 2]
+    assert [(r["arm"], r["seed"]) for r in res["runs"]] == [("gloo", 4), ("fp16", 4), ("gloo", 2), ("fp16", 2)]
+    assert res["stats"]["gloo"]["seeds"] == [4, 2] and res["stats"]["gloo"]["iterations"]["values"] == [14, 12]
+    assert res["ratios"]["fp16"]["time_to_target"] == pytest.approx(0.5) and res["best_torch"] == "fp16"
+    with open(tmp_path / "a" / "results.json") as f:
+        assert json.load(f)["stats"]["fp16"]["time_to_target"]["median"] == pytest.approx(1.3)
+    calls.clear()
+    one = ddp_runner.run_ddp(DDPConfig(arms=["gloo"], seeds=[5], network=net, plots=False,
+                                       out_dir=str(tmp_path / "b")))
+    assert calls == [("gloo", 5, False, 0)] and one["seeds"] == [5]  # one seed: out/ARM, the seed given
+    calls.clear()
+    ddp_runner.run_ddp(DDPConfig(arms=["gloo"], seed=3, network=net, plots=False, out_dir=str(tmp_path / "c")))
+    assert calls == [("gloo", 3, False, 0)]

@@ -80,7 +80,7 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
     t0 = time.monotonic()
     jobs = [] if skipped else [(seed, arm) for seed in seeds for arm in cfg.arms]
     for i, (seed, arm) in enumerate(jobs):
-        results["runs"].append(_one_arm(cfg, arm, mode, i, ui, seed if len(seeds) > 1 else None))
+        results["runs"].append(_one_arm(cfg, arm, mode, i, ui, seed, per_seed_dirs=len(seeds) > 1))
         _write(cfg, results)
     results["stats"] = aggregate(results["runs"])
     results["ratios"] = ratios(results["stats"])
@@ -95,12 +95,13 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
     return results
 
 
-def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter, seed: int | None) -> dict[str, Any]:
-    """One arm with one seed (None: the single seed, ``cfg.seed``, in ``out_dir/ARM`` as before --seeds)."""
-    run_dir = os.path.join(cfg.out_dir, arm) if seed is None else os.path.join(cfg.out_dir, f"seed{seed}", arm)
+def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter, seed: int,
+             per_seed_dirs: bool) -> dict[str, Any]:
+    """One arm with one seed, in ``out_dir/seedS/ARM`` (several seeds) or ``out_dir/ARM`` (one seed, as before)."""
+    run_dir = os.path.join(cfg.out_dir, f"seed{seed}", arm) if per_seed_dirs else os.path.join(cfg.out_dir, arm)
     spec = cfg.spec(arm, run_dir, wire_if="eth0" if mode == "netem" else None, seed=seed)
-    entry: dict[str, Any] = {"arm": arm, "seed": spec.seed, "run_dir": run_dir}
-    ui.start_run(cfg.model, arm if seed is None else f"{arm} seed {seed}", cfg.max_iters)
+    entry: dict[str, Any] = {"arm": arm, "seed": seed, "run_dir": run_dir}
+    ui.start_run(cfg.model, f"{arm} seed {seed}" if per_seed_dirs else arm, cfg.max_iters)
     started = time.monotonic()
     try:
         with Network(cfg.network, cfg.workers, mode, tag=str(index)) as net:
