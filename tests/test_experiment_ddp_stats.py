@@ -262,12 +262,18 @@ def test_run_ddp_runs_every_arm_per_seed_and_keeps_each_run(tmp_path, monkeypatc
     def fake(cfg, arm, mode, index, ui, seed, per_seed_dirs):
         calls.append((arm, seed, per_seed_dirs, index))
         steps = {"gloo": 0.2, "fp16": 0.1}[arm]
-        return _run(arm, seed, [steps] * (10 + seed), 10 + seed)
+        run = _run(arm, seed, [steps] * (10 + seed), 10 + seed)
+        run["curve"] = [{"it": 10 + seed, "train_time": steps * (10 + seed), "acc": 0.99}]
+        return run
 
     monkeypatch.setattr(ddp_runner, "_one_arm", fake)
     net = NetworkConfig(mode="loopback", prefix="dgtd")
-    res = ddp_runner.run_ddp(DDPConfig(arms=["gloo", "fp16"], seeds=[4, 2], network=net, plots=False,
+    res = ddp_runner.run_ddp(DDPConfig(arms=["gloo", "fp16"], seeds=[4, 2], network=net,
                                        out_dir=str(tmp_path / "a")))
+    with open(tmp_path / "a" / "accuracy_vs_time.png", "rb") as f:  # one line per seed, one colour per arm
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    report = (tmp_path / "a" / "report.md").read_text()
+    assert "seeds 4, 2 (every arm once per seed)" in report and "### Seed 4" in report and "### Seed 2" in report
     assert calls == [("gloo", 4, True, 0), ("fp16", 4, True, 1), ("gloo", 2, True, 2), ("fp16", 2, True, 3)]
     assert res["seeds"] == [4, 2]
     assert [(r["arm"], r["seed"]) for r in res["runs"]] == [("gloo", 4), ("fp16", 4), ("gloo", 2), ("fp16", 2)]
