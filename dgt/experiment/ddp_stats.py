@@ -58,7 +58,7 @@ def queue_drops(queues: dict[str, Any] | None) -> int | None:
     """Packets host 0's link queues dropped, both directions, every class (netem only; None on loopback)."""
     if not queues:
         return None
-    return sum(c["drops"] for way in queues.values() for c in way.values())
+    return sum(int(c["drops"]) for way in queues.values() for c in way.values())
 
 
 def aggregate(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
