@@ -9,7 +9,8 @@ import pytest
 from dgt.experiment.config import NetworkConfig
 from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig, profile_network
 from dgt.experiment.ddp_report import render
-from dgt.experiment.ddp_runner import profile_unsupported, ratios, summarize
+from dgt.experiment.ddp_runner import profile_unsupported, summarize
+from dgt.experiment.ddp_stats import aggregate, best_torch, ratios
 
 
 def test_profiles_build_the_networks_the_issue_names():
@@ -61,37 +62,43 @@ def test_summarize_stops_at_the_first_evaluation_at_target_and_ratios_compare_wi
     assert not miss["reached"] and miss["time_to_target"] is None and miss["iterations"] == 6
     assert miss["dgt_lane_bytes_per_rank_step"] == {"0": 10.0, "1": 5.0} and miss["dgt_dropped_blocks"] == 6
     fast = summarize([_rank([0.05] * 6, evals)], target=0.9)
-    r = ratios([{"arm": "gloo", "summary": s}, {"arm": "dgt-hook", "summary": fast},
-                {"arm": "fp16", "summary": miss}, {"arm": "powersgd", "error": "boom"}])
-    assert r["gloo"] == {"time_to_target": 1.0, "step_mean": 1.0}
+    r = ratios(aggregate([{"arm": "gloo", "summary": s}, {"arm": "dgt-hook", "summary": fast},
+                          {"arm": "fp16", "summary": miss}, {"arm": "powersgd", "error": "boom"}]))
+    assert r["gloo"] == {"time_to_target": 1.0, "step_mean": 1.0, "step_p50": 1.0, "step_p95": 1.0,
+                         "time_to_target_vs_best_torch": None}  # the only torch arm (fp16) did not reach the target
     assert r["dgt-hook"]["time_to_target"] == pytest.approx(0.6 / 0.6) and r["dgt-hook"]["step_mean"] == \
-        pytest.approx(0.05 / 0.15)
+        pytest.approx(0.05 / 0.15) and r["dgt-hook"]["step_p95"] == pytest.approx(0.05 / 0.2)
     assert r["fp16"]["time_to_target"] is None and "powersgd" not in r
 
 
-def _results(profile, runs, ratios_, skipped=None):
+def _results(profile, runs, skipped=None):
+    stats = aggregate(runs)
     res = {"config": DDPConfig(profile=profile).to_dict(), "profile": profile, "profile_description": "d",
            "network": {"mode": "netem", "description": "n", "why_not_netem": None},
            "dataset": {"name": "digits"}, "model": {"parameters": 10, "gradient_bytes": 40},
-           "arms": dict(ARMS), "runs": runs, "ratios": ratios_}
+           "arms": dict(ARMS), "runs": runs, "stats": stats, "ratios": ratios(stats), "best_torch": best_torch(stats)}
     if skipped:
         res["skipped"] = skipped
     return res
 
 
 def test_report_says_whether_the_goals_are_met_and_says_a_skip():
-    s = summarize([_rank([0.1] * 4, [{"it": 4, "train_time": 0.4, "acc": 0.99, "wire": None}])], 0.97)
+    def run(arm, step):  # target reached at step 4: time to target 4 * step
+        s = summarize([_rank([step] * 4, [{"it": 4, "train_time": 4 * step, "acc": 0.99, "wire": None}])], 0.97)
+        return {"arm": arm, "seed": 0, "summary": s, "queues": q}
+
     q = {"into_server": {"EF": {"drops": 2}, "LE": {"drops": 5}}, "from_server": {"FIFO": {"drops": 1}}}
-    runs = [{"arm": a, "summary": s, "queues": q} for a in ("gloo", "fp16", "dgt-hook")]
-    runs.append({"arm": "powersgd", "error": "x\ny"})
-    text = render(_results("priority", runs, {"gloo": {"time_to_target": 1.0, "step_mean": 1.0},
-                                              "fp16": {"time_to_target": 0.6, "step_mean": 0.5},
-                                              "dgt-hook": {"time_to_target": 0.8, "step_mean": 0.65}}))
-    assert "| powersgd | failed: x |" in text and text.count(" | 0 | 8 |") == 3  # 0 dropped blocks, 8 queue drops
+    runs = [run("gloo", 0.1), run("fp16", 0.06), run("dgt-hook", 0.08)]  # dgt-hook: 0.8x Gloo, fp16 0.6x
+    runs.append({"arm": "powersgd", "seed": 0, "error": "x\ny"})
+    runs.append(run("fp16-powersgd", 0.065))
+    text = render(_results("priority", runs))
+    assert "| powersgd | 0/1 | failed: x |" in text and text.count(" | 0 | 8 |") == 4  # 0 dropped blocks, 8 queue drops
+    assert "| dgt-hook | 1/1 | 0.3 | 4 | 0.080 | 0.080 | 0.80x | 0.80x | 0.80x | 1.33x |" in text
     assert "time to target vs Gloo: 0.80x (goal <= 0.75x): NOT met" in text
-    assert "step mean vs Gloo: 0.65x (goal <= 0.7x): met" in text
-    assert "dgt-hook / best = 1.33x" in text
-    skipped = render(_results("wan", [], {}, skipped="profile 'wan' needs a delay line"))
+    assert "step mean vs Gloo: 0.80x (goal <= 0.7x): NOT met (step p50 0.80x, p95 0.80x)" in text
+    assert "best torch arm by median time to target: `fp16` (0.60x Gloo's); dgt-hook / best = 1.33x" in text
+    assert "One seed" in text and "## Each seed" not in text
+    skipped = render(_results("wan", [], skipped="profile 'wan' needs a delay line"))
     assert "**Skipped**: profile 'wan' needs a delay line" in skipped and "## Results" not in skipped
 
 

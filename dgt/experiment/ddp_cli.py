@@ -14,15 +14,17 @@ from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig
 
 
 def ddp(args: argparse.Namespace) -> int:
+    from rich.markup import escape
+
     from dgt.experiment.console import Reporter
-    from dgt.experiment.ddp_report import arm_row
+    from dgt.experiment.ddp_report import table
     from dgt.experiment.ddp_runner import run_ddp
 
     base = DDPConfig()
     net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit, prefix=base.network.prefix)
     arms = [a.strip() for a in args.arms.split(",") if a.strip()]
     cfg = DDPConfig(arms=arms, profile=args.profile, model=args.model, workers=args.workers, batch=args.batch,
-                    lr=args.lr, seed=args.seed, target=args.target, eval_every=args.eval_every,
+                    lr=args.lr, seed=args.seed, seeds=args.seeds or [], target=args.target, eval_every=args.eval_every,
                     max_iters=args.max_iters, max_time=args.max_time, network=net, out_dir=args.out,
                     plots=not args.no_plots)
     ui = Reporter()
@@ -40,12 +42,26 @@ def ddp(args: argparse.Namespace) -> int:
     if results.get("skipped"):
         ui.note(results["skipped"])
         return 0
-    for r in results["runs"]:
-        print(arm_row(r, results["ratios"].get(r["arm"], {})))
+    if len(results["seeds"]) > 1:
+        ui.note(escape(f"median [min–max] over seeds {', '.join(map(str, results['seeds']))}; ratios of medians"))
+    for line in table(results["stats"], results["ratios"]):
+        print(line)
     ui.note(f"results: {cfg.out_dir}/results.json, report: {cfg.out_dir}/report.md")
     if args.json:
         print(json.dumps(results["ratios"], indent=1))
     return 1 if any("error" in r for r in results["runs"]) else 0
+
+
+def seed_list(text: str) -> list[int]:
+    """``--seeds 0,1,2``: distinct non-negative integers."""
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        seeds = [int(p) for p in parts]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a comma-separated list of integers: {text!r}") from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"need distinct non-negative seeds, got {text!r}")
+    return seeds
 
 
 def add_ddp_parser(esub: argparse._SubParsersAction) -> None:
@@ -54,7 +70,8 @@ def add_ddp_parser(esub: argparse._SubParsersAction) -> None:
         "ddp", help="a plain DDP trainer: Gloo vs fp16 vs PowerSGD vs the DGT hook and backend, on one network profile",
         description="Train the same model, data and seed with torch DistributedDataParallel in K processes (each in "
         "its own emulated host, env:// rendezvous as under torchrun), once per arm: " + "; ".join(
-            f"{a}: {d}" for a, d in ARMS.items()) + ". Report time to target, steps, step time, bytes, drops.",
+            f"{a}: {d}" for a, d in ARMS.items()) + ". Report time to target, steps, step time (p50, p95), bytes, "
+        "drops; with --seeds, every arm once per seed and the median [min-max] over the seeds.",
     )
     p.add_argument("--profile", choices=list(PROFILES), default=base.profile,
                    help="; ".join(f"{k}: {v}" for k, v in PROFILES.items()).replace("%", "%%")
@@ -72,7 +89,10 @@ def add_ddp_parser(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--eval-every", type=int, default=base.eval_every, help="steps (default: %(default)s)")
     p.add_argument("--batch", type=int, default=base.batch, help="per worker (default: %(default)s)")
     p.add_argument("--lr", type=float, default=base.lr, help="SGD (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=base.seed, help="(default: %(default)s)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=base.seed, help="one run per arm (default: %(default)s)")
+    seeds.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",
+                       help="every arm once per seed (e.g. 0,1,2); report the median [min-max] over the seeds")
     p.add_argument("--out", default=base.out_dir, help="output directory (default: %(default)s)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print the ratios against Gloo as JSON at the end")

@@ -15,6 +15,12 @@ ARMS: dict[str, str] = {
     "fp16": "Gloo + torch's default_hooks.fp16_compress_hook",
     "powersgd": "Gloo + torch's powerSGD_hook, PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=10, "
                 "use_error_feedback=True, warm_start=True) (PyTorch's recommended settings, rank 1)",
+    "fp16-powersgd": "Gloo + torch's default_hooks.fp16_compress_wrapper(powerSGD_hook), the same PowerSGDState as "
+                     "powersgd (the P and Q factors travel as float16; torch's own example of the wrapper)",
+    "batched-powersgd": "Gloo + torch's batched_powerSGD_hook, the same PowerSGDState as powersgd (each bucket as one "
+                        "square matrix, rank 1: fewer, larger all-reduces than powersgd's per-layer matrices; where "
+                        "torch's _orthogonalize rejects the hook's 2-D matrices, as in torch 2.13, it is wrapped to "
+                        "take them, see ddp_worker.runnable_batched_powersgd)",
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
     "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
@@ -73,6 +79,7 @@ class DDPConfig:
     lr: float = 0.1
     momentum: float = 0.0
     seed: int = 0
+    seeds: list[int] = field(default_factory=list)  # every arm once per seed; empty: the one run of `seed`
     target: float = 0.97
     eval_every: int = 2
     max_iters: int = 300
@@ -93,10 +100,19 @@ class DDPConfig:
             raise ValueError("target accuracy must be in (0, 1]")
         if self.eval_every < 1 or self.max_iters < 1 or self.max_time <= 0:
             raise ValueError("eval_every, max_iters and max_time must be positive")
+        if len(set(self.seeds)) != len(self.seeds):
+            raise ValueError(f"seeds repeat: {self.seeds}")
+        if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
+            raise ValueError(f"seeds must be non-negative integers: {self.seeds}")
 
-    def spec(self, arm: str, out_dir: str, wire_if: str | None = None) -> DDPSpec:
+    def seed_list(self) -> list[int]:
+        """The seeds every arm runs with, in order: ``seeds``, or ``[seed]`` when none were given."""
+        return list(self.seeds) if self.seeds else [self.seed]
+
+    def spec(self, arm: str, out_dir: str, wire_if: str | None = None, seed: int | None = None) -> DDPSpec:
         return DDPSpec(arm=arm, model=self.model, dataset=self.dataset, data_dir=self.data_dir, width=self.width,
-                       workers=self.workers, batch=self.batch, lr=self.lr, momentum=self.momentum, seed=self.seed,
+                       workers=self.workers, batch=self.batch, lr=self.lr, momentum=self.momentum,
+                       seed=self.seed if seed is None else seed,
                        target=self.target, eval_every=self.eval_every, max_iters=self.max_iters,
                        max_time=self.max_time, out_dir=out_dir, wire_if=wire_if)
 

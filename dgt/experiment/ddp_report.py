@@ -1,10 +1,13 @@
-"""The markdown report of `dgt experiment ddp`: setup, one row per arm, the ratios against Gloo, the goals."""
+"""The markdown report of `dgt experiment ddp`: setup, one row per arm (median [min–max] over the seeds), the ratios
+of medians against Gloo and the best torch arm, each seed's own table, the goals."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from dgt.experiment.console import fmt_bytes
+from dgt.experiment.ddp_stats import aggregate
+from dgt.experiment.ddp_stats import ratios as median_ratios
 
 # issue #19's acceptance: dgt-hook time to target <= 0.75x Gloo (priority), <= 0.85x (fifo); step <= 0.7x (priority)
 GOALS = {"priority": {"time_to_target": 0.75, "step_mean": 0.7}, "fifo": {"time_to_target": 0.85}}
@@ -18,36 +21,59 @@ def _num(x: float | None, fmt: str = "{:.3f}") -> str:
     return "–" if x is None else fmt.format(x)
 
 
-HEADER = ["Arm", "Time to target (s)", "Steps", "Step mean (s)", "Step p95 (s)", "Time vs Gloo", "Step vs Gloo",
-          "Wire tx / rank / step", "DGT TCP/UDP / rank / step", "Dropped blocks", "Queue drops (host 0)"]
+HEADER = ["Arm", "Reached", "Time to target (s)", "Steps", "Step p50 (s)", "Step p95 (s)", "Time vs Gloo",
+          "Step p50 vs Gloo", "Step p95 vs Gloo", "Time vs best torch", "Wire tx / rank / step",
+          "DGT TCP/UDP / rank / step", "Dropped blocks", "Queue drops (host 0)"]
 
 
-def queue_drops(queues: dict[str, Any] | None) -> int | None:
-    """Packets host 0's link queues dropped, both directions, every class (netem only; None on loopback)."""
-    if not queues:
-        return None
-    return sum(c["drops"] for way in queues.values() for c in way.values())
+def spread_text(sp: dict[str, Any] | None, fmt: str = "{:.3f}") -> str:
+    """``median [min–max]`` over the seeds; the median alone for one seed; – when not measured."""
+    if not sp or sp["median"] is None:
+        return "–"
+    known = [v for v in sp["values"] if v is not None]
+    if len(known) < 2:
+        return fmt.format(sp["median"])
+    return f"{fmt.format(sp['median'])} [{fmt.format(sp['min'])}–{fmt.format(sp['max'])}]"
 
 
-def table(runs: list[dict[str, Any]], ratios: dict[str, dict[str, float | None]]) -> list[str]:
+def censored_text(c: dict[str, Any], fmt: str = "{:.1f}", long: bool = True) -> str:
+    """A time or step count to target (ddp_stats.censored_spread): ``median [min–max]``, "not reached" where the
+    median or max is; when no seed reached, what the seeds ran without reaching it (``>ran``)."""
+    if c["reached"] == 0:
+        lo, hi = min(c["values"]), max(c["values"])
+        ran = f">{fmt.format(lo)}" + (f"–{fmt.format(hi)}" if hi != lo else "")
+        return f"not reached ({ran})" if long else ran
+    med = "not reached" if c["median"] is None else fmt.format(c["median"])
+    if c["n"] == 1:
+        return med
+    hi = "not reached" if c["max"] is None else fmt.format(c["max"])
+    return f"{med} [{fmt.format(c['min'])}–{hi}]"
+
+
+def table(stats: dict[str, dict[str, Any]], ratios: dict[str, dict[str, float | None]]) -> list[str]:
     return [_row(HEADER), _row(["---"] + ["---:"] * (len(HEADER) - 1))] + [
-        arm_row(r, ratios.get(r["arm"], {})) for r in runs]
+        arm_row(arm, st, ratios.get(arm, {})) for arm, st in stats.items()]
 
 
-def arm_row(r: dict[str, Any], ratio: dict[str, float | None]) -> str:
-    s = r.get("summary")
-    if s is None:
-        return _row([r["arm"], "failed: " + (r.get("error") or "?").splitlines()[0]] + [""] * (len(HEADER) - 2))
-    qd = queue_drops(r.get("queues"))
-    lanes = s.get("dgt_lane_bytes_per_rank_step")
-    lane_txt = "/".join(fmt_bytes(lanes.get(k, 0)) for k in ("0", "1")) if lanes else "–"
-    wire = s.get("wire_tx_per_rank_step")
+def arm_row(arm: str, st: dict[str, Any], ratio: dict[str, float | None]) -> str:
+    """One arm over its seeds (ddp_stats.aggregate): medians with [min–max], ratios of medians."""
+    failed = st.get("failed") or []
+    if "time_to_target" not in st:
+        return _row([arm, f"0/{st['runs']}", "failed: " + (failed[0]["error"] if failed else "?").splitlines()[0]]
+                    + [""] * (len(HEADER) - 3))
+    name = arm + (f" ({len(failed)} of {st['runs']} failed)" if failed else "")
+    t = st["time_to_target"]
+    lanes = st.get("dgt_lane_bytes_per_rank_step")
+    lane_txt = "/".join(fmt_bytes(lanes[k]["median"]) if k in lanes else fmt_bytes(0) for k in ("0", "1")) \
+        if lanes else "–"
+    wire = st["wire_tx_per_rank_step"]["median"]
     return _row([
-        r["arm"], f"{s['time_to_target']:.1f}" if s["reached"] else f"not reached (>{s['train_time']:.1f})",
-        str(s["iterations"]), _num(s["step_mean"]), _num(s["step_p95"]),
-        _num(ratio.get("time_to_target"), "{:.2f}x"), _num(ratio.get("step_mean"), "{:.2f}x"),
-        fmt_bytes(wire) if wire is not None else "–", lane_txt, str(s["dgt_dropped_blocks"]),
-        "–" if qd is None else str(qd),
+        name, f"{t['reached']}/{t['n']}", censored_text(t), censored_text(st["iterations"], "{:g}", long=False),
+        spread_text(st["step_p50"]), spread_text(st["step_p95"]),
+        _num(ratio.get("time_to_target"), "{:.2f}x"), _num(ratio.get("step_p50"), "{:.2f}x"),
+        _num(ratio.get("step_p95"), "{:.2f}x"), _num(ratio.get("time_to_target_vs_best_torch"), "{:.2f}x"),
+        fmt_bytes(wire) if wire is not None else "–", lane_txt, spread_text(st["dgt_dropped_blocks"], "{:g}"),
+        spread_text(st["queue_drops"], "{:g}"),
     ])
 
 
@@ -67,7 +93,7 @@ def render(results: dict[str, Any]) -> str:
         f"- **Training**: `torch.nn.parallel.DistributedDataParallel` in {cfg['workers']} processes meeting through "
         f"env:// (as under torchrun); {cfg['model']} ({m['parameters']:,} parameters, "
         f"{fmt_bytes(m['gradient_bytes'])} of gradient), {results['dataset']['name']}, SGD lr {cfg['lr']}, batch "
-        f"{cfg['batch']} per worker, seed {cfg['seed']}; accuracy every {cfg['eval_every']} steps (outside the "
+        f"{cfg['batch']} per worker, {_seeds_text(results)}; accuracy every {cfg['eval_every']} steps (outside the "
         f"timed steps); target {cfg['target']:g}; budget {cfg['max_iters']} steps / {cfg['max_time']:g} s.",
         "- **Arms**:",
     ]
@@ -75,20 +101,57 @@ def render(results: dict[str, Any]) -> str:
     if results.get("skipped"):
         lines += ["", f"**Skipped**: {results['skipped']}"]
         return "\n".join(lines) + "\n"
-    lines += ["", "## Results", ""] + table(results["runs"], results["ratios"])
-    lines += ["", "Times are rank 0's training time (sum of step times, evaluation excluded) until the first "
+    seeds = _seeds(results)
+    stats = results.get("stats") or aggregate(results["runs"])
+    lines += ["", "## Results", ""] + table(stats, results["ratios"])
+    lines += ["", STATS_NOTE if len(seeds) > 1 else ONE_SEED_NOTE,
+              "", "Times are rank 0's training time (sum of step times, evaluation excluded) until the first "
               "evaluation at or above the target; a step is forward + backward (DDP's all-reduce) + optimizer step. "
               "Wire tx: bytes the host's eth0 sent per step (netem only: everything on the wire, headers and "
               "retransmissions included). DGT TCP/UDP: payload bytes DGT's hook counted on its reliable and droppable "
               "lanes (the backend does not count lanes). Dropped blocks: DGT blocks not delivered by the deadline "
               "(summed over ranks); Gloo and the torch hooks are lossless. Queue drops: packets the queues of host 0's "
               "link dropped, both directions (cross traffic included)."]
-    lines += _choices(results["runs"])
+    failed = [(a, f) for a, st in stats.items() for f in st.get("failed") or []]
+    if failed:
+        lines += ["", "Failed runs (left out of every figure):", ""] + [
+            f"- `{a}` seed {f['seed']}: {str(f['error']).splitlines()[0] if f['error'] else '?'}" for a, f in failed]
+    if len(seeds) > 1:
+        lines += ["", "## Each seed", "", "The same table for each seed alone; its ratios compare with that seed's own "
+                  "Gloo and best torch arm."]
+        for seed in seeds:
+            one = aggregate([r for r in results["runs"] if r.get("seed") == seed])
+            lines += ["", f"### Seed {seed}", ""] + table(one, median_ratios(one))
+    lines += _choices(results["runs"], len(seeds) > 1)
     lines += _goals(results)
     return "\n".join(lines) + "\n"
 
 
-def _choices(runs: list[dict[str, Any]]) -> list[str]:
+STATS_NOTE = ("Every arm ran once per seed (seed by seed, every arm within a seed). Each figure is the median over "
+              "the seeds with [min–max]; ratios divide medians. Reached: seeds whose run reached the target. A seed "
+              "that did not reach it counts as slower than every seed that did, so a median time or step count is "
+              "\"not reached\" unless more than half of the seeds reached the target (for an even count: both middle "
+              "ones), and the max is \"not reached\" as soon as one seed did not. Step p50 and p95: each seed's median "
+              "and 95th-percentile step time (up to the target, or the whole run when not reached), then their median "
+              "[min–max] over the seeds. Time vs best torch: against the fastest of the torch arms (fp16, powersgd, "
+              "fp16-powersgd, batched-powersgd) by median time to target.")
+ONE_SEED_NOTE = ("One seed: every figure is one run (run with --seeds 0,1,2 for medians and ranges). Step p50 and p95: "
+                 "the median and 95th-percentile step time up to the target (the whole run when not reached). Time vs "
+                 "best torch: against the fastest of the torch arms (fp16, powersgd, fp16-powersgd, batched-powersgd).")
+
+
+def _seeds(results: dict[str, Any]) -> list[int]:
+    return list(results.get("seeds") or [results["config"]["seed"]])
+
+
+def _seeds_text(results: dict[str, Any]) -> str:
+    seeds = _seeds(results)
+    if len(seeds) == 1:
+        return f"seed {seeds[0]}"
+    return f"seeds {', '.join(map(str, seeds))} (every arm once per seed)"
+
+
+def _choices(runs: list[dict[str, Any]], per_seed: bool = False) -> list[str]:
     """What the default hook's chooser (dgt/shim/chooser.py) decided, on rank 0's agreed figures."""
     out = []
     for r in runs:
@@ -98,7 +161,8 @@ def _choices(runs: list[dict[str, Any]]) -> list[str]:
         dec = "; ".join(f"iter {d['iter']}: lossless {d['lossless_s'] * 1e3:.0f} ms, lossy {d['lossy_s'] * 1e3:.0f} ms"
                         f" -> {d['chosen']}" for d in ch.get("decisions", []))
         it = ch.get("iters", {})
-        out.append(f"- `{r['arm']}` chose (collective time per iteration, mean over ranks): {dec or 'none'}"
+        who = f"`{r['arm']}`" + (f" seed {r.get('seed')}" if per_seed else "")
+        out.append(f"- {who} chose (collective time per iteration, mean over ranks): {dec or 'none'}"
                    f" ({it.get('lossy', 0)} iterations lossy, {it.get('lossless', 0)} lossless after the warm-up).")
         out += _split(r)
     return ["", "Path chosen by the hook's chooser (docs/shim.md):", ""] + out if out else []
@@ -132,12 +196,16 @@ def _goals(results: dict[str, Any]) -> list[str]:
     for key, goal in goals.items():
         got = r.get(key)
         verdict = "–" if got is None else ("met" if got <= goal else "NOT met")
-        out.append(f"- dgt-hook {key.replace('_', ' ')} vs Gloo: {_num(got, '{:.2f}x')} (goal <= {goal}x): {verdict}")
-    others = {a: results["ratios"].get(a, {}).get("time_to_target") for a in ("fp16", "powersgd")}
-    best = min((v for v in others.values() if v is not None), default=None)
-    if best is not None and r.get("time_to_target") is not None:
-        out.append(f"- best torch hook time to target vs Gloo: {best:.2f}x; dgt-hook / best = "
-                   f"{r['time_to_target'] / best:.2f}x (below 1: DGT ahead)")
+        extra = (f" (step p50 {_num(r.get('step_p50'), '{:.2f}x')}, p95 {_num(r.get('step_p95'), '{:.2f}x')})"
+                 if key == "step_mean" else "")
+        out.append(f"- dgt-hook {key.replace('_', ' ')} vs Gloo: {_num(got, '{:.2f}x')} (goal <= {goal}x): {verdict}"
+                   + extra)
+    best = results.get("best_torch")
+    vs_best = r.get("time_to_target_vs_best_torch")
+    if best is not None and vs_best is not None:
+        b = results["ratios"].get(best, {}).get("time_to_target")
+        out.append(f"- best torch arm by median time to target: `{best}` ({_num(b, '{:.2f}x')} Gloo's); dgt-hook / "
+                   f"best = {vs_best:.2f}x (below 1: DGT ahead)")
     return out
 
 

@@ -1,6 +1,7 @@
 """`dgt experiment ddp` end to end: each arm trains the same model, data and seed with a plain DDP trainer in K
-processes on the profile's network; summarise each arm, compare with Gloo, write results.json, report.md and the
-accuracy-vs-time plot."""
+processes on the profile's network, once per seed; summarise each run, aggregate each arm over the seeds
+(ddp_stats), compare medians with Gloo and the best torch arm, write results.json, report.md and the accuracy-vs-time
+plot."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import torch
 from dgt.experiment.console import Reporter
 from dgt.experiment.data import load_dataset
 from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig, profile_network
+from dgt.experiment.ddp_stats import aggregate, best_torch, nearest_rank, ratios
 from dgt.experiment.launch import RunFailed, launch
 from dgt.experiment.models import build_model, describe
 from dgt.experiment.network import Network, resolve_mode
@@ -47,12 +49,15 @@ def profile_unsupported(cfg: DDPConfig, mode: str) -> str | None:
 
 
 def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | None = None) -> dict[str, Any]:
-    """Run every arm of ``cfg``; returns the results dict also written to ``cfg.out_dir/results.json``."""
+    """Run every arm of ``cfg`` once per seed (seed by seed, every arm within a seed); returns the results dict also
+    written to ``cfg.out_dir/results.json``: ``runs`` (one entry per seed and arm), ``stats`` (per arm, over the seeds)
+    and ``ratios`` (medians)."""
     ui = reporter or Reporter(quiet=True)
     cfg = replace(cfg, network=profile_network(cfg.profile, cfg.network))
     mode, why = resolve_mode(cfg.network)
     os.makedirs(cfg.out_dir, exist_ok=True)
-    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.seed)
+    seeds = cfg.seed_list()
+    data = load_dataset(cfg.dataset, cfg.data_dir, seeds[0])
     net_desc = Network(cfg.network, cfg.workers, mode).describe() if mode == "netem" else (
         "loopback: all ranks on 127.0.0.1, nothing shaped (torch's Gloo sockets cannot be paced from outside), "
         f"so the {cfg.profile!r} profile is NOT emulated; run as root for the netem profiles")
@@ -64,7 +69,8 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
         "arms": {a: ARMS[a] for a in cfg.arms},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform()},
-        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "runs": [], "ratios": {},
+        "started": time.strftime("%Y-%m-%d %H:%M:%S"), "seeds": seeds, "runs": [], "stats": {}, "ratios": {},
+        "best_torch": None,
     }
     ui.note(f"[bold]profile {cfg.profile}:[/bold] {net_desc}")
     skipped = profile_unsupported(cfg, mode)
@@ -72,10 +78,13 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
         results["skipped"] = f"profile {cfg.profile!r} needs what this kernel lacks: {skipped}"
         ui.note(f"[yellow]skipped:[/yellow] {results['skipped']}")
     t0 = time.monotonic()
-    for i, arm in enumerate([] if skipped else cfg.arms):
-        results["runs"].append(_one_arm(cfg, arm, mode, i, ui))
+    jobs = [] if skipped else [(seed, arm) for seed in seeds for arm in cfg.arms]
+    for i, (seed, arm) in enumerate(jobs):
+        results["runs"].append(_one_arm(cfg, arm, mode, i, ui, seed, per_seed_dirs=len(seeds) > 1))
         _write(cfg, results)
-    results["ratios"] = ratios(results["runs"])
+    results["stats"] = aggregate(results["runs"])
+    results["ratios"] = ratios(results["stats"])
+    results["best_torch"] = best_torch(results["stats"])
     results["elapsed"] = time.monotonic() - t0
     if cfg.plots and results["runs"]:
         results["plots"] = {"accuracy_vs_time": write_plot(results, cfg.out_dir)}
@@ -86,11 +95,13 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
     return results
 
 
-def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter) -> dict[str, Any]:
-    run_dir = os.path.join(cfg.out_dir, arm)
-    spec = cfg.spec(arm, run_dir, wire_if="eth0" if mode == "netem" else None)
-    entry: dict[str, Any] = {"arm": arm, "run_dir": run_dir}
-    ui.start_run(cfg.model, arm, cfg.max_iters)
+def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter, seed: int,
+             per_seed_dirs: bool) -> dict[str, Any]:
+    """One arm with one seed, in ``out_dir/seedS/ARM`` (several seeds) or ``out_dir/ARM`` (one seed, as before)."""
+    run_dir = os.path.join(cfg.out_dir, f"seed{seed}", arm) if per_seed_dirs else os.path.join(cfg.out_dir, arm)
+    spec = cfg.spec(arm, run_dir, wire_if="eth0" if mode == "netem" else None, seed=seed)
+    entry: dict[str, Any] = {"arm": arm, "seed": seed, "run_dir": run_dir}
+    ui.start_run(cfg.model, f"{arm} seed {seed}" if per_seed_dirs else arm, cfg.max_iters)
     started = time.monotonic()
     try:
         with Network(cfg.network, cfg.workers, mode, tag=str(index)) as net:
@@ -106,6 +117,7 @@ def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter) -> d
     entry["curve"] = [{k: e[k] for k in ("it", "train_time", "acc")} for e in ranks[0]["evals"]]
     entry["steps"] = ranks[0]["steps"]
     entry["dgt"] = [r["dgt"] for r in ranks]
+    entry["hook"] = [r.get("hook") for r in ranks]  # torch's PowerSGD counters (None for the other arms)
     ui.end_run(entry["summary"])
     return entry
 
@@ -132,7 +144,7 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "iterations_run": len(r0["steps"]),
         "train_time": upto["train_time"],
         "step_mean": statistics.fmean(steps) if steps else None,
-        "step_p95": sorted(steps)[min(len(steps) - 1, int(0.95 * len(steps)))] if steps else None,
+        "step_p95": nearest_rank(steps, 0.95) if steps else None,
         "step_median": statistics.median(steps) if steps else None,
         "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None,
         "wire_tx_per_rank_step": statistics.fmean(tx) / n if tx and n else None,
@@ -143,23 +155,9 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
     }
 
 
-def ratios(runs: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Every arm against Gloo: time to target and mean step time (below 1 = faster than Gloo)."""
-    by = {r["arm"]: r["summary"] for r in runs if r.get("summary")}
-    base = by.get("gloo")
-    out: dict[str, dict[str, float | None]] = {}
-    if base is None:
-        return out
-    for arm, s in by.items():
-        t = (s["time_to_target"] / base["time_to_target"]
-             if s["reached"] and base["reached"] and base["time_to_target"] else None)
-        st = s["step_mean"] / base["step_mean"] if s["step_mean"] and base["step_mean"] else None
-        out[arm] = {"time_to_target": t, "step_mean": st}
-    return out
-
-
 def write_plot(results: dict[str, Any], out_dir: str) -> str:
-    """Test accuracy against training time, every arm on one chart; returns the file name."""
+    """Test accuracy against training time, every arm on one chart (one colour per arm, one line per seed); returns
+    the file name."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -167,15 +165,20 @@ def write_plot(results: dict[str, Any], out_dir: str) -> str:
 
     target = results["config"]["target"]
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    colours: dict[str, Any] = {}
     for r in results["runs"]:
         if not r.get("summary"):
             continue
+        first = r["arm"] not in colours
         line, = ax.plot([e["train_time"] for e in r["curve"]], [e["acc"] for e in r["curve"]], marker=".",
-                        label=r["arm"])
+                        label=r["arm"] if first else None, color=colours.get(r["arm"]))
+        colours.setdefault(r["arm"], line.get_color())
         if r["summary"]["reached"]:
             ax.axvline(r["summary"]["time_to_target"], color=line.get_color(), ls=":", lw=1)
     ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
-    ax.set(title=f"DDP, {results['config']['workers']} workers, profile {results['profile']} "
+    seeds = results.get("seeds") or [results["config"]["seed"]]
+    ax.set(title=f"DDP, {results['config']['workers']} workers, profile {results['profile']}, "
+                 f"seed{'s' if len(seeds) > 1 else ''} {','.join(map(str, seeds))} "
                  f"({results['network']['mode']})", xlabel="training time (s, evaluation excluded)",
            ylabel="test accuracy", ylim=(0, 1))
     ax.legend(loc="lower right")

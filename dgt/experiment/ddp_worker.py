@@ -2,7 +2,8 @@
 
 Run as ``python -m dgt.experiment.ddp_worker SPEC.json`` with RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the
 environment (what torchrun sets); the process group meets through ``env://``. The arm decides the one line that
-differs: no hook (Gloo), torch's fp16 or PowerSGD hook, the DGT hook with no options, or ``backend="dgt"``.
+differs: no hook (Gloo), torch's fp16 or PowerSGD hook (plain, in fp16, or batched), the DGT hook with no options,
+or ``backend="dgt"``.
 
 Timing: a step is forward + backward (DDP all-reduces the buckets inside backward, and waits for them at its end)
 + optimizer step. Every ``eval_every`` steps rank 0 measures test accuracy while the others wait on the store; that
@@ -29,6 +30,7 @@ from dgt.experiment.worker import PROGRESS, evaluate, worker_main
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
+WORKAROUNDS: list[str] = []  # what this process changed in torch to run its arm (hook_counters reports it)
 
 
 def wire_bytes(ifname: str | None) -> dict[str, int] | None:
@@ -56,11 +58,16 @@ def attach_arm(arm: str, ddp: Any) -> Any:
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
-    if arm == "powersgd":
+    if arm in ("powersgd", "fp16-powersgd", "batched-powersgd"):
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
         state = psgd.PowerSGDState(process_group=None, **POWERSGD)
-        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+        if arm == "batched-powersgd":
+            runnable_batched_powersgd(psgd)
+        hook = {"powersgd": psgd.powerSGD_hook, "batched-powersgd": psgd.batched_powerSGD_hook,
+                "fp16-powersgd": default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)}[arm]
+        ddp.register_comm_hook(state, hook)
         return state
     if arm in ("dgt-hook", "dgt-hook-loss"):
         import dgt.shim
@@ -69,6 +76,27 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")
+
+
+def runnable_batched_powersgd(psgd: Any) -> None:
+    """Make torch's ``batched_powerSGD_hook`` run where it cannot: its module's ``_orthogonalize`` takes a batch of
+    matrices (3-D) and asserts so, but the batched hook hands it one 2-D matrix per bucket, so the hook raises
+    AssertionError at its first compressed step (torch 2.13). Where that is so, ``_orthogonalize`` is wrapped to view
+    a 2-D matrix as a batch of one (in place, as the hook expects); 3-D input goes through unchanged. Recorded in
+    ``WORKAROUNDS``. Nothing changes on a torch whose ``_orthogonalize`` takes a 2-D matrix."""
+    original = psgd._orthogonalize
+    try:
+        original(torch.ones(2, 1))
+        return
+    except AssertionError:
+        pass
+
+    def orthogonalize(matrices: torch.Tensor, epsilon: float = 0) -> None:
+        original(matrices.unsqueeze(0) if matrices.dim() == 2 else matrices, epsilon)
+
+    psgd._orthogonalize = orthogonalize
+    WORKAROUNDS.append("powerSGD_hook._orthogonalize wrapped to take the batched hook's 2-D matrices (torch "
+                       f"{torch.__version__} asserts 3-D)")
 
 
 def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
@@ -87,6 +115,19 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
         stats = getattr(pg, "stats", None)
         return {"dropped": int(stats["dropped"]), "backend": dict(stats)} if stats else {}
     return {}
+
+
+def hook_counters(state: Any) -> dict[str, Any] | None:
+    """What torch's PowerSGD state counted (the three PowerSGD arms): its iteration count, the iteration compression
+    starts at, and the elements of every compressed step's buckets before and after compression (both 0 when no step
+    was compressed). None for the other arms."""
+    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
+
+    if not isinstance(state, PowerSGDState):
+        return None
+    return {"iter": int(state.iter), "start_powerSGD_iter": int(state.start_powerSGD_iter),
+            "numel_before_compression": int(state.total_numel_before_compression),
+            "numel_after_compression": int(state.total_numel_after_compression), "workarounds": list(WORKAROUNDS)}
 
 
 def _transport_summary(st: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -153,12 +194,13 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
             stop_reason = decision["reason"]
             break
     counters = dgt_counters(spec.arm, state)
+    hook = hook_counters(state)
     _leave(store, rank, world)
     if state is not None and hasattr(state, "close"):
         state.close()
     dist.destroy_process_group()
     return {"rank": rank, "world": world, "arm": spec.arm, "steps": steps, "evals": evals, "train_time": train_time,
-            "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "dgt": counters,
+            "wall_time": time.perf_counter() - t_start, "stop_reason": stop_reason, "dgt": counters, "hook": hook,
             "wire": _delta(wire_bytes(spec.wire_if), wire0)}
 
 
