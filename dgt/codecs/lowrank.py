@@ -29,7 +29,7 @@ shapes is all 1-D, i.e. dense.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 
 import torch
@@ -327,11 +327,13 @@ class DroppableCodec(Codec):
 
 
 def reduce_in_process(codecs: Sequence[LowRankCodec], states: Sequence[BucketState], buckets: Sequence[torch.Tensor],
-                      residual_masks: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+                      residual_masks: Callable[[int, torch.Tensor], torch.Tensor | None] | None = None
+                      ) -> list[torch.Tensor]:
     """One low-rank all-reduce (sum) of K ranks in one process: each reduction adds the ranks' payloads in rank
-    order and hands every rank the same tensor (what a ring's reliable all-gather does). ``residual_masks[r]``: a
-    bool per element of rank r's packed residual, False where that element was lost on the droppable lane (its
-    contribution is missing from the sum, as on a lossy network). Returns each rank's result (equal tensors)."""
+    order and hands every rank the same tensor (what a ring's reliable all-gather does). ``residual_masks(r,
+    packed)``: a bool per element of rank r's packed residual, False where that element was lost on the droppable
+    lane (its contribution is missing from the sum, as on a lossy network), or None (all arrived). Returns each
+    rank's result (equal tensors)."""
     k = len(codecs)
     if not (len(states) == len(buckets) == k):
         raise ValueError("one codec, state and bucket per rank")
@@ -346,7 +348,7 @@ def reduce_in_process(codecs: Sequence[LowRankCodec], states: Sequence[BucketSta
     for r in range(k):
         pr = ends[r][1]
         assert pr is not None
-        mask = None if residual_masks is None else residual_masks[r]
+        mask = None if residual_masks is None else residual_masks(r, pr)
         packed.append(pr if mask is None else pr.masked_fill(~mask.to(pr.device), 0))
     r_sum = _sum(packed)
     return [codecs[r].land_residual(r_sum, states[r]) for r in range(k)]

@@ -24,6 +24,7 @@ from dgt.codecs.base import BucketState, Codec, Part, Received
 from dgt.codecs.bucketinfo import received_from_parts, set_segments, wire_bytes
 from dgt.codecs.registry import make_codec
 from dgt.harness.digits import Data, digits
+from dgt.layout import BucketLayout
 
 # ---------------------------------------------------------------------------------------------------------------
 # data and model
@@ -414,4 +415,98 @@ def train_model_averaging(
         layer_bits_last=layer_bits[-k:] if layer_bits else [],
         final_params=w,
     )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data-parallel all-reduce (dense, DGT, low-rank)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def train_allreduce(
+    spec: str | None = None,
+    *,
+    k: int = 4,
+    rounds: int = 300,
+    lr: float = 0.1,
+    batch: int = 32,
+    seed: int = 0,
+    drop: float = 0.0,
+    model: MLP | None = None,
+    eval_every: int = 10,
+    target: float | None = None,
+) -> dict:
+    """Synchronous data-parallel SGD: every round each rank computes its gradient at the shared model, the gradients
+    are all-reduced with ``spec`` (None: dense fp32) and every rank applies ``w <- w - lr * mean``.
+
+    A codec of the generic contract (dense, dgt) is encoded per rank and decoded from what the :class:`Wire`
+    delivers (droppable blocks lost iid with probability ``drop``); lost elements are added to that rank's next
+    gradient, as the transport's error feedback does. ``lowrank`` runs :func:`dgt.codecs.lowrank.reduce_in_process`
+    (every tensor's shape known; with ``residual_p`` the packed residual blocks are lost iid with ``drop`` per
+    codec block and not sent again, as over the transport).
+
+    ``target``: test accuracy (%) to reach; ``rounds_to_target`` is the first evaluated round (every
+    ``eval_every``) at or above it (None if never). Bytes: per round per rank handed to the reductions
+    (``bytes_per_round_per_worker``; low-rank: all three reductions, droppable residual included)."""
+    from dgt.codecs.lowrank import LowRankCodec, reduce_in_process, set_shapes
+
+    model = model or MLP()
+    data = digits()
+    shards = Shards(data, k, seed)
+    w = model.init(seed)
+    wire = Wire(drop, seed + 1)
+    codecs = [_make(spec) for _ in range(k)] if spec else []
+    lowrank = bool(codecs) and isinstance(codecs[0], LowRankCodec)
+    states = [BucketState(w.numel(), w.dtype) for _ in range(k)]
+    for st in states:
+        set_segments(st, model.segments)
+        if lowrank:
+            set_shapes(st, model.shapes)
+    ef: list[torch.Tensor | None] = [None] * k
+    gen = torch.Generator().manual_seed(seed + 3)
+    sent_bytes = 0
+    lost = 0
+    history: list[dict] = []
+    reached = None
+    for t in range(rounds):
+        grads = [model.loss_grad(w, *shards.batch(r, batch)) for r in range(k)]
+        if not codecs:
+            total = torch.stack(grads).sum(0)
+            sent_bytes += k * w.numel() * w.element_size()
+        elif lowrank:
+            def lose(r: int, packed: torch.Tensor) -> torch.Tensor | None:
+                nonlocal lost
+                if drop <= 0:
+                    return None
+                lay = BucketLayout.flat(packed.numel(), codecs[0].block)  # type: ignore[attr-defined]
+                keep = torch.rand(lay.nblocks, generator=gen) >= drop
+                lost += int((~keep).sum())
+                return lay.expand(keep)
+
+            outs = reduce_in_process(codecs, states, grads, lose)  # type: ignore[arg-type]
+            total = outs[0]
+            sent_bytes += sum(sum(c.last_stats.values()) for c in codecs)  # type: ignore[attr-defined]
+        else:
+            decoded = []
+            for r in range(k):
+                g = grads[r] if ef[r] is None else grads[r] + ef[r]
+                parts = codecs[r].encode(g, states[r])
+                rec = wire.send(parts)
+                d = codecs[r].decode(rec, states[r], g)
+                ef[r] = g - d if drop > 0 else None
+                decoded.append(d)
+            total = codecs[0].aggregate(decoded)
+        w -= lr * (total / k)
+        if eval_every and (t + 1) % eval_every == 0:
+            ev = model.evaluate(w, data)
+            history.append({"round": t + 1, **ev})
+            if target is not None and reached is None and ev["accuracy"] >= target:
+                reached = t + 1
+    res = model.evaluate(w, data)
+    if not lowrank and codecs:
+        sent_bytes = wire.bytes
+        lost = wire.blocks_lost
+    res.update(rounds=rounds, numel=w.numel(), bytes_per_round_per_worker=sent_bytes / (rounds * k),
+               ratio=4.0 * w.numel() / (sent_bytes / (rounds * k)), blocks_lost=lost, rounds_to_target=reached,
+               history=history, final_params=w)
     return res
