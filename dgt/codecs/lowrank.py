@@ -275,7 +275,8 @@ class LowRankCodec(Codec):
         state.values["out"] = out
         # what this rank handed to the reductions (references, no copies): its factors and packed residual blocks
         state.values["last"] = {"p_hat": p_hat, "q": q_local, "dense": m_all[plan.dense_mask.to(m_all.device)],
-                                "packed": packed, "residual_mask": sent_mask}
+                                "packed": packed, "residual_mask": sent_mask,
+                                "residual": residual}
         nbytes = m_all.element_size()
         self.last_stats = {"p_bytes": plan.p_numel * nbytes,
                            "q_dense_bytes": (plan.q_numel + plan.dense_numel + nblk) * nbytes,
