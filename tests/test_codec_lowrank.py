@@ -315,3 +315,23 @@ def test_tiny_training_reaches_the_target(spec):
     res = train_allreduce(spec, k=4, rounds=200, lr=0.1, seed=0, target=90.0, eval_every=10)
     assert res["rounds_to_target"] is not None and res["accuracy"] >= 90.0
     assert res["ratio"] >= 5.0
+
+
+def test_experiment_codecs_runs_the_lowrank_arms_tiny(tmp_path):
+    """``dgt experiment codecs --codecs dense,lowrank,lowrank-dgt`` on loopback, 2 processes, 4 steps: both arms
+    train over the real transport and hand far fewer bytes to it than dense; lowrank-dgt adds its residual blocks."""
+    from dgt.experiment.codecs_run import CODECS, OPT_IN, CodecsConfig, run_codecs
+    from dgt.experiment.config import NetworkConfig
+
+    assert not set(OPT_IN) & set(CODECS) and "lowrank" not in CodecsConfig().codecs  # opt-in only
+    cfg = CodecsConfig(codecs=["dense", "lowrank", "lowrank-dgt"], workers=2, iters=4, batch=32, eval_every=2,
+                       out_dir=str(tmp_path), isolate=False, timeout=120, plots=False,
+                       network=NetworkConfig(mode="loopback", prefix="dgtlr"))
+    res = run_codecs(cfg)
+    runs = res["runs"]
+    for name in ("lowrank", "lowrank-dgt"):
+        r = runs[name]
+        assert "error" not in r, r.get("error")
+        assert r["iterations"] == 4 and [e["it"] for e in r["curve"]] == [2, 4]
+        assert 0 < r["bytes_per_step"] < 0.25 * runs["dense"]["bytes_per_step"]
+    assert runs["lowrank-dgt"]["bytes_per_step"] > runs["lowrank"]["bytes_per_step"]  # + the residual blocks

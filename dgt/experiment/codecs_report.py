@@ -88,7 +88,7 @@ def condense(cfg: Any, name: str, run: dict[str, Any], ranks: list[dict[str, Any
         bits = [b for r in ranks[1:] for b in r.get("bits_per_param", [])]
         entry["bits_per_param"] = _mean(bits)
         entry["average_every"] = ranks[1].get("every")
-    if family == "ps":
+    if family in ("ps", "lowrank"):
         entry["dropped_blocks"] = sum(r.get("dropped_blocks", 0) for r in ranks)
         entry["received_blocks"] = sum(r.get("received_blocks", 0) for r in ranks)  # transport blocks, all ranks
     if family in ("slim", "average"):
