@@ -146,7 +146,7 @@ class LowRankCodec(Codec):
         shapes = state.values.get(SHAPES_KEY) or [(state.numel,)]
         key = (tuple(shapes), self.rank, self.min_ratio, self.block)
         cached = state.values.get("plan")
-        if cached is not None and state.values.get("plan_key") == key:
+        if isinstance(cached, _Plan) and state.values.get("plan_key") == key:
             return cached
         mats, off, p_numel, q_numel = [], 0, 0, 0
         dense = torch.ones(state.numel, dtype=torch.bool)
@@ -302,7 +302,8 @@ class LowRankCodec(Codec):
 
     def finish(self, state: BucketState) -> torch.Tensor:
         """Without a residual step: the result of :meth:`end`."""
-        return state.values.pop("out")
+        out: torch.Tensor = state.values.pop("out")
+        return out
 
 class DroppableCodec(Codec):
     """The residual step's payload over a lossy ring: every block on the droppable lane, in block order. Lost
