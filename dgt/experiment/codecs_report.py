@@ -164,7 +164,8 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
         out.append([
             name, f"{100 * r['final_accuracy']:.2f}", ttt, f"{r['bytes_per_step']:,.0f}",
             f"{r.get('bytes_vs_dense', 1.0):.3f}", f"{1e3 * r['step_time_mean']:.1f}",
-            h["measure"] if h else "(reference)", _fmt(h["ours"], h["unit"]) if h else "-",
+            h["measure"] if h else ("(reference)" if name == "dense" else "-"),
+            _fmt(h["ours"], h["unit"]) if h else "-",
             _fmt(h["paper"], h["unit"]) if h else "-",
         ])
     return out
