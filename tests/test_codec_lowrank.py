@@ -233,6 +233,22 @@ def test_orthonormalise_is_deterministic_and_orthonormal():
     assert not bool(orthonormalise(z).any())  # a zero column stays zero instead of dividing by zero
 
 
+def test_scale_free_tiny_gradients_are_compressed_not_zeroed():
+    """A bucket a billion times smaller gives the same result a billion times smaller (the orthonormalisation's
+    zero test is relative, so small gradients are not pushed into error feedback wholesale)."""
+    big_c, big_s = _ranks("lowrank:rank=2", 2, torch.float64)
+    small_c, small_s = _ranks("lowrank:rank=2", 2, torch.float64)
+    xs = _inputs(2, 0, torch.float64)
+    big = reduce_in_process(big_c, big_s, xs)[0]
+    small = reduce_in_process(small_c, small_s, [x * 1e-9 for x in xs])[0]
+    torch.testing.assert_close(small, big * 1e-9, rtol=1e-9, atol=0)
+    p = torch.randn(20, 3, dtype=torch.float64) * 1e-30
+    p[:, 2] = p[:, 0] * 2.0  # dependent on an earlier column: zero, not rounding noise blown up
+    q = orthonormalise(p)
+    torch.testing.assert_close(q[:, :2].T @ q[:, :2], torch.eye(2, dtype=torch.float64))
+    assert not bool(q[:, 2].any())
+
+
 def test_refusals():
     with pytest.raises(CodecMismatch, match="driven by"):
         make_codec("lowrank").encode(torch.zeros(4), BucketState(4, torch.float32))

@@ -77,17 +77,19 @@ class _Plan:
 
 def orthonormalise(p: torch.Tensor) -> torch.Tensor:
     """Modified Gram-Schmidt on the columns of ``p`` (n x r), in place, and returned. Deterministic (the same input
-    gives the same bits on every rank of one device type and thread count). A column that is zero, or in the span of
-    the earlier ones, becomes zero (it contributes nothing instead of dividing by zero)."""
-    r = p.shape[1]
+    gives the same bits on every rank of one device type and thread count) and scale-free: a column that is zero, or
+    whose part outside the earlier columns is within rounding of nothing (``n eps`` of its norm), becomes zero (it
+    contributes nothing instead of dividing by zero or amplifying rounding noise)."""
+    rows, r = p.shape
+    rel = torch.finfo(p.dtype).eps * max(1, rows)
     for i in range(r):
         col = p[:, i]
+        before = float(torch.linalg.vector_norm(col))
         if i:
             prev = p[:, :i]
             col -= prev @ (prev.T @ col)
         norm = torch.linalg.vector_norm(col)
-        tiny = torch.finfo(p.dtype).eps * max(1, p.shape[0])
-        if float(norm) > tiny:
+        if before > 0 and float(norm) > rel * before:
             col /= norm
         else:
             col.zero_()
