@@ -62,7 +62,7 @@ def _load_builtin() -> None:
     """Import the codec modules so their @register decorators run (modules missing so far are skipped)."""
     import importlib
 
-    for mod in ("dense", "dgt", "slimdp", "qsgd", "olandraj", "decentralized", "lgc"):
+    for mod in ("dense", "dgt", "slimdp", "qsgd", "olandraj", "decentralized", "lgc", "lowrank"):
         try:
             importlib.import_module(f"dgt.codecs.{mod}")
         except ModuleNotFoundError as exc:  # a codec module not written yet

@@ -11,7 +11,7 @@ from typing import Any
 
 
 def add_parser(esub: argparse._SubParsersAction) -> None:
-    from dgt.experiment.codecs_run import CODECS, CodecsConfig
+    from dgt.experiment.codecs_run import CODECS, OPT_IN, CodecsConfig
     from dgt.experiment.ddp_config import PROFILES
 
     base = CodecsConfig()
@@ -24,7 +24,8 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
         "and each paper's own headline measure beside the paper's figure (results.json, report.md, codecs.png).",
     )
     c.add_argument("--codecs", default=",".join(base.codecs),
-                   help=f"comma-separated, from {', '.join(CODECS)} (dense is always run) (default: all)")
+                   help=f"comma-separated, from {', '.join(CODECS)} (dense is always run) (default: all of these) "
+                        f"and, only when named, {', '.join(OPT_IN)}")
     c.add_argument("--model", default=base.model, choices=["alexnet", "vgg11"], help="(default: %(default)s)")
     c.add_argument("--workers", type=int, default=base.workers, help="K processes (default: %(default)s)")
     c.add_argument("--iters", type=int, default=base.iters, help="training steps per codec (default: %(default)s)")

@@ -88,7 +88,7 @@ def condense(cfg: Any, name: str, run: dict[str, Any], ranks: list[dict[str, Any
         bits = [b for r in ranks[1:] for b in r.get("bits_per_param", [])]
         entry["bits_per_param"] = _mean(bits)
         entry["average_every"] = ranks[1].get("every")
-    if family == "ps":
+    if family in ("ps", "lowrank"):
         entry["dropped_blocks"] = sum(r.get("dropped_blocks", 0) for r in ranks)
         entry["received_blocks"] = sum(r.get("received_blocks", 0) for r in ranks)  # transport blocks, all ranks
     if family in ("slim", "average"):
@@ -164,7 +164,8 @@ def rows(results: dict[str, Any]) -> list[list[str]]:
         out.append([
             name, f"{100 * r['final_accuracy']:.2f}", ttt, f"{r['bytes_per_step']:,.0f}",
             f"{r.get('bytes_vs_dense', 1.0):.3f}", f"{1e3 * r['step_time_mean']:.1f}",
-            h["measure"] if h else "(reference)", _fmt(h["ours"], h["unit"]) if h else "-",
+            h["measure"] if h else ("(reference)" if name == "dense" else "-"),
+            _fmt(h["ours"], h["unit"]) if h else "-",
             _fmt(h["paper"], h["unit"]) if h else "-",
         ])
     return out

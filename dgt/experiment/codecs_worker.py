@@ -96,8 +96,10 @@ def _transport_config(run: dict[str, Any], family: str) -> Any:
     from dgt.transport import TransportConfig
 
     # Slim-DP drops lost explorer records itself; the transport must not fold them into the next round
+    # the low-rank residual's packed positions mean other blocks each step: its lost blocks must not come back there
+    residual = family == "lowrank" and "residual_p" in run["spec"]
     return TransportConfig(deadline=run["deadline"], pace_rate=run.get("pace_rate"),
-                           error_feedback=family not in ("slim", "average"))
+                           error_feedback=family not in ("slim", "average") and not residual)
 
 
 def run_spec(spec: CodecsSpec, rank: int, world: int, bind: str) -> list[dict[str, Any]]:
@@ -193,7 +195,8 @@ async def _run_async(tr: _Trainer, run: dict[str, Any], rank: int, world: int, s
             from dgt.experiment.worker import pace_tcp
 
             paced = pace_tcp(group.endpoint, run["pace_rate"])
-        step = {"ps": _ps, "slim": _model_server, "average": _model_server, "gossip": _gossip}[run["family"]]
+        step = {"ps": _ps, "slim": _model_server, "average": _model_server, "gossip": _gossip,
+                "lowrank": _lowrank}[run["family"]]
         res = await step(tr, run, group)
         await trio.to_thread.run_sync(_barrier, store, prefix + "/done", world)
         return {**res, "paced_connections": paced}
@@ -214,6 +217,29 @@ async def _ps(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
             codec.observe_loss(loss)
         t1 = time.perf_counter()
         res = await ps.allreduce(g, 0, tr.segments)
+        t2 = time.perf_counter()
+        w -= run["lr"] * res.tensor
+        tr.load(w)
+        dropped += res.stats.dropped
+        blocks += res.stats.blocks
+        log.step(it, time.perf_counter() - t0, t2 - t1, _sent(res.stats), loss, None)
+    return log.result(w, {"dropped_blocks": dropped, "received_blocks": blocks})
+
+
+async def _lowrank(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
+    """The low-rank all-reduce (dgt.collectives.lowrank): every parameter's shape tells the codec its matrices."""
+    from dgt.collectives.lowrank import LowRankAllReduce
+
+    coll = LowRankAllReduce(group, run["spec"], op="mean")
+    shapes = [tuple(p.shape) for p in tr.params]
+    log = _Log(tr, run, group.rank)
+    w = tr.flat()
+    dropped = blocks = 0
+    for it in range(1, run["iters"] + 1):
+        t0 = time.perf_counter()
+        g, loss = tr.grad(it)
+        t1 = time.perf_counter()
+        res = await coll.allreduce(g, 0, shapes)
         t2 = time.perf_counter()
         w -= run["lr"] * res.tensor
         tr.load(w)

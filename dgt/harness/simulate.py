@@ -24,6 +24,7 @@ from dgt.codecs.base import BucketState, Codec, Part, Received
 from dgt.codecs.bucketinfo import received_from_parts, set_segments, wire_bytes
 from dgt.codecs.registry import make_codec
 from dgt.harness.digits import Data, digits
+from dgt.layout import BucketLayout
 
 # ---------------------------------------------------------------------------------------------------------------
 # data and model
@@ -414,4 +415,113 @@ def train_model_averaging(
         layer_bits_last=layer_bits[-k:] if layer_bits else [],
         final_params=w,
     )
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# data-parallel all-reduce (dense, DGT, low-rank)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _AllReduceArm:
+    """The all-reduce of :func:`train_allreduce`: ``reduce(grads)`` is the sum every rank applies; ``bytes`` and
+    ``lost`` count what the ranks handed over and the droppable blocks lost."""
+
+    def __init__(self, spec: str | None, k: int, drop: float, seed: int, model: MLP, w: torch.Tensor) -> None:
+        from dgt.codecs.lowrank import LowRankCodec, set_shapes
+
+        self.k, self.drop = k, drop
+        self.wire = Wire(drop, seed + 1)
+        self.codecs = [_make(spec) for _ in range(k)] if spec else []
+        self.lowrank = bool(self.codecs) and isinstance(self.codecs[0], LowRankCodec)
+        self.states = [BucketState(w.numel(), w.dtype) for _ in range(k)]
+        for st in self.states:
+            set_segments(st, model.segments)
+            if self.lowrank:
+                set_shapes(st, model.shapes)
+        self.ef: list[torch.Tensor | None] = [None] * k
+        self.gen = torch.Generator().manual_seed(seed + 3)
+        self._bytes = 0
+        self._lost = 0
+
+    @property
+    def bytes(self) -> int:
+        return self.wire.bytes if self.codecs and not self.lowrank else self._bytes
+
+    @property
+    def lost(self) -> int:
+        return self.wire.blocks_lost if self.codecs and not self.lowrank else self._lost
+
+    def _lose(self, r: int, packed: torch.Tensor) -> torch.Tensor | None:
+        if self.drop <= 0:
+            return None
+        lay = BucketLayout.flat(packed.numel(), self.codecs[0].block)  # type: ignore[attr-defined]
+        keep = torch.rand(lay.nblocks, generator=self.gen) >= self.drop
+        self._lost += int((~keep).sum())
+        return lay.expand(keep)
+
+    def reduce(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        from dgt.codecs.lowrank import reduce_in_process
+
+        if not self.codecs:
+            self._bytes += sum(g.numel() * g.element_size() for g in grads)
+            return torch.stack(grads).sum(0)
+        if self.lowrank:
+            outs = reduce_in_process(self.codecs, self.states, grads, self._lose)  # type: ignore[arg-type]
+            self._bytes += sum(sum(c.last_stats.values()) for c in self.codecs)  # type: ignore[attr-defined]
+            return outs[0]
+        decoded = []
+        for r in range(self.k):
+            e = self.ef[r]
+            g = grads[r] if e is None else grads[r] + e
+            d = self.codecs[r].decode(self.wire.send(self.codecs[r].encode(g, self.states[r])), self.states[r], g)
+            self.ef[r] = g - d if self.drop > 0 else None
+            decoded.append(d)
+        return self.codecs[0].aggregate(decoded)
+
+
+def train_allreduce(
+    spec: str | None = None,
+    *,
+    k: int = 4,
+    rounds: int = 300,
+    lr: float = 0.1,
+    batch: int = 32,
+    seed: int = 0,
+    drop: float = 0.0,
+    model: MLP | None = None,
+    eval_every: int = 10,
+    target: float | None = None,
+) -> dict:
+    """Synchronous data-parallel SGD: every round each rank computes its gradient at the shared model, the gradients
+    are all-reduced with ``spec`` (None: dense fp32) and every rank applies ``w <- w - lr * mean``.
+
+    A codec of the generic contract (dense, dgt) is encoded per rank and decoded from what the :class:`Wire`
+    delivers (droppable blocks lost iid with probability ``drop``); lost elements are added to that rank's next
+    gradient, as the transport's error feedback does. ``lowrank`` runs :func:`dgt.codecs.lowrank.reduce_in_process`
+    (every tensor's shape known; with ``residual_p`` the packed residual blocks are lost iid with ``drop`` per
+    codec block and not sent again, as over the transport).
+
+    ``target``: test accuracy (%) to reach; ``rounds_to_target`` is the first evaluated round (every
+    ``eval_every``) at or above it (None if never). Bytes: per round per rank handed to the reductions
+    (``bytes_per_round_per_worker``; low-rank: all three reductions, droppable residual included)."""
+    model = model or MLP()
+    data = digits()
+    shards = Shards(data, k, seed)
+    w = model.init(seed)
+    arm = _AllReduceArm(spec, k, drop, seed, model, w)
+    history: list[dict] = []
+    reached = None
+    for t in range(rounds):
+        total = arm.reduce([model.loss_grad(w, *shards.batch(r, batch)) for r in range(k)])
+        w -= lr * (total / k)
+        if eval_every and (t + 1) % eval_every == 0:
+            ev = model.evaluate(w, data)
+            history.append({"round": t + 1, **ev})
+            if target is not None and reached is None and ev["accuracy"] >= target:
+                reached = t + 1
+    res = model.evaluate(w, data)
+    per = arm.bytes / (rounds * k)
+    res.update(rounds=rounds, numel=w.numel(), bytes_per_round_per_worker=per, ratio=4.0 * w.numel() / per,
+               blocks_lost=arm.lost, rounds_to_target=reached, history=history, final_params=w)
     return res

@@ -1,0 +1,91 @@
+"""The low-rank all-reduce over the DGT transport: :class:`~dgt.codecs.lowrank.LowRankCodec`'s three reductions as
+ring all-reduces on one group.
+
+1. the P factors: a lossless ring (dense, reliable lane);
+2. the Q factors, the 1-D tensors and (with ``residual_p``) the residual's block means: a lossless ring;
+3. (``residual_p > 0``) the packed residual blocks: a lossy ring whose every block rides the droppable lane
+   (:class:`~dgt.codecs.lowrank.DroppableCodec`); its all-gather is reliable, so every rank lands the same sum.
+
+Every reduction ends with the same tensor on every rank (the ring's all-gather sends the owner's reduced chunk), the
+codec orthonormalises that identical P and every rank computes the same result from identical factors: the result
+is bit-identical across ranks (``tests/test_codec_lowrank.py``). Lost residual blocks are not sent again: the
+transport's error feedback would fold them into positions that mean other blocks next call, so a group with it on is
+refused when ``residual_p > 0``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from dgt.codecs.base import Codec
+from dgt.codecs.lowrank import DroppableCodec, LowRankCodec, set_shapes
+from dgt.codecs.registry import make_codec
+from dgt.collectives.group import Group
+from dgt.collectives.parts import MAX_BUCKETS
+from dgt.collectives.ring import RingAllReduce
+from dgt.collectives.stats import CollectiveResult, CollectiveStats
+from dgt.errors import CodecMismatch, InputRejected
+
+PHASES = 3  # transport bucket ids per low-rank bucket: P, Q + dense, residual
+
+
+class LowRankAllReduce:
+    """``await LowRankAllReduce(group, "lowrank:rank=2").allreduce(bucket, bucket_id, shapes)``: the sum (or mean)
+    of ``bucket`` over the group, each tensor of ``shapes`` with >= 2 dimensions sent as rank-r factors."""
+
+    name = "low-rank all-reduce"
+
+    def __init__(self, group: Group, codec: str | Codec = "lowrank", op: str = "mean") -> None:
+        if op not in ("sum", "mean"):
+            raise ValueError("op must be 'sum' or 'mean'")
+        c = make_codec(codec)
+        if not isinstance(c, LowRankCodec):
+            raise CodecMismatch(f"the {self.name} drives the lowrank codec, not {c.name!r}")
+        self.group = group
+        self.codec = c
+        self.op = op
+        if c.residual_p > 0 and group.endpoint.cfg.error_feedback:
+            raise CodecMismatch(f"codec {c.name!r} must not get the transport's error feedback (lost residual blocks "
+                                f"would be folded into other blocks' places): open the group with "
+                                f"TransportConfig(error_feedback=False)")
+        self._dense = RingAllReduce(group, "dense", op="sum")
+        self._residual = RingAllReduce(group, DroppableCodec(c.block), op="sum") if c.residual_p > 0 else None
+
+    async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0,
+                        shapes: Sequence[Sequence[int]] | None = None) -> CollectiveResult:
+        """Every rank calls with a bucket of the same size, dtype and ``shapes`` (None: one 1-D tensor, sent dense).
+        Bucket ids up to MAX_BUCKETS / 3 (each takes three transport bucket ids)."""
+        if not 0 <= bucket_id < MAX_BUCKETS // PHASES:
+            raise InputRejected(f"bucket id {bucket_id} outside 0..{MAX_BUCKETS // PHASES - 1} (the low-rank "
+                                f"all-reduce takes {PHASES} transport bucket ids per bucket)")
+        c = self.codec
+        c.check_input(bucket)
+        st = c.state_for(bucket_id, bucket)
+        if shapes is not None:
+            set_shapes(st, shapes)
+        stats = CollectiveStats()
+        base = PHASES * bucket_id
+        p = c.begin(bucket, st)
+        p_sum = await self._reduce(self._dense, p, base, stats)
+        qd = c.middle(p_sum, st)
+        qd_sum = await self._reduce(self._dense, qd, base + 1, stats)
+        out, packed = c.end(qd_sum, st)
+        if packed is None:
+            out = c.finish(st)
+        else:
+            assert self._residual is not None
+            r_sum = await self._reduce(self._residual, packed, base + 2, stats)
+            out = c.land_residual(r_sum, st)
+        if self.op == "mean":
+            out.div_(self.group.world)
+        return CollectiveResult(out.view_as(bucket), stats)
+
+    @staticmethod
+    async def _reduce(ring: RingAllReduce, t: torch.Tensor, bucket_id: int, stats: CollectiveStats) -> torch.Tensor:
+        if t.numel() == 0:  # no matrix in the bucket (or no residual block): nothing to send, on every rank alike
+            return t
+        res = await ring.allreduce(t, bucket_id)
+        stats.merge(res.stats)
+        return res.tensor  # type: ignore[return-value]
