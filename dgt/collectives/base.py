@@ -15,7 +15,7 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import OPS, CodecMismatch, InputRejected, PeerClosed, RankMismatch
+from dgt.errors import CodecMismatch, InputRejected, PeerClosed, RankMismatch, call_code
 from dgt.layout import BucketLayout
 from dgt.transport.streams import Hop, HopResult, streamable
 
@@ -42,6 +42,45 @@ def tells_peers(fn: F) -> F:
             if mismatch is None:
                 raise
             raise mismatch from exc
+
+    return wrapper  # type: ignore[return-value]
+
+
+def plain_input(t: Any, what: str = "bucket") -> torch.Tensor:
+    """``t`` as the collectives reduce it: a contiguous (row-major) dense tensor, ``t`` itself when it is one, else a
+    contiguous copy (a strided view, a transposed or channels-last tensor). :class:`~dgt.errors.InputRejected` for
+    what no copy makes one (not a tensor, a sparse or other non-strided layout)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputRejected(f"{what} must be a torch.Tensor, not {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise InputRejected(f"{what} must be a dense (strided) tensor, not {t.layout}")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def any_layout(fn: F) -> F:
+    """Decorator of a collective's ``allreduce(bucket, bucket_id, segments, *, out)``: the one place where any layout
+    the public API accepts becomes the contiguous tensor every path and codec below expects. A non-contiguous
+    ``bucket`` (a strided view, transposed, channels-last) is reduced from a contiguous working copy; a
+    non-contiguous ``out`` (``bucket`` itself for an in-place all-reduce) gets the result written back into it.
+    ``out`` of another size or dtype than ``bucket``: :class:`~dgt.errors.InputRejected`, before any traffic."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Collective, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None,
+                      *, out: torch.Tensor | None = None) -> Any:
+        work = plain_input(bucket)
+        if out is None:
+            return await fn(self, work, bucket_id, segments)
+        plain_input(out, "out")
+        if out.numel() != bucket.numel() or out.dtype != bucket.dtype:
+            raise InputRejected(f"out must be a {bucket.dtype} tensor of {bucket.numel()} elements like the bucket, "
+                                f"not {out.dtype} x {out.numel()}")
+        if out.is_contiguous():
+            return await fn(self, work, bucket_id, segments, out=out)
+        res = await fn(self, work, bucket_id, segments)  # (work is a copy when out is bucket itself)
+        with torch.no_grad():
+            out.copy_(res.tensor.reshape(out.shape))
+        res.tensor = out if out.shape == bucket.shape else out.reshape(bucket.shape)
+        return res
 
     return wrapper  # type: ignore[return-value]
 
@@ -75,8 +114,9 @@ class Collective:
         self.group = group
         self.codec = make_codec(codec)
         self.op = op
-        self.call_code = OPS.index(op)  # on every message this collective sends (the header's codec byte), so a
-        # rank whose peer called with another op sees it (RankMismatch) instead of returning a different answer
+        self.call_code = call_code(op, self.codec.name)  # on every message this collective sends (the header's codec
+        # byte), so a rank whose peer called with another op or codec sees it (RankMismatch) on the first message
+        # instead of returning a different answer or waiting for messages on another path
         if self.codec.runner is not None:
             raise CodecMismatch(f"codec {self.codec.name!r} is driven by {self.codec.runner}, not by the generic "
                                 f"{self.name}")
@@ -141,7 +181,7 @@ class Collective:
         if out is None:
             return bucket.detach().reshape(-1).clone()
         if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
+            raise InputRejected(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         flat = out.detach().view(-1)
         if out.data_ptr() != bucket.data_ptr():
             flat.copy_(bucket.detach().reshape(-1))
@@ -154,7 +194,7 @@ class Collective:
         if out is None:
             return torch.empty(bucket.numel(), dtype=bucket.dtype, device=bucket.device)
         if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
+            raise InputRejected(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         return out.detach().view(-1)
 
     def on_streams(self, *tensors: torch.Tensor) -> bool:

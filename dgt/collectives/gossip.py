@@ -6,12 +6,14 @@ sum_j W[rank, j] * x_j with the neighbours' x_j decoded from what arrived (lost 
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 import trio
 
 from dgt.codecs.base import Codec, Part, Received
-from dgt.collectives.base import Collective, tells_peers
+from dgt.collectives.base import Collective, plain_input, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
@@ -50,6 +52,7 @@ class Gossip(Collective):
     def peers(self) -> list[int]:
         return list(self.neighbours)
 
+    @tells_peers
     @one_error
     async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
                              ) -> tuple[dict[int, list[Received]], CollectiveStats]:
@@ -62,13 +65,17 @@ class Gossip(Collective):
         got: dict[int, list[Received]] = {}
 
         async def recv(j: int) -> None:
+            # the call code (op and codec) in every frame, and a summable codec's parts element by element: a
+            # neighbour that called with another codec, size or dtype raises RankMismatch on every rank
             got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats,
-                                      device=parts[0].data.device if parts else None)
+                                      device=parts[0].data.device if parts else None,
+                                      exact=self.codec.capabilities.summable, op=self.call_code)
 
         with self.phase(stats, "exchange"):
             async with trio.open_nursery() as nursery:
                 for j in self.neighbours:
-                    nursery.start_soon(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
+                    nursery.start_soon(partial(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats,
+                                               op=self.call_code))
                     nursery.start_soon(recv, j)
         return got, stats
 
@@ -77,7 +84,7 @@ class Gossip(Collective):
     async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
-        flat = x.detach().reshape(-1)
+        flat = plain_input(x).detach().reshape(-1)  # any layout: a contiguous working copy
         self.codec.check_input(flat)
         segs = segments or [flat.numel()]
         parts = self.codec.encode(flat, self.state(state_key("gossip", bucket_id), flat, segs))
@@ -94,7 +101,7 @@ class Gossip(Collective):
         """sum_j W[rank, j] x_j: one gossip step."""
         theirs, stats = await self.exchange(x, bucket_id, segments)
         r = self.group.rank
-        flat = x.detach().reshape(-1)
+        flat = plain_input(x).detach().reshape(-1)
         out = flat * float(self.W[r, r])
         for j, xj in theirs.items():
             out += float(self.W[r, j]) * xj

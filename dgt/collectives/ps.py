@@ -25,7 +25,7 @@ import torch
 import trio
 
 from dgt.codecs.base import Codec, Received
-from dgt.collectives.base import Collective, tells_peers
+from dgt.collectives.base import Collective, any_layout, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import (
     FAMILY_MASK,
@@ -68,6 +68,7 @@ class ParameterServer(Collective):
 
     @tells_peers
     @one_error
+    @any_layout
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result

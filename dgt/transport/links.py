@@ -147,7 +147,10 @@ class LinkMixin(EndpointState):
                 self._on_control(link, rf.frame)
             else:
                 if ftype == FrameType.ROUND_BEGIN:
-                    self._opened[(rank, int(h["bucket"]), int(h["round"]))] = now
+                    key = (rank, int(h["bucket"]), int(h["round"]))
+                    self._opened[key] = now
+                    if self._stream_watch.expected(key):  # (i22) the peer runs on the round path what we run on
+                        self._stream_conflict(key)  # stream lanes (a lossy ring's held round never closes itself)
                     while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
                 assert rf.frame is not None  # place() keeps every frame that reaches this branch
@@ -172,7 +175,14 @@ class LinkMixin(EndpointState):
         elif msg["op"] == control.ABORT:
             # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
             # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
-            error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
+            why = str(msg.get("why", ""))[:2000]
+            error = RankMismatch(f"rank {link.rank} aborted: {why}", remote=link.rank)
+            if self._abort is None:
+                # relayed once, with the same reason, to this rank's other peers: ranks not connected to the one that
+                # saw it (a central server's workers) would otherwise wait for a round that never comes
+                for ln in self._links.values():
+                    if ln is not link and ln.error is None:
+                        ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why)])
             self._set_abort(error)
             self._fail_peer(link.rank, error)
             # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
