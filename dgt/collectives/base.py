@@ -15,7 +15,7 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected, PeerClosed, RankMismatch, call_code
+from dgt.errors import CodecMismatch, InputRejected, PeerClosed, PeerTimeout, RankMismatch, call_code
 from dgt.layout import BucketLayout
 from dgt.transport.streams import Hop, HopResult, streamable
 
@@ -37,10 +37,17 @@ def tells_peers(fn: F) -> F:
                 ep.abort_peers(str(exc))
                 self.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
             raise
-        except (PeerClosed, ConnectionError) as exc:
+        except (PeerClosed, PeerTimeout, ConnectionError) as exc:
             mismatch = await _peer_abort(self, exc)
             if mismatch is None:
-                raise
+                ep = self.group.endpoint
+                gone = ep.failure_of(_call_peers(self))  # the error that names the rank that went away
+                # ranks of this call that are not connected to it (a central server's other workers) would wait for
+                # this rank until round_timeout; they fail now, with this text
+                ep.call_failed(str(gone or exc))
+                if gone is None or gone is exc:
+                    raise
+                raise gone.with_traceback(None) from exc
             raise mismatch from exc
 
     return wrapper  # type: ignore[return-value]
@@ -85,15 +92,21 @@ def any_layout(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def _call_peers(coll: Collective) -> list[int]:
+    cache = coll.__dict__.get("_peer_cache")
+    return list(cache[1]) if cache is not None else coll.peers()
+
+
 async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | None:
     """The mismatch behind a closed peer, if there is one. A peer that saw a mismatch in a stream hop shuts its
     stream lanes as it raises, and its ABORT (on the session link) may trail that by a moment; a rank that got another
     peer's ABORT closes its group (a goodbye) before that ABORT reaches us; a failed connect (ConnectionError) may be a
-    peer that aborted: wait up to a second for the ABORT in those cases. A peer that aborted before this rank connected
+    peer that aborted: wait up to a second for the ABORT in those cases, less once one of the call's peers is known
+    dead (a killed peer sends no ABORT: it is named at once, issue 45). A peer that aborted before this rank connected
     to it (it hung up on our hello) can only have left its reason in the store."""
     ep = coll.group.endpoint
     if isinstance(exc, ConnectionError) or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye)):
-        mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout))
+        mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout), dead=_call_peers(coll))  # less: a peer is dead
         if mismatch is not None:
             return mismatch
     why = coll.group.published_abort()
