@@ -15,7 +15,7 @@ import trio
 from dgt.codecs.base import Codec, Part, Received
 from dgt.collectives.base import Collective, plain_input, tells_peers
 from dgt.collectives.group import Group
-from dgt.collectives.parts import recv_parts, send_parts, state_key
+from dgt.collectives.parts import decode_parts, recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error
 
@@ -44,6 +44,7 @@ class Gossip(Collective):
         if W.shape != (group.world, group.world) or not np.allclose(W.sum(1), 1.0) or (W < 0).any():
             raise ValueError("mixing matrix must be world x world, non-negative, rows summing to 1")
         self.W = W
+        self._round = 0  # the round of the last exchange (for the reason of a mismatch seen in decoding it)
         self.neighbours = [j for j in range(group.world) if j != group.rank and W[group.rank, j] > 0]
         senders = [j for j in range(group.world) if j != group.rank and W[j, group.rank] > 0]
         if sorted(senders) != sorted(self.neighbours):
@@ -61,7 +62,7 @@ class Gossip(Collective):
         g = self.group
         await self.connect()
         stats = CollectiveStats()
-        rnd = g.next_round("gossip", bucket_id)
+        rnd = self._round = g.next_round("gossip", bucket_id)
         got: dict[int, list[Received]] = {}
 
         async def recv(j: int) -> None:
@@ -92,7 +93,7 @@ class Gossip(Collective):
         out = {}
         for j in self.neighbours:
             st = self.state(state_key("gossip-rx", bucket_id, j), flat, segs)
-            out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
+            out[j] = decode_parts(self.codec, got[j], st, flat, j, self._round).to(flat.dtype)
         return out, stats
 
     @tells_peers
