@@ -25,32 +25,42 @@ F = TypeVar("F", bound=Callable[..., Any])
 def tells_peers(fn: F) -> F:
     """Decorator of a collective call (outside :func:`~dgt.errors.one_error`): a :class:`RankMismatch` this rank
     saw is sent to every peer before it is raised, so each rank of the call fails with the same reason at once
-    instead of waiting for a round that will never come."""
+    instead of waiting for a round that will never come; a failed peer (PeerClosed, PeerTimeout, a failed connect)
+    is explained (a peer's ABORT behind it, or the error naming the rank that went away) and told to the live peers
+    (:meth:`~dgt.transport.Endpoint.call_failed`). Nested calls (gossip's ``mix`` over ``exchange``) do it once."""
 
     @functools.wraps(fn)
     async def wrapper(self: Collective, *args: Any, **kwargs: Any) -> Any:
         try:
             return await fn(self, *args, **kwargs)
-        except RankMismatch as exc:
-            ep = self.group.endpoint
-            if exc.remote is None:
-                ep.abort_peers(str(exc))
-                self.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
-            raise
-        except (PeerClosed, PeerTimeout, ConnectionError) as exc:
-            mismatch = await _peer_abort(self, exc)
-            if mismatch is None:
-                ep = self.group.endpoint
-                gone = ep.failure_of(_call_peers(self))  # the error that names the rank that went away
-                # ranks of this call that are not connected to it (a central server's other workers) would wait for
-                # this rank until round_timeout; they fail now, with this text
-                ep.call_failed(str(gone or exc))
-                if gone is None or gone is exc:
-                    raise
-                raise gone.with_traceback(None) from exc
-            raise mismatch from exc
+        except (RankMismatch, PeerClosed, PeerTimeout, ConnectionError) as exc:
+            if getattr(exc, "_dgt_told", False):  # a call of this decorator inside this one handled it (gossip's mix)
+                raise
+            out = await _tell(self, exc)
+            setattr(out, "_dgt_told", True)  # noqa: B010 - a mark on the exception object
+            if out is exc:
+                raise
+            raise out.with_traceback(None) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+async def _tell(coll: Collective, exc: BaseException) -> BaseException:
+    """What :func:`tells_peers` does with a call's error: tell the peers, and return the error to raise."""
+    ep = coll.group.endpoint
+    if isinstance(exc, RankMismatch):
+        if exc.remote is None:
+            ep.abort_peers(str(exc))
+            coll.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
+        return exc
+    mismatch = await _peer_abort(coll, exc)
+    if mismatch is not None:
+        return mismatch
+    gone = ep.failure_of(_call_peers(coll))  # the error that names the rank that went away
+    # ranks of this call that are not connected to it (a central server's other workers) would wait for this rank
+    # until round_timeout; they fail now, with this text
+    ep.call_failed(str(gone or exc))
+    return exc if gone is None else gone
 
 
 def plain_input(t: Any, what: str = "bucket") -> torch.Tensor:
