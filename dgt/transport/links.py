@@ -258,6 +258,8 @@ class LinkMixin(EndpointState):
         watch = set(dead) if dead is not None else set()
         with trio.move_on_after(within):
             while self._abort is None:
+                if watch & self._lost.keys():  # a peer reported its call failed on a dead peer: it settled already
+                    break
                 if any(self._dead(p) for p in watch) or not any(ln.error is None for ln in self._links.values()):
                     # nothing more comes from a dead peer; an ABORT another rank sent before this one died (a peer
                     # that exits on an ABORT closes with a reset, which can take the relayed copy with it) may still
