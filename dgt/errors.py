@@ -117,13 +117,39 @@ class InputRejected(DgtError, ValueError):
     a class array that does not cover the bucket): refused before any traffic."""
 
 
-OPS = ("", "sum", "mean")  # a collective's op as its call code, the frame header's codec byte (0: none given)
+OPS = ("", "sum", "mean")  # a collective's op as its call code's low two bits (0: none given)
+CODEC_IDS = ("", "dense", "dgt", "qsgd", "olandraj", "slimdp", "gossip-quant", "dcd", "ecd", "naive-gossip", "lgc")
+"""Codec names by their id in a call code's upper six bits (0: a codec not listed, unchecked). Append only: an id
+names the same codec in every release, so ranks of two releases still compare it."""
+
+
+def call_code(op: str, codec: str = "") -> int:
+    """The frame header's codec byte for a collective call: its op in bits 0-1, its codec's id in bits 2-7. Every
+    receiver compares it with its own, so ranks that called with another op or codec raise :class:`RankMismatch`
+    on the first message instead of reducing payloads they read differently (or waiting for ones on another path)."""
+    cid = CODEC_IDS.index(codec) if codec in CODEC_IDS else 0
+    return OPS.index(op) | cid << 2
+
+
+def _op_name(c: int) -> str:
+    return OPS[c] if 0 < c < len(OPS) else f"op code {c}"
+
+
+def _codec_name(c: int) -> str:
+    return CODEC_IDS[c] if 0 < c < len(CODEC_IDS) else f"codec id {c}"
 
 
 def op_mismatch(a: int, b: int, round: int) -> str:
-    """The reason every rank gives for an op mismatch, the same whichever rank saw it (ops sorted, no rank named)."""
-    names = sorted(OPS[c] if 0 < c < len(OPS) else f"op code {c}" for c in {a, b})
-    return f"the ranks called a collective with different ops ({' / '.join(names)}) in round {round}"
+    """The reason every rank gives when two call codes differ, the same whichever rank saw it (names sorted, no rank
+    named): the ops when they differ, else the codecs."""
+    if (a & 3) != (b & 3) or (a >> 2) == (b >> 2):
+        names = sorted(_op_name(c & 3) for c in {a & 3, b & 3})
+        return f"the ranks called a collective with different ops ({' / '.join(names)}) in round {round}"
+    names = sorted(_codec_name(c) for c in {a >> 2, b >> 2})
+    return f"the ranks called a collective with different codecs ({' / '.join(names)}) in round {round}"
+
+
+call_mismatch = op_mismatch
 
 
 def shape_mismatch(round: int) -> str:

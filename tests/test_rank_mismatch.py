@@ -117,15 +117,23 @@ def test_two_ranks_that_see_one_size_or_dtype_mismatch_give_the_same_reason():
     async def main():
         cfg = TransportConfig(peer_timeout=5, stream_hops="off")
         async with connected_pair(0x22, cfg) as (a, b):
-            seen = []
+            seen, sent = [], []
             for tx, rx, peer, mine, theirs in ((a, b, 0, torch.float64, torch.float32),
                                                (b, a, 1, torch.float32, torch.float64)):
+
+                async def send(tx=tx, peer=peer, theirs=theirs):
+                    # the receiver refuses the round: the sender hears it (issue 45), with the same reason
+                    with pytest.raises(RankMismatch) as refused:
+                        await tx.send_round(1 - peer, 4, 7, torch.ones(2048, dtype=theirs))
+                    sent.append(refused.value)
+
                 async with trio.open_nursery() as n:
-                    n.start_soon(tx.send_round, 1 - peer, 4, 7, torch.ones(2048, dtype=theirs))
+                    n.start_soon(send)
                     with pytest.raises(RankMismatch) as info:
                         await rx.recv_round(peer, 4, 7, out=torch.empty(2048, dtype=mine), timeout=10)
                 seen.append(info.value)
             assert str(seen[0]) == str(seen[1]) == shape_mismatch(7)
+            assert [str(e) for e in sent] == [shape_mismatch(7)] * 2
             assert "float32" in seen[0].detail and "float64" in seen[0].detail and seen[0].detail != seen[1].detail
 
     trio.run(main)

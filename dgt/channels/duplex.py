@@ -212,10 +212,12 @@ def duplex(send: socket.socket | None, header: bytes, payload, recv: socket.sock
     if code == -errno.ECANCELED:
         raise HopCancelled(label)
     if code == -errno.EPROTO:
-        mid = _message_id(hdr)
-        same = mid is not None and mid == _message_id(expect)
-        if mid is not None and same and len(hdr) > 6 and len(expect) > 6 and hdr[6] != expect[6]:  # the codec byte
-            raise RankMismatch(op_mismatch(hdr[6], expect[6], mid[1]))  # (the call's op)
+        mid, want = _message_id(hdr), _message_id(expect)
+        same = mid is not None and mid == want
+        if mid is not None and want is not None and hdr[6] and expect[6] and hdr[6] != expect[6]:  # the codec byte
+            # the call's op or codec differs: the peer may be on another message of the call (a lossy hop's mask
+            # message against a dense hop), so this is checked first; the reason is the same on both ranks
+            raise RankMismatch(op_mismatch(hdr[6], expect[6], min(mid[1], want[1])))
         seen = f"{label}: expected {describe(expect)}, got {describe(hdr)}"
         if mid is not None and same:  # the reason every rank gives, whichever saw it; what this one saw: the detail
             raise RankMismatch(shape_mismatch(mid[1]), detail=seen)

@@ -20,7 +20,15 @@ import torch
 
 from dgt.codecs.base import RELIABLE, BucketState, Capabilities, Codec, Part, Received
 from dgt.codecs.bucketinfo import element_mask_or_none
-from dgt.codecs.quantize import generator, nbuckets, pack_bits, qsgd_dequantize, qsgd_quantize, unpack_bits
+from dgt.codecs.quantize import (
+    generator,
+    nbuckets,
+    pack_bits,
+    packed_nbytes,
+    qsgd_dequantize,
+    qsgd_quantize,
+    unpack_bits,
+)
 from dgt.codecs.registry import register
 
 
@@ -67,6 +75,10 @@ class QSGDCodec(Codec):
     def decode(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
         """Dequantize; entries whose code bytes or bucket scale were lost decode as zero."""
         n = like.numel()
+        if parts[0].data.numel() != packed_nbytes(n, self.bits) or parts[1].data.numel() != nbuckets(n, self.bucket):
+            # a message for another size (the sender's bucket differs: the collectives report the ranks' mismatch)
+            raise ValueError(f"QSGD message of {parts[0].data.numel()} code bytes and {parts[1].data.numel()} scales "
+                             f"does not hold {n} entries")
         codes = unpack_bits(parts[0].data, self.bits, n, narrow=True)
         out = qsgd_dequantize(codes, parts[1].data.to(torch.float32), self.bits, self.bucket, n)
         codes_ok = element_mask_or_none(parts[0])

@@ -15,7 +15,7 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import OPS, CodecMismatch, InputRejected, PeerClosed, RankMismatch
+from dgt.errors import CodecMismatch, InputRejected, PeerClosed, PeerTimeout, RankMismatch, call_code
 from dgt.layout import BucketLayout
 from dgt.transport.streams import Hop, HopResult, streamable
 
@@ -25,36 +25,98 @@ F = TypeVar("F", bound=Callable[..., Any])
 def tells_peers(fn: F) -> F:
     """Decorator of a collective call (outside :func:`~dgt.errors.one_error`): a :class:`RankMismatch` this rank
     saw is sent to every peer before it is raised, so each rank of the call fails with the same reason at once
-    instead of waiting for a round that will never come."""
+    instead of waiting for a round that will never come; a failed peer (PeerClosed, PeerTimeout, a failed connect)
+    is explained (a peer's ABORT behind it, or the error naming the rank that went away) and told to the live peers
+    (:meth:`~dgt.transport.Endpoint.call_failed`). Nested calls (gossip's ``mix`` over ``exchange``) do it once."""
 
     @functools.wraps(fn)
     async def wrapper(self: Collective, *args: Any, **kwargs: Any) -> Any:
         try:
             return await fn(self, *args, **kwargs)
-        except RankMismatch as exc:
-            ep = self.group.endpoint
-            if exc.remote is None:
-                ep.abort_peers(str(exc))
-                self.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
-            raise
-        except (PeerClosed, ConnectionError) as exc:
-            mismatch = await _peer_abort(self, exc)
-            if mismatch is None:
+        except (RankMismatch, PeerClosed, PeerTimeout, ConnectionError) as exc:
+            if getattr(exc, "_dgt_told", False):  # a call of this decorator inside this one handled it (gossip's mix)
                 raise
-            raise mismatch from exc
+            out = await _tell(self, exc)
+            setattr(out, "_dgt_told", True)  # noqa: B010 - a mark on the exception object
+            if out is exc:
+                raise
+            raise out.with_traceback(None) from exc
 
     return wrapper  # type: ignore[return-value]
+
+
+async def _tell(coll: Collective, exc: BaseException) -> BaseException:
+    """What :func:`tells_peers` does with a call's error: tell the peers, and return the error to raise."""
+    ep = coll.group.endpoint
+    if isinstance(exc, RankMismatch):
+        if exc.remote is None:
+            ep.abort_peers(str(exc))
+            coll.group.publish_abort(str(exc))  # for ranks not connected to this one (lazy connections)
+        return exc
+    mismatch = await _peer_abort(coll, exc)
+    if mismatch is not None:
+        return mismatch
+    gone = ep.failure_of(_call_peers(coll))  # the error that names the rank that went away
+    # ranks of this call that are not connected to it (a central server's other workers) would wait for this rank
+    # until round_timeout; they fail now, with this text
+    ep.call_failed(str(gone or exc))
+    return exc if gone is None else gone
+
+
+def plain_input(t: Any, what: str = "bucket") -> torch.Tensor:
+    """``t`` as the collectives reduce it: a contiguous (row-major) dense tensor, ``t`` itself when it is one, else a
+    contiguous copy (a strided view, a transposed or channels-last tensor). :class:`~dgt.errors.InputRejected` for
+    what no copy makes one (not a tensor, a sparse or other non-strided layout)."""
+    if not isinstance(t, torch.Tensor):
+        raise InputRejected(f"{what} must be a torch.Tensor, not {type(t).__name__}")
+    if t.layout != torch.strided:
+        raise InputRejected(f"{what} must be a dense (strided) tensor, not {t.layout}")
+    return t if t.is_contiguous() else t.contiguous()
+
+
+def any_layout(fn: F) -> F:
+    """Decorator of a collective's ``allreduce(bucket, bucket_id, segments, *, out)``: the one place where any layout
+    the public API accepts becomes the contiguous tensor every path and codec below expects. A non-contiguous
+    ``bucket`` (a strided view, transposed, channels-last) is reduced from a contiguous working copy; a
+    non-contiguous ``out`` (``bucket`` itself for an in-place all-reduce) gets the result written back into it.
+    ``out`` of another size or dtype than ``bucket``: :class:`~dgt.errors.InputRejected`, before any traffic."""
+
+    @functools.wraps(fn)
+    async def wrapper(self: Collective, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None,
+                      *, out: torch.Tensor | None = None) -> Any:
+        work = plain_input(bucket)
+        if out is None:
+            return await fn(self, work, bucket_id, segments)
+        plain_input(out, "out")
+        if out.numel() != bucket.numel() or out.dtype != bucket.dtype:
+            raise InputRejected(f"out must be a {bucket.dtype} tensor of {bucket.numel()} elements like the bucket, "
+                                f"not {out.dtype} x {out.numel()}")
+        if out.is_contiguous():
+            return await fn(self, work, bucket_id, segments, out=out)
+        res = await fn(self, work, bucket_id, segments)  # (work is a copy when out is bucket itself)
+        with torch.no_grad():
+            out.copy_(res.tensor.reshape(out.shape))
+        res.tensor = out if out.shape == bucket.shape else out.reshape(bucket.shape)
+        return res
+
+    return wrapper  # type: ignore[return-value]
+
+
+def _call_peers(coll: Collective) -> list[int]:
+    cache = coll.__dict__.get("_peer_cache")
+    return list(cache[1]) if cache is not None else coll.peers()
 
 
 async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | None:
     """The mismatch behind a closed peer, if there is one. A peer that saw a mismatch in a stream hop shuts its
     stream lanes as it raises, and its ABORT (on the session link) may trail that by a moment; a rank that got another
     peer's ABORT closes its group (a goodbye) before that ABORT reaches us; a failed connect (ConnectionError) may be a
-    peer that aborted: wait up to a second for the ABORT in those cases. A peer that aborted before this rank connected
+    peer that aborted: wait up to a second for the ABORT in those cases, less once one of the call's peers is known
+    dead (a killed peer sends no ABORT: it is named at once, issue 45). A peer that aborted before this rank connected
     to it (it hung up on our hello) can only have left its reason in the store."""
     ep = coll.group.endpoint
     if isinstance(exc, ConnectionError) or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye)):
-        mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout))
+        mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout), dead=_call_peers(coll))  # less: a peer is dead
         if mismatch is not None:
             return mismatch
     why = coll.group.published_abort()
@@ -75,8 +137,9 @@ class Collective:
         self.group = group
         self.codec = make_codec(codec)
         self.op = op
-        self.call_code = OPS.index(op)  # on every message this collective sends (the header's codec byte), so a
-        # rank whose peer called with another op sees it (RankMismatch) instead of returning a different answer
+        self.call_code = call_code(op, self.codec.name)  # on every message this collective sends (the header's codec
+        # byte), so a rank whose peer called with another op or codec sees it (RankMismatch) on the first message
+        # instead of returning a different answer or waiting for messages on another path
         if self.codec.runner is not None:
             raise CodecMismatch(f"codec {self.codec.name!r} is driven by {self.codec.runner}, not by the generic "
                                 f"{self.name}")
@@ -141,7 +204,7 @@ class Collective:
         if out is None:
             return bucket.detach().reshape(-1).clone()
         if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
+            raise InputRejected(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         flat = out.detach().view(-1)
         if out.data_ptr() != bucket.data_ptr():
             flat.copy_(bucket.detach().reshape(-1))
@@ -154,7 +217,7 @@ class Collective:
         if out is None:
             return torch.empty(bucket.numel(), dtype=bucket.dtype, device=bucket.device)
         if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
+            raise InputRejected(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         return out.detach().view(-1)
 
     def on_streams(self, *tensors: torch.Tensor) -> bool:

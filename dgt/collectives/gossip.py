@@ -6,13 +6,15 @@ sum_j W[rank, j] * x_j with the neighbours' x_j decoded from what arrived (lost 
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 import torch
 
 from dgt.codecs.base import Codec, Part, Received
-from dgt.collectives.base import Collective, tells_peers
+from dgt.collectives.base import Collective, plain_input, tells_peers
 from dgt.collectives.group import Group
-from dgt.collectives.parts import recv_parts, send_parts, state_key
+from dgt.collectives.parts import decode_parts, recv_parts, send_parts, state_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error, open_nursery
 
@@ -41,6 +43,7 @@ class Gossip(Collective):
         if W.shape != (group.world, group.world) or not np.allclose(W.sum(1), 1.0) or (W < 0).any():
             raise ValueError("mixing matrix must be world x world, non-negative, rows summing to 1")
         self.W = W
+        self._round = 0  # the round of the last exchange (for the reason of a mismatch seen in decoding it)
         self.neighbours = [j for j in range(group.world) if j != group.rank and W[group.rank, j] > 0]
         senders = [j for j in range(group.world) if j != group.rank and W[j, group.rank] > 0]
         if sorted(senders) != sorted(self.neighbours):
@@ -49,6 +52,7 @@ class Gossip(Collective):
     def peers(self) -> list[int]:
         return list(self.neighbours)
 
+    @tells_peers
     @one_error
     async def exchange_parts(self, parts: list[Part], bucket_id: int = 0
                              ) -> tuple[dict[int, list[Received]], CollectiveStats]:
@@ -57,17 +61,21 @@ class Gossip(Collective):
         g = self.group
         await self.connect()
         stats = CollectiveStats()
-        rnd = g.next_round("gossip", bucket_id)
+        rnd = self._round = g.next_round("gossip", bucket_id)
         got: dict[int, list[Received]] = {}
 
         async def recv(j: int) -> None:
+            # the call code (op and codec) in every frame, and a summable codec's parts element by element: a
+            # neighbour that called with another codec, size or dtype raises RankMismatch on every rank
             got[j] = await recv_parts(g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats,
-                                      device=parts[0].data.device if parts else None)
+                                      device=parts[0].data.device if parts else None,
+                                      exact=self.codec.capabilities.summable, op=self.call_code)
 
         with self.phase(stats, "exchange"):
             async with open_nursery() as nursery:
                 for j in self.neighbours:
-                    nursery.start_soon(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats)
+                    nursery.start_soon(partial(send_parts, g.endpoint, j, bucket_id, "gossip", 0, rnd, parts, stats,
+                                               op=self.call_code))
                     nursery.start_soon(recv, j)
         return got, stats
 
@@ -76,7 +84,7 @@ class Gossip(Collective):
     async def exchange(self, x: torch.Tensor, bucket_id: int = 0,
                        segments: list[int] | None = None) -> tuple[dict[int, torch.Tensor], CollectiveStats]:
         """Send the codec's encoding of ``x`` to every neighbour; return what each neighbour sent, decoded."""
-        flat = x.detach().reshape(-1)
+        flat = plain_input(x).detach().reshape(-1)  # any layout: a contiguous working copy
         self.codec.check_input(flat)
         segs = segments or [flat.numel()]
         parts = self.codec.encode(flat, self.state(state_key("gossip", bucket_id), flat, segs))
@@ -84,7 +92,7 @@ class Gossip(Collective):
         out = {}
         for j in self.neighbours:
             st = self.state(state_key("gossip-rx", bucket_id, j), flat, segs)
-            out[j] = self.codec.decode(got[j], st, flat).to(flat.dtype)
+            out[j] = decode_parts(self.codec, got[j], st, flat, j, self._round).to(flat.dtype)
         return out, stats
 
     @tells_peers
@@ -93,7 +101,7 @@ class Gossip(Collective):
         """sum_j W[rank, j] x_j: one gossip step."""
         theirs, stats = await self.exchange(x, bucket_id, segments)
         r = self.group.rank
-        flat = x.detach().reshape(-1)
+        flat = plain_input(x).detach().reshape(-1)
         out = flat * float(self.W[r, r])
         for j, xj in theirs.items():
             out += float(self.W[r, j]) * xj

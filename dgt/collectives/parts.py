@@ -6,7 +6,7 @@ import torch
 
 from dgt.codecs.base import Part, Received
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import RankMismatch, op_mismatch, open_nursery, shape_mismatch
+from dgt.errors import DgtError, RankMismatch, op_mismatch, open_nursery, shape_mismatch
 from dgt.layout import BucketLayout
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
@@ -156,6 +156,19 @@ async def recv_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
             for i, part in enumerate(like):
                 nursery.start_soon(one, i, part)
     return out  # type: ignore[return-value]
+
+
+def decode_parts(codec, got: list[Received], state, like: torch.Tensor, peer: int, rnd: int) -> torch.Tensor:
+    """``codec.decode`` of the parts ``peer`` sent: parts that do not decode into ``like`` (a non-summable codec's
+    message for another size: no element-wise check could see it on arrival) are the ranks' disagreement, a
+    :class:`RankMismatch` (told to every rank), not the codec's ValueError on one rank while the others wait."""
+    try:
+        return codec.decode(got, state, like)  # type: ignore[no-any-return]
+    except (ValueError, RuntimeError, IndexError) as exc:
+        if isinstance(exc, DgtError):
+            raise
+        raise RankMismatch(shape_mismatch(rnd), detail=f"rank {peer}'s parts do not decode into {like.numel()} x "
+                           f"{like.dtype}: {exc}") from exc
 
 
 def check_op(mine: int, theirs: int, rnd: int) -> None:

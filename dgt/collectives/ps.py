@@ -24,13 +24,14 @@ from functools import partial
 import torch
 
 from dgt.codecs.base import Codec, Received
-from dgt.collectives.base import Collective, tells_peers
+from dgt.collectives.base import Collective, any_layout, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import (
     FAMILY_MASK,
     MAX_STEPS,
     as_received,
     check_world,
+    decode_parts,
     like_parts,
     recv_parts,
     send_parts,
@@ -67,6 +68,7 @@ class ParameterServer(Collective):
 
     @tells_peers
     @one_error
+    @any_layout
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """The server's aggregate of ``bucket`` over the group (every worker pulls it). ``out``: where the result
@@ -108,7 +110,7 @@ class ParameterServer(Collective):
                     got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
                                            device=piece.device, exact=self.codec.capabilities.summable, op=op)
                     pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
-                    ch.chunk(out, shard).copy_(self.codec.decode(got, pull_state, piece))
+                    ch.chunk(out, shard).copy_(decode_parts(self.codec, got, pull_state, piece, owner, rnd))
                 return
             # server of this shard: gather every worker's parts, decode, reduce
             with self.phase(stats, "gather"):
@@ -127,7 +129,7 @@ class ParameterServer(Collective):
                 decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
                 for w in range(g.world):
                     st = self.state(state_key("push-rx", bucket_id, shard, w), piece, sg)
-                    decoded.append(self.codec.decode(received[w], st, piece).to(piece.dtype))
+                    decoded.append(decode_parts(self.codec, received[w], st, piece, w, rnd).to(piece.dtype))
                     if self.normalize == "contributors":
                         counts += received[w][0].element_mask().to(device=piece.device, dtype=torch.float32)
                 total = self.codec.aggregate(decoded)

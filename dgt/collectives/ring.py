@@ -15,7 +15,7 @@ from functools import partial
 import torch
 
 from dgt.codecs.base import Received
-from dgt.collectives.base import Collective, tells_peers
+from dgt.collectives.base import Collective, any_layout, tells_peers
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import (
     FAMILY_MASK,
@@ -47,6 +47,7 @@ class RingAllReduce(Collective):
 
     @tells_peers
     @one_error
+    @any_layout
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0, segments: list[int] | None = None, *,
                         out: torch.Tensor | None = None) -> CollectiveResult:
         """Sum (or mean) of ``bucket`` over the group. ``out``: where the result goes (``bucket`` itself for an
@@ -196,7 +197,7 @@ class RingAllReduce(Collective):
                     ch.chunk(flat, (own - s - 1) % W)) for s in range(W - 1)]
         ticket, ag[0] = ag[0], None  # the exchange gives the ticket back however it ends
         with self.phase(stats, "all_gather"):
-            done = await g.endpoint.exchange(hops, ticket=ticket)
+            done = await g.endpoint.exchange(hops, ticket=ticket, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, ch, flat)
 
     def _ag_on_streams(self, flat: torch.Tensor) -> bool:

@@ -33,7 +33,7 @@ import trio
 from dgt.channels.hop_datagrams import DatagramRecv
 from dgt.codecs.base import BLOCK_MEANS_HINT
 from dgt.collectives.chunks import Chunking
-from dgt.collectives.parts import check_op, host, state_key, transport_key, wire_layout
+from dgt.collectives.parts import FAMILY_MASK, check_op, host, state_key, transport_key, wire_layout
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import RankMismatch, shape_mismatch
 from dgt.layout import BucketLayout
@@ -210,7 +210,9 @@ class LossyHops:
                     land_later=land_packed, codec=op, datagrams=hs.datagrams, datagrams_in=datagrams_in)]
         ticket, tickets[s] = tickets[s], None
         try:
-            done = await ep.exchange(hops, ticket=ticket)
+            # family: a round of this call from ``prv`` on the session link means it took the round path (another
+            # dtype or layout): RankMismatch on every rank at once, not a hop waiting for a mask that never comes
+            done = await ep.exchange(hops, ticket=ticket, family=FAMILY_MASK)
         except BaseException:
             early.live = False  # the call fails: nothing more is written to this rank's chunk
             ep.hop_round_sent(hs, failed=True)  # what left is accounted; no report is waited for

@@ -10,7 +10,7 @@ fails with that error instead of passing unnoticed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, NoReturn
 
 from dgt.errors import PeerClosed
@@ -112,7 +112,13 @@ class OfflineTransport:
     def abort_peers(self, why: str) -> None:
         return None  # no peer to tell
 
-    async def aborted(self, within: float) -> RankMismatch | None:
+    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
+        return None  # no peer to lose
+
+    def call_failed(self, why: str) -> None:
+        return None  # no peer to tell
+
+    async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
         return None  # no peer to report one
 
 

@@ -18,7 +18,7 @@ The four ways a bucket can leave, from the most general to the fastest:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -124,6 +124,14 @@ class Transport(Protocol):
         """Tell every connected peer that this rank's collective failed for ``why``."""
         ...
 
-    async def aborted(self, within: float) -> RankMismatch | None:
-        """The mismatch a peer reported, waiting up to ``within`` s for one."""
+    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
+        """The error naming why one of ``peers`` is gone (None: all alive)."""
+        ...
+
+    def call_failed(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed on a failed peer (``why``)."""
+        ...
+
+    async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
+        """The mismatch a peer reported, waiting up to ``within`` s for one (less once one of ``dead`` is gone)."""
         ...

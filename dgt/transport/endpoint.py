@@ -136,6 +136,9 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._handshakes = 0  # accepted connections whose handshake is under way (capped)
         self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
         self._aborted = trio.Event()
+        self._link_change = trio.Event()
+        self._lost_sent = False  # call_failed told the peers already
+        self._lost: dict[int, PeerClosed] = {}  # peers that said their collective failed on a lost peer (LOST)
         self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
         self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)

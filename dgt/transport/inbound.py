@@ -56,9 +56,24 @@ class InboundMixin(EndpointState):
 
     def _allocate(self, key: tuple[int, int, int], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
         out = self._out.pop(key, None)  # the round opened: the receiver holds its buffer from now on
-        if out is not None and out.numel() == numel and out.dtype == dtype and out.is_contiguous():
+        if out is None:
+            return None
+        if out.numel() == numel and out.dtype == dtype and out.is_contiguous():
             return out.view(-1)
+        if out.numel() != numel or out.dtype != dtype:  # recv_round will refuse it (RankMismatch): say so now
+            self._refuse_round(key, f"{out.numel()} x {out.dtype}", f"{numel} x {dtype}")
         return None
+
+    def _refuse_round(self, key: tuple[int, int, int], mine: str, theirs: str) -> None:
+        """Tell a round's sender that this rank refuses it (its landing is another size or dtype): a ``send_round``
+        that waits for the round's report fails with the :class:`RankMismatch` this rank raises, instead of
+        returning as if the round had been taken (a control STALE, ``why="mismatch"``)."""
+        link = self._links.get(key[0])
+        if link is not None and link.error is None:
+            _, bucket, round = key
+            msg = control.control(self.token, self.rank, control.STALE, bucket=bucket, round=round, why="mismatch",
+                                  detail=f"rank {self.rank} expects {mine}, rank {key[0]} sent {theirs}")
+            link.writer.push([msg], urgent=True)
 
     def _handle(self, events: Sequence[Event]) -> None:
         """What the receivers said (dgt.protocol.events), dispatched by kind."""
@@ -216,6 +231,8 @@ class InboundMixin(EndpointState):
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
             if out.numel() != res.data.numel() or out.dtype != res.data.dtype:
+                # (a round that landed before ``out`` was given: its sender hears of it if it still waits)
+                self._refuse_round(key, f"{out.numel()} x {out.dtype}", f"{res.data.numel()} x {res.data.dtype}")
                 raise RankMismatch(shape_mismatch(round), detail=f"rank {self.rank}: round {round} of bucket "
                                    f"{bucket} from rank {peer} holds {res.data.numel()} x {res.data.dtype}, this rank "
                                    f"expects {out.numel()} x {out.dtype}")

@@ -6,14 +6,23 @@ stream-watch conflict of issue 22) with the stream exchanges it ends.
 from __future__ import annotations
 
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 
 import numpy as np
 import trio
 
 from dgt import wire
 from dgt.channels.framing import KEEP
-from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, RankMismatch, one_error, open_nursery, path_mismatch
+from dgt.errors import (
+    PeerClosed,
+    PeerTimeout,
+    ProtocolError,
+    RankMismatch,
+    one_error,
+    open_nursery,
+    path_mismatch,
+    shape_mismatch,
+)
 from dgt.protocol.events import Event
 from dgt.transport import control
 from dgt.transport.handshake import _Link
@@ -23,6 +32,10 @@ from dgt.wire import Flags, FrameType
 
 if sys.version_info < (3, 11):  # Python 3.10: the backport trio itself depends on (a builtin from 3.11)
     from exceptiongroup import BaseExceptionGroup
+
+
+SETTLE = 0.2
+"""Seconds :meth:`LinkMixin.aborted` still waits for an ABORT once the peer it explains is known dead."""
 
 
 class LinkMixin(EndpointState):
@@ -56,6 +69,7 @@ class LinkMixin(EndpointState):
             error = PeerClosed(f"rank {rank} closed its endpoint")
             error.bye = True  # a peer whose collective failed closes its group: its reason (ABORT) may come late
         link.error = error
+        self._changed()
         link.writer.fail(error)
         link.chan.close()
         if link.scope is not None:
@@ -147,7 +161,10 @@ class LinkMixin(EndpointState):
                 self._on_control(link, rf.frame)
             else:
                 if ftype == FrameType.ROUND_BEGIN:
-                    self._opened[(rank, int(h["bucket"]), int(h["round"]))] = now
+                    key = (rank, int(h["bucket"]), int(h["round"]))
+                    self._opened[key] = now
+                    if self._stream_watch.expected(key):  # (i22) the peer runs on the round path what we run on
+                        self._stream_conflict(key)  # stream lanes (a lossy ring's held round never closes itself)
                     while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
                         self._opened.popitem(last=False)
                 assert rf.frame is not None  # place() keeps every frame that reaches this branch
@@ -172,7 +189,14 @@ class LinkMixin(EndpointState):
         elif msg["op"] == control.ABORT:
             # the peer's collective failed for a reason every rank must see: whatever this rank waits for (on any
             # peer) fails with it now; the session is over, the group must be rebuilt (or the process restarted)
-            error = RankMismatch(f"rank {link.rank} aborted: {str(msg.get('why', ''))[:2000]}", remote=link.rank)
+            why = str(msg.get("why", ""))[:2000]
+            error = RankMismatch(f"rank {link.rank} aborted: {why}", remote=link.rank)
+            if self._abort is None:
+                # relayed once, with the same reason, to this rank's other peers: ranks not connected to the one that
+                # saw it (a central server's workers) would otherwise wait for a round that never comes
+                for ln in self._links.values():
+                    if ln is not link and ln.error is None:
+                        ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why)])
             self._set_abort(error)
             self._fail_peer(link.rank, error)
             # the other peers' links stay up (closing them would race the ABORT they get from the same sender and
@@ -180,6 +204,15 @@ class LinkMixin(EndpointState):
             # operations raise the mismatch (_link)
             for rank in list(self._links):
                 self._fail_pending(rank, error)
+        elif msg["op"] == control.LOST:
+            # the peer's collective failed because a peer of its own failed (one this rank may not be connected to,
+            # a central server's other worker): whatever this rank waits for fails now, not at round_timeout
+            why = str(msg.get("why", ""))[:2000]
+            lost = PeerClosed(f"rank {self.rank}: rank {link.rank}'s collective failed: {why}")
+            self._lost.setdefault(link.rank, lost)
+            self._changed()
+            for rank in list(self._links):
+                self._fail_pending(rank, lost)
         elif msg["op"] == control.ON_LINK:  # (i22) a peer that only receives on the round path says so
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             if self._stream_watch.expected(key):
@@ -191,7 +224,12 @@ class LinkMixin(EndpointState):
         elif msg["op"] == control.STALE:
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             track = self._sending.get(key)
-            if track is not None:
+            if track is not None and msg.get("why") == "mismatch":  # the receiver refused the round (issue 45)
+                detail = str(msg.get("detail", ""))[:2000]
+                track.report.fail(RankMismatch(shape_mismatch(key[2]), remote=link.rank, detail=detail))
+                for job in track.jobs:
+                    self.scheduler.cancel(job)
+            elif track is not None:
                 why = str(msg.get("why", "already closed"))
                 hint = ": round keys must not be reused" if why == "already closed" else ""
                 what = f"round {key[2]} of bucket {key[1]} was {why} at rank {link.rank}{hint}"
@@ -218,11 +256,51 @@ class LinkMixin(EndpointState):
                     link.last_ping = now
                     link.writer.push([control.control(self.token, self.rank, control.PING)], urgent=True)
 
-    async def aborted(self, within: float) -> RankMismatch | None:
-        """The mismatch a peer reported (control ABORT), waiting up to ``within`` s for one; None if none came."""
+    async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
+        """The mismatch a peer reported (control ABORT), waiting up to ``within`` s for one; None if none came.
+
+        The wait is a grace for a peer that is alive and may have aborted (its ABORT trails its closed stream lanes by
+        a moment); it ends as soon as nothing can explain the failure any more: one of ``dead`` (the peers whose
+        failure is being explained) is known dead (its session link ended without a goodbye or an ABORT: EOF,
+        reset, silence; a dead peer sends no ABORT, and the link's order put any it sent before its end), or no
+        live link is left to bring an ABORT (then after a short settle, :data:`SETTLE`)."""
+        watch = set(dead) if dead is not None else set()
         with trio.move_on_after(within):
-            await self._aborted.wait()
+            while self._abort is None:
+                if watch & self._lost.keys():  # a peer reported its call failed on a dead peer: it settled already
+                    break
+                if any(self._dead(p) for p in watch) or not any(ln.error is None for ln in self._links.values()):
+                    # nothing more comes from a dead peer; an ABORT another rank sent before this one died (a peer
+                    # that exits on an ABORT closes with a reset, which can take the relayed copy with it) may still
+                    # sit behind the reader tasks: a short settle, not the whole grace
+                    with trio.move_on_after(SETTLE):
+                        await self._aborted.wait()
+                    break
+                await self._link_change.wait()
         return self._abort
+
+    def _dead(self, peer: int) -> bool:
+        """Whether ``peer``'s session link ended without a goodbye or an ABORT (the peer died, or went silent), or
+        the peer said its collective failed on a failed peer of its own (control LOST)."""
+        return self.failure_of([peer]) is not None
+
+    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
+        """The error that names why one of ``peers`` is gone: its session link's, when it ended without a goodbye
+        or an ABORT (EOF, reset, silence), or the failure it reported (control LOST, naming the peer it lost);
+        None when every one of them is alive (or left on purpose)."""
+        for p in sorted(peers):
+            if p in self._lost:
+                return self._lost[p]
+            link = self._links.get(p)
+            err = None if link is None else link.error
+            if err is not None and not isinstance(err, RankMismatch) and not getattr(err, "bye", False):
+                return err
+        return None
+
+    def _changed(self) -> None:
+        """Wake what waits in :meth:`aborted`: a link failed or the session aborted."""
+        ev, self._link_change = self._link_change, trio.Event()
+        ev.set()
 
     def abort_peers(self, why: str) -> None:
         """Tell every connected peer that this rank's collective failed for ``why`` (queued, no waiting): their
@@ -231,6 +309,18 @@ class LinkMixin(EndpointState):
         for ln in self._links.values():
             if ln.error is None:
                 ln.writer.push([control.control(self.token, self.rank, control.ABORT, why=why[:2000])])
+
+    def call_failed(self, why: str) -> None:
+        """Tell every live peer (once per endpoint, queued, no waiting) that this rank's collective failed because a
+        peer failed (``why``: the error, naming that peer): what they wait for fails with PeerClosed at once. A peer
+        not connected to the failed one (a central server's other workers) would otherwise wait for its round until
+        ``round_timeout``."""
+        if self._lost_sent:
+            return
+        self._lost_sent = True
+        for ln in self._links.values():
+            if ln.error is None:
+                ln.writer.push([control.control(self.token, self.rank, control.LOST, why=why[:2000])], urgent=True)
 
     def announce_on_link(self, peer: int, bucket: int, round: int) -> None:
         """Tell ``peer`` (queued, no waiting) that this rank runs ``bucket``/``round`` on the session link. A rank
@@ -249,6 +339,7 @@ class LinkMixin(EndpointState):
         if self._abort is None:
             self._abort = error
             self._aborted.set()
+            self._changed()
         for scope in self._exchange_scopes:
             scope.cancel()
 
@@ -306,8 +397,12 @@ class LinkMixin(EndpointState):
                     # failing at once come as a group of PeerClosed (trio's MultiError), which must wait for it too
                     if not _all_peer_closed(exc):
                         raise
-                    mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout))
+                    peers = {p for h in hops for p in (h.send_to, h.recv_from) if p is not None}
+                    mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout), dead=peers)
                     if mismatch is None:
+                        gone = self.failure_of(peers)
+                        if gone is not None:  # it names the rank that went away; the lane's error does not
+                            raise gone.with_traceback(None) from exc
                         raise
                     raise mismatch.with_traceback(None) from exc
             raise self._abort.with_traceback(None)

@@ -7,7 +7,7 @@ is said beside it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -20,7 +20,7 @@ if TYPE_CHECKING:
     from dgt.channels.tcp import TcpChannel, TcpListener
     from dgt.channels.udp import UdpChannel
     from dgt.channels.udp_scheduler import DatagramScheduler
-    from dgt.errors import RankMismatch
+    from dgt.errors import PeerClosed, RankMismatch
     from dgt.layout import BucketLayout
     from dgt.protocol.bulk import BulkReceiver
     from dgt.protocol.datagram_mac import DatagramMac
@@ -80,6 +80,9 @@ class EndpointState:
     _fatal: BaseException | None
     _abort: RankMismatch | None  # links: the session abort
     _aborted: trio.Event
+    _lost_sent: bool  # links: call_failed told the peers
+    _lost: dict[int, PeerClosed]  # links: the failures peers reported (control LOST)
+    _link_change: trio.Event  # links: set (and replaced) when a link fails or the session aborts
     _stream_watch: StreamWatch
     _exchange_scopes: set[trio.CancelScope]
 
@@ -102,7 +105,7 @@ class EndpointState:
 
         def _stream_conflict(self, key: Key) -> RankMismatch: ...  # links
 
-        async def aborted(self, within: float) -> RankMismatch | None: ...  # links
+        async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None: ...  # links
 
         def _handle(self, events: Sequence[Event]) -> None: ...  # inbound
 
