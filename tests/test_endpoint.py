@@ -272,7 +272,11 @@ async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
         b._drop_rng = None
         for rnd in range(1, 4):  # loopback: no queue, no loss: the rate probes up
             await send_and_recv(a, b, 0, rnd, x, layout, c.cls, c.order)
-        assert a.stats().pace_rates[1] > r1
+        # no loss: no further back-off for loss, and the controller stepped the rate up. Not "the rate ends above
+        # r1": a report delayed by a busy host (the CPU, not the path) may still step it down once (3 of 5
+        # runs on the loaded 2-core VM; one such run: 2 increases, 1 decrease besides the loss back-off)
+        cc = a._links[1].pacer.cc
+        assert cc.loss_backoffs == 1 and cc.increases >= 1, (cc.increases, cc.decreases)
 
 
 async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carries_them():
