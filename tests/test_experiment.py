@@ -352,6 +352,10 @@ def test_reproduction_doc_gives_commands_that_work():
         installs
     assert not re.search(r"^sudo dgt\b", doc, re.M)
     assert 'sudo "$(command -v dgt)" demo' in block
+    root = pathlib.Path(__file__).resolve().parents[1]
+    for path in [root / "README.md", *sorted((root / "docs").rglob("*.md"))]:  # nor anywhere else a user reads
+        if "history" not in path.parts:
+            assert not re.search(r"^\s*sudo dgt\b", path.read_text(), re.M), path
 
 
 def _held_back_results() -> dict:
