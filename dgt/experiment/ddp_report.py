@@ -59,6 +59,8 @@ def render(results: dict[str, Any]) -> str:
     if results.get("command"):
         lines += ["", "```sh", results["command"], "```"]
     m = results["model"]
+    wl = results.get("workload", {"optimizer": "SGD", "metric": "acc"})
+    what = "validation loss (nats/byte, lower is better)" if wl["metric"] == "val_loss" else "test accuracy"
     lines += [
         "", "## Setup", "",
         f"- **Profile `{results['profile']}`**: {results['profile_description']}.",
@@ -66,9 +68,10 @@ def render(results: dict[str, Any]) -> str:
         + (f" Netem was not used: {net['why_not_netem']}." if net.get("why_not_netem") else ""),
         f"- **Training**: `torch.nn.parallel.DistributedDataParallel` in {cfg['workers']} processes meeting through "
         f"env:// (as under torchrun); {cfg['model']} ({m['parameters']:,} parameters, "
-        f"{fmt_bytes(m['gradient_bytes'])} of gradient), {results['dataset']['name']}, SGD lr {cfg['lr']}, batch "
-        f"{cfg['batch']} per worker, seed {cfg['seed']}; accuracy every {cfg['eval_every']} steps (outside the "
-        f"timed steps); target {cfg['target']:g}; budget {cfg['max_iters']} steps / {cfg['max_time']:g} s.",
+        f"{fmt_bytes(m['gradient_bytes'])} of gradient), {results['dataset']['name']}, {wl['optimizer']}, lr "
+        f"{cfg['lr']:g}, batch {cfg['batch']} per worker, seed {cfg['seed']}; {what} every {cfg['eval_every']} steps "
+        f"(outside the timed steps); target {cfg['target']:g}; budget {cfg['max_iters']} steps / "
+        f"{cfg['max_time']:g} s.",
         "- **Arms**:",
     ]
     lines += [f"  - `{a}`: {d}" for a, d in results["arms"].items()]
