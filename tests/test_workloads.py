@@ -175,3 +175,35 @@ def test_bench_ddp_runs_a_family_under_every_mode(capsys):
     # lo counts every process of the namespace, so only floors are certain: 2 ranks, each sends its whole gradient
     assert res["modes"]["gloo"]["lo_tx_bytes_per_rank_step"] >= 0.9 * grad
     assert res["modes"]["dgt_lossless"]["reliable_bytes_per_step"] == pytest.approx(grad, rel=0.01)
+
+
+def test_scaling_figure_reads_bench_outputs_and_rejects_others(tmp_path):
+    from dgt.bench import ddp_scaling
+
+    def bench(model, mb, gloo_s, dgt_s):
+        return {"bench": "ddp", "model": model, "grad_mb": mb, "modes": {
+            "gloo": {"s_per_step_median": gloo_s, "lo_tx_bytes_per_rank_step": mb * 1e6},
+            "dgt_lossy": {"s_per_step_median": dgt_s, "lo_tx_bytes_per_rank_step": mb * 0.5e6,
+                          "reliable_bytes_per_step": mb * 0.4e6, "droppable_bytes_per_step": mb * 0.1e6}}}
+
+    files = []
+    for i, (model, mb) in enumerate((("resnet-l", 19.6), ("resnet", 4.9), ("gpt", 5.0))):
+        path = tmp_path / f"{i}.json"
+        path.write_text("a warning line\n" + json.dumps(bench(model, mb, 0.2 * mb, 0.1 * mb)))
+        files.append(str(path))
+    out = tmp_path / "fig.png"
+    assert ddp_scaling.main([*files, "--out", str(out)]) == 0
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = ddp_scaling.rows([ddp_scaling.load(f) for f in files])
+    assert [(r["model"], r["mode"]) for r in table][:4] == [("gpt", "gloo"), ("gpt", "dgt_lossy"),
+                                                          ("resnet", "gloo"), ("resnet", "dgt_lossy")]
+    r = next(r for r in table if r["model"] == "resnet-l" and r["mode"] == "dgt_lossy")
+    assert r["vs_gloo"] == pytest.approx(0.5) and r["dgt_bytes"] == pytest.approx(19.6 * 0.5e6)
+    assert "| resnet-l | 19.60 | dgt_lossy | 1.960 | 0.50x | 9.80 | 9.80 |" in ddp_scaling.markdown(table)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"bench": "allreduce"}))
+    with pytest.raises(DgtError, match="not the output of dgt bench ddp"):
+        ddp_scaling.load(str(bad))
+    bad.write_text("no json here")
+    with pytest.raises(DgtError, match="no JSON object"):
+        ddp_scaling.load(str(bad))

@@ -57,7 +57,7 @@ class Defaults:
 DEFAULTS: dict[str, Defaults] = {
     "alexnet": Defaults(0.1, 32, 0.97, 0.0, "acc", "SGD", 2, 150.0),
     "vgg11": Defaults(0.1, 32, 0.97, 0.0, "acc", "SGD", 2, 150.0),
-    "resnet": Defaults(0.05, 32, 0.98, 0.9, "acc", "SGD, momentum 0.9, weight decay 5e-4", 2, 600.0),
+    "resnet": Defaults(0.05, 32, 0.97, 0.9, "acc", "SGD, momentum 0.9, weight decay 5e-4", 2, 600.0),
     "gpt": Defaults(3e-3, 8, 2.0, 0.0, "val_loss", "AdamW, betas (0.9, 0.95), weight decay 0.1", 4, 600.0),
 }
 VAL_WINDOWS = 128  # gpt's validation loss is measured on this many held-out windows, spread over every file
