@@ -207,3 +207,29 @@ def test_scaling_figure_reads_bench_outputs_and_rejects_others(tmp_path):
     bad.write_text("no json here")
     with pytest.raises(DgtError, match="no JSON object"):
         ddp_scaling.load(str(bad))
+
+
+def test_report_of_a_family_judges_the_steps_goal_not_issue_19s():
+    from dgt.experiment.ddp_report import render
+    from dgt.experiment.ddp_runner import summarize
+
+    def run(arm, n_to_target, target=2.8):
+        evals = [{"it": i, "train_time": 0.5 * i, "val_loss": 3.0 if i < n_to_target else 2.7, "wire": None}
+                 for i in range(4, 200, 4)]
+        rank = {"steps": [0.5] * 196, "evals": evals, "train_time": 98.0, "stop_reason": "target", "dgt": {}}
+        return {"arm": arm, "summary": summarize([rank], target, "val_loss")}
+
+    def results(runs):
+        return {"config": DDPConfig(model="gpt").to_dict(), "profile": "priority", "profile_description": "d",
+                "network": {"mode": "netem", "description": "n", "why_not_netem": None},
+                "dataset": {"name": "stdlib-bytes"}, "model": {"parameters": 10, "gradient_bytes": 40},
+                "workload": {"family": "gpt", "optimizer": "AdamW", "metric": "val_loss"},
+                "arms": dict(ARMS), "runs": runs, "ratios": {}}
+
+    text = render(results([run("gloo", 100), run("dgt-hook", 116)]))
+    assert "dgt-hook steps to target vs Gloo: 116 / 100 = 1.16x (goal <= 1.2x): met" in text
+    assert "issue #19" not in text and "AdamW" in text and "validation loss" in text
+    text = render(results([run("gloo", 100), run("dgt-hook", 124)]))
+    assert "124 / 100 = 1.24x (goal <= 1.2x): NOT met" in text
+    text = render(results([run("gloo", 100), run("dgt-hook", 400)]))
+    assert "dgt-hook did not reach the target" in text

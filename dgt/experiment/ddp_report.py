@@ -8,6 +8,8 @@ from dgt.experiment.console import fmt_bytes
 
 # issue #19's acceptance: dgt-hook time to target <= 0.75x Gloo (priority), <= 0.85x (fifo); step <= 0.7x (priority)
 GOALS = {"priority": {"time_to_target": 0.75, "step_mean": 0.7}, "fifo": {"time_to_target": 0.85}}
+# issue #43's acceptance for the resnet (momentum SGD) and gpt (AdamW) families: dgt-hook steps <= 1.2x Gloo's
+STEPS_GOAL = 1.2
 
 
 def _row(cells: list[str]) -> str:
@@ -126,7 +128,25 @@ def _split(run: dict[str, Any]) -> list[str]:
     return out
 
 
+def _steps_goal(results: dict[str, Any]) -> list[str]:
+    """Issue #43 (the resnet and gpt families): the DGT hook reaches the target in at most 1.2x Gloo's steps."""
+    by = {r["arm"]: r["summary"] for r in results["runs"] if r.get("summary")}
+    gloo, hook = by.get("gloo"), by.get("dgt-hook")
+    if gloo is None or hook is None:
+        return []
+    if not (gloo["reached"] and hook["reached"]):
+        got = "gloo" if not gloo["reached"] else "dgt-hook"
+        return ["", "## Against the goal of issue #43", "", f"- {got} did not reach the target: no steps ratio."]
+    ratio = hook["iterations"] / gloo["iterations"]
+    verdict = "met" if ratio <= STEPS_GOAL else "NOT met"
+    return ["", "## Against the goal of issue #43", "",
+            f"- dgt-hook steps to target vs Gloo: {hook['iterations']} / {gloo['iterations']} = {ratio:.2f}x "
+            f"(goal <= {STEPS_GOAL}x): {verdict}"]
+
+
 def _goals(results: dict[str, Any]) -> list[str]:
+    if results.get("workload", {}).get("family", "alexnet") in ("resnet", "gpt"):
+        return _steps_goal(results)
     goals = GOALS.get(results["profile"])
     r = results["ratios"].get("dgt-hook")
     if not goals or r is None:

@@ -60,7 +60,7 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
         "experiment": "ddp", "command": command, "config": cfg.to_dict(), "profile": cfg.profile,
         "profile_description": PROFILES[cfg.profile],
         "network": {"mode": mode, "why_not_netem": why, "description": net_desc},
-        "dataset": wl.data.describe(), "model": describe(wl.model),  # type: ignore[attr-defined]
+        "dataset": wl.data.describe(), "model": describe(wl.model),
         "workload": {"family": wl.family, "optimizer": wl.optimizer_name, "metric": wl.metric},
         "arms": {a: ARMS[a] for a in cfg.arms},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,

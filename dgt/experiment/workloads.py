@@ -26,12 +26,14 @@ import sysconfig
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dgt.errors import DgtError
+from dgt.experiment.data import Dataset
 
 # a fixed sorted list of large pure-Python modules present (as single files) in CPython 3.10 to 3.13
 STDLIB_FILES = ("argparse.py", "dataclasses.py", "difflib.py", "inspect.py", "subprocess.py", "tarfile.py",
@@ -58,7 +60,7 @@ DEFAULTS: dict[str, Defaults] = {
     "alexnet": Defaults(0.1, 32, 0.97, 0.0, "acc", "SGD", 2, 150.0),
     "vgg11": Defaults(0.1, 32, 0.97, 0.0, "acc", "SGD", 2, 150.0),
     "resnet": Defaults(0.05, 32, 0.97, 0.9, "acc", "SGD, momentum 0.9, weight decay 5e-4", 2, 600.0),
-    "gpt": Defaults(3e-3, 8, 2.0, 0.0, "val_loss", "AdamW, betas (0.9, 0.95), weight decay 0.1", 4, 600.0),
+    "gpt": Defaults(3e-3, 8, 2.8, 0.0, "val_loss", "AdamW, betas (0.9, 0.95), weight decay 0.1", 4, 600.0),
 }
 VAL_WINDOWS = 128  # gpt's validation loss is measured on this many held-out windows, spread over every file
 RESNET_WIDTHS = {"resnet-s": 16, "resnet": 32, "resnet-l": 64}  # channels of the first stage; x2 per stage
@@ -248,10 +250,10 @@ def load_stdlib_text(context: int = GPT_CONTEXT, directory: str | None = None) -
                     wva[:, 1:].contiguous(), STDLIB_FILES, sum(map(len, train)), sum(map(len, val)))
 
 
-def upsampled_digits(seed: int = 0, size: int = 16) -> object:
+def upsampled_digits(seed: int = 0, size: int = 16) -> Dataset:
     """The experiment's digits split (dgt.experiment.data.load_digits), each image upsampled bilinearly to
     ``size`` x ``size`` (values re-normalised by the same mean/std as the 8x8 ones)."""
-    from dgt.experiment.data import Dataset, load_digits
+    from dgt.experiment.data import load_digits
 
     d = load_digits(seed=seed)
     up = lambda x: F.interpolate(x, size=(size, size), mode="bilinear", align_corners=False)  # noqa: E731
@@ -265,7 +267,7 @@ class Workload:
 
     model_name: str
     family: str
-    data: object  # dgt.experiment.data.Dataset or TextData: x_train, y_train, x_test, y_test, describe()
+    data: Any  # dgt.experiment.data.Dataset or TextData: x_train, y_train, x_test, y_test, describe()
     model: nn.Module
     metric: str
     make_optimizer: Callable[[Iterator[nn.Parameter]], torch.optim.Optimizer]
@@ -284,8 +286,8 @@ class Workload:
         m.eval()
         total, correct, n = 0.0, 0, 0
         with torch.no_grad():
-            for i in range(0, len(data.y_test), batch):  # type: ignore[attr-defined]
-                x, y = data.x_test[i : i + batch], data.y_test[i : i + batch]  # type: ignore[attr-defined]
+            for i in range(0, len(data.y_test), batch):
+                x, y = data.x_test[i : i + batch], data.y_test[i : i + batch]
                 out = m(x)
                 if self.metric == "val_loss":
                     total += float(self.loss(out, y)) * y.numel()
@@ -317,8 +319,8 @@ def build_workload(model: str, dataset: str = "digits", data_dir: str | None = N
         from dgt.experiment.data import load_dataset
         from dgt.experiment.models import build_model
 
-        data: object = load_dataset(dataset, data_dir, seed)
-        net = build_model(model, data.shape, data.num_classes, width, seed=seed)  # type: ignore[attr-defined]
+        data: Any = load_dataset(dataset, data_dir, seed)
+        net = build_model(model, data.shape, data.num_classes, width, seed=seed)
         return Workload(model, fam, data, net, "acc",
                         lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum),
                         "SGD" + (f", momentum {momentum:g}" if momentum else ""))
@@ -327,7 +329,7 @@ def build_workload(model: str, dataset: str = "digits", data_dir: str | None = N
     if fam == "resnet":
         data = upsampled_digits(seed)
         torch.manual_seed(seed)
-        net = ResNetSmall(data.shape, data.num_classes, RESNET_WIDTHS[model])  # type: ignore[attr-defined]
+        net = ResNetSmall(data.shape, data.num_classes, RESNET_WIDTHS[model])
         wd = 5e-4
         return Workload(model, fam, data, net, "acc",
                         lambda ps: torch.optim.SGD(ps, lr=lr, momentum=momentum, weight_decay=wd),
