@@ -64,18 +64,23 @@ def plot(table: list[dict[str, Any]], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_t, ax_b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    styles = {"resnet": "-", "gpt": "--"}
+    styles = {"resnet": "-", "gpt": "--"}  # line style per family, colour per mode
+    modes = sorted({r["mode"] for r in table})
+    colours = {m: f"C{i}" for i, m in enumerate(modes)}
     for key in sorted({(r["family"], r["mode"]) for r in table}):
         pts = sorted((r["grad_mb"], r["step_s"], r["lo_bytes"]) for r in table if (r["family"], r["mode"]) == key)
         label = f"{key[0]} {key[1]}"
         ls = styles.get(key[0], ":")
-        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], ls, marker="o", label=label)
+        ax_t.plot([p[0] for p in pts], [p[1] for p in pts], ls, color=colours[key[1]], marker="o", label=label)
         if all(p[2] is not None for p in pts):
-            ax_b.plot([p[0] for p in pts], [p[2] / 1e6 for p in pts], ls, marker="o", label=label)
+            ax_b.plot([p[0] for p in pts], [p[2] / 1e6 for p in pts], ls, color=colours[key[1]], marker="o",
+                      label=label)
     ax_t.set(xscale="log", yscale="log", xlabel="gradient (MB, float32)", ylabel="median step (s)",
              title="step time per mode")
     ax_b.set(xscale="log", yscale="log", xlabel="gradient (MB, float32)", ylabel="loopback tx / rank / step (MB)",
              title="bytes on the wire per mode")
+    for ax in (ax_t, ax_b):
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
     ax_t.legend(fontsize=7)
     ax_b.legend(fontsize=7)
     fig.tight_layout()
