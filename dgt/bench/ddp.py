@@ -1,13 +1,18 @@
-"""``dgt bench ddp``: time per DDP training step of the example model (examples/ddp_dgt.py), Gloo vs the DGT hook.
+"""``dgt bench ddp``: time per DDP training step of the example model (examples/ddp_dgt.py), or of a model family of
+``dgt experiment ddp`` (``--model resnet``, ``gpt-l``, ...: dgt/experiment/workloads.py, with its data and optimizer),
+Gloo vs the DGT hook (and, with ``--modes``, torch's fp16 and PowerSGD hooks).
 
-Three modes in the same processes: plain DDP on Gloo (the anchor), the DGT hook lossless (dense codec, TCP lane
-only) and the DGT hook "lossy": by default ``DGTState()`` with no options, as the README line gives it (DGT codec,
-important blocks on TCP, the rest on UDP, and the chooser of dgt/shim/chooser.py, which falls back to the lossless
-path where dropping does not pay); ``--lossy-codec dgt:p=0.3`` forces a constant-p DGT codec instead. Each mode
+Three modes by default, in the same processes: plain DDP on Gloo (the anchor), the DGT hook lossless (dense codec,
+TCP lane only) and the DGT hook "lossy": by default ``DGTState()`` with no options, as the README line gives it (DGT
+codec, important blocks on TCP, the rest on UDP, and the chooser of dgt/shim/chooser.py, which falls back to the
+lossless path where dropping does not pay); ``--lossy-codec dgt:p=0.3`` forces a constant-p DGT codec instead. Each mode
 first runs untimed warm-up steps (DDP's bucket rebuild, the hook's dense warm-up, connection set-up); the timed
 steps are then split into rounds that cycle through the modes, each round starting after a barrier, so a machine
 whose load drifts (shared CI runners) affects every mode alike. Reported: median and mean seconds per step (the
-slowest rank's), and the ratio of each DGT mode to Gloo (below 1 = faster than Gloo).
+slowest rank's), and the ratio of each DGT mode to Gloo (below 1 = faster than Gloo). Bytes: what the DGT hook
+counted on its lanes, and for every mode what the loopback interface sent during that mode's timed steps (rank 0
+reads /proc/net/dev between barriers; per rank and step). ``lo`` counts every process of the network namespace: run
+the bench in a namespace of its own (``unshare -n``, as root) for figures that are the bench's alone.
 """
 
 from __future__ import annotations
@@ -15,8 +20,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from typing import Any
 
 import torch
+
+from dgt.errors import DgtError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -25,7 +33,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rounds", type=int, default=3, help="the timed steps are split into this many interleaved rounds")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
     p.add_argument("--hidden", type=int, default=1024, help="width of the example MLP (64-h-h-10)")
-    p.add_argument("--batch", type=int, default=64, help="samples per rank and step")
+    p.add_argument("--batch", type=int, default=None,
+                   help="samples per rank and step (default: 64, or the --model family's batch)")
+    p.add_argument("--model", default=None, help="a model of dgt experiment ddp (resnet-s, resnet, resnet-l, gpt-s, "
+                   "gpt, gpt-l, alexnet, vgg11) with its data and optimizer, instead of the example MLP (--hidden)")
+    p.add_argument("--modes", default=",".join(DEFAULT_MODES),
+                   help=f"comma-separated, gloo first, from {', '.join(MODES)} (default: %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--collective", choices=["ring", "ps"], default="ring")
     p.add_argument("--lossy-codec", default="default",
@@ -34,6 +47,25 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drop", type=float, default=0.0, help="datagram loss injected at the receivers (lossy mode)")
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     p.add_argument("--timeout", type=float, default=600.0)
+
+
+MODES = ("gloo", "dgt_lossless", "dgt_lossy", "fp16", "powersgd")
+DEFAULT_MODES = ("gloo", "dgt_lossless", "dgt_lossy")
+# as the powersgd arm of dgt experiment ddp, but compressing from the 2nd step: the untimed warm-up steps cover it
+POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 2, "use_error_feedback": True, "warm_start": True}
+
+
+def lo_tx() -> int | None:
+    """Bytes the loopback interface has sent in this network namespace (None: not readable)."""
+    try:
+        with open("/proc/net/dev") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if name.strip() == "lo":
+                    return int(rest.split()[8])
+    except OSError:
+        pass
+    return None
 
 
 def _model(hidden: int) -> torch.nn.Module:
@@ -52,20 +84,47 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(rank)
-    x = torch.randn(1024, 64, generator=gen)
-    y = torch.randint(10, (1024,), generator=gen)
-    modes = {
+    if cfg["model"]:
+        from dgt.experiment.workloads import build_workload
+
+        wl0 = build_workload(cfg["model"])
+        x, y, loss_fn = wl0.data.x_train, wl0.data.y_train, wl0.loss  # type: ignore[attr-defined]
+    else:
+        x = torch.randn(1024, 64, generator=gen)
+        y = torch.randint(10, (1024,), generator=gen)
+        loss_fn = torch.nn.functional.cross_entropy
+    every = {
         "gloo": None,
         "dgt_lossless": {"codec": "dense"},
         "dgt_lossy": {"codec": cfg["lossy_codec"],
                       "transport": {"drop_fraction": cfg["drop"], "drop_seed": rank} if cfg["drop"] else None},
+        "fp16": {"torch": "fp16"},
+        "powersgd": {"torch": "powersgd"},
     }
-    out: dict = {"params": sum(p.numel() for p in _model(cfg["hidden"]).parameters())}
+    modes = {m: every[m] for m in cfg["modes"]}
+
+    def build() -> tuple[torch.nn.Module, Any]:
+        """One mode's model (same initial weights in every mode and rank) and its optimizer factory."""
+        if cfg["model"]:
+            wl = build_workload(cfg["model"])
+            return wl.model, wl.make_optimizer
+        return _model(cfg["hidden"]), lambda ps: torch.optim.SGD(ps, lr=0.01)
+
+    out: dict = {"params": sum(p.numel() for p in build()[0].parameters())}
     runs = {}
     for name, opts in modes.items():  # every mode's model and state exist side by side
-        ddp = DDP(_model(cfg["hidden"]), bucket_cap_mb=cfg["bucket_mb"])
+        net, make_opt = build()
+        ddp = DDP(net, bucket_cap_mb=cfg["bucket_mb"])
         state = None
-        if opts is not None and opts["codec"] == "default":  # the README line: no options at all
+        if opts is not None and "torch" in opts:
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+            if opts["torch"] == "fp16":
+                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            else:
+                ddp.register_comm_hook(psgd.PowerSGDState(process_group=None, **POWERSGD), psgd.powerSGD_hook)
+        elif opts is not None and opts["codec"] == "default":  # the README line: no options at all
             kw = {"transport": opts["transport"]} if opts.get("transport") else {}
             if cfg["collective"] != "ring":
                 kw["collective"] = cfg["collective"]
@@ -75,13 +134,13 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
                                       transport=opts.get("transport"))
         if state is not None:
             ddp.register_comm_hook(state, dgt.shim.hook)
-        runs[name] = (ddp, state, torch.optim.SGD(ddp.parameters(), lr=0.01), [])
+        runs[name] = (ddp, state, make_opt(ddp.parameters()), [])
 
     def step(name: str) -> float:
         ddp, _state, opt, _times = runs[name]
         idx = torch.randint(len(x), (cfg["batch"],), generator=gen)
         t0 = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(ddp(x[idx]), y[idx])
+        loss = loss_fn(ddp(x[idx]), y[idx])
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -93,16 +152,24 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
             step(name)
     totals0 = {n: _snapshot(r[1]) for n, r in runs.items() if r[1] is not None}
     times: dict[str, list[float]] = {n: [] for n in modes}
+    lo: dict[str, int | None] = {n: 0 for n in modes}
     rounds = max(1, cfg["rounds"])
     per_round = max(1, cfg["steps"] // rounds)
     for _ in range(rounds):  # interleaved, so drifting machine load hits every mode alike
         for name in modes:
             dist.barrier()
+            tx0 = lo_tx()
             times[name] += [step(name) for _ in range(per_round)]
+            dist.barrier()  # every rank's steps are done before the counter is read again
+            tx1 = lo_tx()
+            prev = lo[name]
+            lo[name] = None if prev is None or tx0 is None or tx1 is None else prev + tx1 - tx0
     for name, (_ddp, state, _opt, losses) in runs.items():
         ts = times[name]
         res = {"median": statistics.median(ts), "mean": statistics.fmean(ts), "final_loss": losses[-1],
                "steps": len(ts)}
+        total = lo[name]
+        res["lo_tx_bytes_per_rank_step"] = None if total is None else total / world / len(ts)
         if state is not None:
             t, t0 = state.totals, totals0[name]
             n = len(ts)
@@ -126,14 +193,26 @@ def run(args: argparse.Namespace) -> dict:
     from dgt.collectives.launch import run_ranks
 
     cfg = {k: getattr(args, k) for k in ("steps", "rounds", "warmup", "hidden", "batch", "bucket_mb", "collective",
-                                         "lossy_codec", "drop", "threads")}
+                                         "lossy_codec", "drop", "threads", "model")}
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    if not names or names[0] != "gloo" or len(set(names)) != len(names) or any(m not in MODES for m in names):
+        raise DgtError(f"--modes must start with gloo and name each mode once, from {', '.join(MODES)}: "
+                       f"{args.modes!r}")
+    cfg["modes"] = names
+    from dgt.experiment.workloads import defaults
+
+    if args.model:
+        defaults(args.model)  # an unknown model is a clear error here, not in every rank
+    if cfg["batch"] is None:
+        cfg["batch"] = defaults(args.model).batch if args.model else 64
     res = run_ranks(_rank, args.world, cfg, timeout=args.timeout, env={"DGT_THREADS": str(args.threads)})
     modes: dict = {}
-    for name in ("gloo", "dgt_lossless", "dgt_lossy"):
+    for name in names:
         per_rank = [res[r][name] for r in range(args.world)]
         m = {"s_per_step_median": max(p["median"] for p in per_rank),
              "s_per_step_mean": max(p["mean"] for p in per_rank),
-             "final_loss_rank0": per_rank[0]["final_loss"]}
+             "final_loss_rank0": per_rank[0]["final_loss"],
+             "lo_tx_bytes_per_rank_step": per_rank[0]["lo_tx_bytes_per_rank_step"]}
         for k in ("hook_comm_s_per_step", "reliable_bytes_per_step", "droppable_bytes_per_step", "choice"):
             if k in per_rank[0]:
                 m[k] = per_rank[0][k]
@@ -144,6 +223,8 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "bench": "ddp",
         "world": args.world,
+        "model": args.model or f"mlp-64-{args.hidden}-{args.hidden}-10",
+        "batch": cfg["batch"],
         "params": res[0]["params"],
         "grad_mb": res[0]["params"] * 4 / 1e6,
         "steps": res[0]["gloo"]["steps"],
@@ -152,5 +233,5 @@ def run(args: argparse.Namespace) -> dict:
         "drop": args.drop,
         "collective": args.collective,
         "modes": modes,
-        "ratios": {f"{name}/gloo": modes[name]["s_per_step_median"] / base for name in ("dgt_lossless", "dgt_lossy")},
+        "ratios": {f"{name}/gloo": modes[name]["s_per_step_median"] / base for name in names[1:]},
     }

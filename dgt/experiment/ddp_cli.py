@@ -11,6 +11,7 @@ import sys
 
 from dgt.experiment.config import NetworkConfig
 from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig
+from dgt.experiment.workloads import MODELS
 
 
 def ddp(args: argparse.Namespace) -> int:
@@ -81,14 +82,20 @@ def add_ddp_parser(esub: argparse._SubParsersAction) -> None:
                    help="netem (root), loopback (nothing shaped), auto: netem when it works (default: %(default)s)")
     p.add_argument("--rate", default=base.network.rate, help="every host link, tc units (default: %(default)s)")
     p.add_argument("--queue-limit", type=int, default=base.network.queue_limit, help="packets (default: %(default)s)")
-    p.add_argument("--model", default=base.model, help="alexnet or vgg11 (default: %(default)s)")
+    p.add_argument("--model", default=base.model, choices=list(MODELS),
+                   help="alexnet/vgg11 (plain SGD), resnet[-s|-l] (momentum SGD + weight decay, digits at 16x16) or "
+                   "gpt[-s|-l] (AdamW, byte-level stdlib source; the target is a validation loss); the family sets "
+                   "the defaults of --lr, --batch, --target, --eval-every, --max-time (docs/experiment-ddp.md) "
+                   "(default: %(default)s)"),
     p.add_argument("--workers", type=int, default=base.workers, help="K (default: %(default)s)")
-    p.add_argument("--target", type=float, default=base.target, help="test accuracy (default: %(default)s)")
+    p.add_argument("--target", type=float, default=None,
+                   help="test accuracy, or gpt's validation loss (default: the model family's; alexnet 0.97)")
     p.add_argument("--max-iters", type=int, default=base.max_iters, help="per arm (default: %(default)s)")
-    p.add_argument("--max-time", type=float, default=base.max_time, help="training s per arm (default: %(default)s)")
-    p.add_argument("--eval-every", type=int, default=base.eval_every, help="steps (default: %(default)s)")
-    p.add_argument("--batch", type=int, default=base.batch, help="per worker (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=base.lr, help="SGD (default: %(default)s)")
+    p.add_argument("--max-time", type=float, default=None, help="training s per arm (default: the family's; alexnet "
+                   "150)")
+    p.add_argument("--eval-every", type=int, default=None, help="steps (default: the family's; alexnet 2)")
+    p.add_argument("--batch", type=int, default=None, help="per worker (default: the family's; alexnet 32)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default: the family's; alexnet 0.1)")
     seeds = p.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, default=base.seed, help="one run per arm (default: %(default)s)")
     seeds.add_argument("--seeds", type=seed_list, default=None, metavar="S,S,...",

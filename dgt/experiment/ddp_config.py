@@ -75,20 +75,29 @@ class DDPConfig:
     data_dir: str | None = None
     width: int = 1
     workers: int = 4
-    batch: int = 32
-    lr: float = 0.1
-    momentum: float = 0.0
+    # None: the model family's default (dgt/experiment/workloads.py; alexnet: 32, 0.1, 0, 0.97, 2)
+    batch: int | None = None
+    lr: float | None = None
+    momentum: float | None = None
     seed: int = 0
     seeds: list[int] = field(default_factory=list)  # every arm once per seed; empty: the one run of `seed`
-    target: float = 0.97
-    eval_every: int = 2
+    target: float | None = None  # test accuracy, or gpt's validation loss
+    eval_every: int | None = None
     max_iters: int = 300
-    max_time: float = 150.0  # training seconds (evaluation excluded) per arm
+    max_time: float | None = None  # training seconds (evaluation excluded) per arm; None: the family's (150 s alexnet)
     network: NetworkConfig = field(default_factory=lambda: NetworkConfig(prefix="dgtd"))
     out_dir: str = "dgt-ddp"
     plots: bool = True
 
     def __post_init__(self) -> None:
+        from dgt.experiment.workloads import MODELS, defaults
+
+        if self.model not in MODELS:
+            raise ValueError(f"unknown model {self.model!r}; known: {', '.join(MODELS)}")
+        d = defaults(self.model)
+        for name in ("batch", "lr", "momentum", "target", "eval_every", "max_time"):
+            if getattr(self, name) is None:
+                setattr(self, name, getattr(d, name))
         if self.workers < 2:
             raise ValueError("need at least 2 workers")
         unknown = [a for a in self.arms if a not in ARMS]
@@ -96,8 +105,10 @@ class DDPConfig:
             raise ValueError(f"unknown arms {unknown}; known: {', '.join(ARMS)}")
         if self.profile not in PROFILES:
             raise ValueError(f"unknown profile {self.profile!r}; known: {', '.join(PROFILES)}")
-        if not 0.0 < self.target <= 1.0:
+        if d.metric == "acc" and not 0.0 < self.target <= 1.0:
             raise ValueError("target accuracy must be in (0, 1]")
+        if d.metric == "val_loss" and not self.target > 0.0:
+            raise ValueError("target validation loss must be positive")
         if self.eval_every < 1 or self.max_iters < 1 or self.max_time <= 0:
             raise ValueError("eval_every, max_iters and max_time must be positive")
         if len(set(self.seeds)) != len(self.seeds):

@@ -11,6 +11,8 @@ from dgt.experiment.ddp_stats import ratios as median_ratios
 
 # issue #19's acceptance: dgt-hook time to target <= 0.75x Gloo (priority), <= 0.85x (fifo); step <= 0.7x (priority)
 GOALS = {"priority": {"time_to_target": 0.75, "step_mean": 0.7}, "fifo": {"time_to_target": 0.85}}
+# issue #43's acceptance for the resnet (momentum SGD) and gpt (AdamW) families: dgt-hook steps <= 1.2x Gloo's
+STEPS_GOAL = 1.2
 
 
 def _row(cells: list[str]) -> str:
@@ -85,6 +87,8 @@ def render(results: dict[str, Any]) -> str:
     if results.get("command"):
         lines += ["", "```sh", results["command"], "```"]
     m = results["model"]
+    wl = results.get("workload", {"optimizer": "SGD", "metric": "acc"})
+    what = "validation loss (nats/byte, lower is better)" if wl["metric"] == "val_loss" else "test accuracy"
     lines += [
         "", "## Setup", "",
         f"- **Profile `{results['profile']}`**: {results['profile_description']}.",
@@ -92,9 +96,10 @@ def render(results: dict[str, Any]) -> str:
         + (f" Netem was not used: {net['why_not_netem']}." if net.get("why_not_netem") else ""),
         f"- **Training**: `torch.nn.parallel.DistributedDataParallel` in {cfg['workers']} processes meeting through "
         f"env:// (as under torchrun); {cfg['model']} ({m['parameters']:,} parameters, "
-        f"{fmt_bytes(m['gradient_bytes'])} of gradient), {results['dataset']['name']}, SGD lr {cfg['lr']}, batch "
-        f"{cfg['batch']} per worker, {_seeds_text(results)}; accuracy every {cfg['eval_every']} steps (outside the "
-        f"timed steps); target {cfg['target']:g}; budget {cfg['max_iters']} steps / {cfg['max_time']:g} s.",
+        f"{fmt_bytes(m['gradient_bytes'])} of gradient), {results['dataset']['name']}, {wl['optimizer']}, lr "
+        f"{cfg['lr']:g}, batch {cfg['batch']} per worker, {_seeds_text(results)}; {what} every {cfg['eval_every']} "
+        f"steps (outside the timed steps); target {cfg['target']:g}; budget {cfg['max_iters']} steps / "
+        f"{cfg['max_time']:g} s.",
         "- **Arms**:",
     ]
     lines += [f"  - `{a}`: {d}" for a, d in results["arms"].items()]
@@ -187,7 +192,25 @@ def _split(run: dict[str, Any]) -> list[str]:
     return out
 
 
+def _steps_goal(results: dict[str, Any]) -> list[str]:
+    """Issue #43 (the resnet and gpt families): the DGT hook reaches the target in at most 1.2x Gloo's steps."""
+    by = {r["arm"]: r["summary"] for r in results["runs"] if r.get("summary")}
+    gloo, hook = by.get("gloo"), by.get("dgt-hook")
+    if gloo is None or hook is None:
+        return []
+    if not (gloo["reached"] and hook["reached"]):
+        got = "gloo" if not gloo["reached"] else "dgt-hook"
+        return ["", "## Against the goal of issue #43", "", f"- {got} did not reach the target: no steps ratio."]
+    ratio = hook["iterations"] / gloo["iterations"]
+    verdict = "met" if ratio <= STEPS_GOAL else "NOT met"
+    return ["", "## Against the goal of issue #43", "",
+            f"- dgt-hook steps to target vs Gloo: {hook['iterations']} / {gloo['iterations']} = {ratio:.2f}x "
+            f"(goal <= {STEPS_GOAL}x): {verdict}"]
+
+
 def _goals(results: dict[str, Any]) -> list[str]:
+    if results.get("workload", {}).get("family", "alexnet") in ("resnet", "gpt"):
+        return _steps_goal(results)
     goals = GOALS.get(results["profile"])
     r = results["ratios"].get("dgt-hook")
     if not goals or r is None:

@@ -15,13 +15,13 @@ from typing import Any
 import torch
 
 from dgt.experiment.console import Reporter
-from dgt.experiment.data import load_dataset
 from dgt.experiment.ddp_config import ARMS, PROFILES, DDPConfig, profile_network
 from dgt.experiment.ddp_stats import aggregate, best_torch, nearest_rank, ratios
 from dgt.experiment.launch import RunFailed, launch
-from dgt.experiment.models import build_model, describe
+from dgt.experiment.models import describe
 from dgt.experiment.network import Network, resolve_mode
 from dgt.experiment.worker import write_json
+from dgt.experiment.workloads import build_workload, reached
 
 
 def hard_timeout(cfg: DDPConfig) -> float:
@@ -57,7 +57,8 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
     mode, why = resolve_mode(cfg.network)
     os.makedirs(cfg.out_dir, exist_ok=True)
     seeds = cfg.seed_list()
-    data = load_dataset(cfg.dataset, cfg.data_dir, seeds[0])
+    # what the report describes (model, data, optimizer); each run's workers build theirs with the run's seed
+    wl = build_workload(cfg.model, cfg.dataset, cfg.data_dir, seeds[0], cfg.width, cfg.lr, cfg.momentum)
     net_desc = Network(cfg.network, cfg.workers, mode).describe() if mode == "netem" else (
         "loopback: all ranks on 127.0.0.1, nothing shaped (torch's Gloo sockets cannot be paced from outside), "
         f"so the {cfg.profile!r} profile is NOT emulated; run as root for the netem profiles")
@@ -65,7 +66,8 @@ def run_ddp(cfg: DDPConfig, reporter: Reporter | None = None, command: str | Non
         "experiment": "ddp", "command": command, "config": cfg.to_dict(), "profile": cfg.profile,
         "profile_description": PROFILES[cfg.profile],
         "network": {"mode": mode, "why_not_netem": why, "description": net_desc},
-        "dataset": data.describe(), "model": describe(build_model(cfg.model, data.shape, data.num_classes, cfg.width)),
+        "dataset": wl.data.describe(), "model": describe(wl.model),
+        "workload": {"family": wl.family, "optimizer": wl.optimizer_name, "metric": wl.metric},
         "arms": {a: ARMS[a] for a in cfg.arms},
         "machine": {"cpus": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
                     "platform": platform.platform()},
@@ -112,9 +114,10 @@ def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter, seed
         entry["error"] = str(exc)
         ui.end_run(error=str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
         return entry
-    entry["summary"] = summarize(ranks, cfg.target)
+    metric = metric_of(cfg)
+    entry["summary"] = summarize(ranks, cfg.target, metric)
     entry["summary"]["run_wall_time"] = time.monotonic() - started
-    entry["curve"] = [{k: e[k] for k in ("it", "train_time", "acc")} for e in ranks[0]["evals"]]
+    entry["curve"] = [{k: e[k] for k in ("it", "train_time", metric)} for e in ranks[0]["evals"]]
     entry["steps"] = ranks[0]["steps"]
     entry["dgt"] = [r["dgt"] for r in ranks]
     entry["hook"] = [r.get("hook") for r in ranks]  # torch's PowerSGD counters (None for the other arms)
@@ -122,11 +125,19 @@ def _one_arm(cfg: DDPConfig, arm: str, mode: str, index: int, ui: Reporter, seed
     return entry
 
 
-def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
-    """Rank 0's times up to the first evaluation at or above ``target`` (the whole run when never reached);
-    wire bytes per rank and step up to the same point; DGT's own counters over the whole run."""
+def metric_of(cfg: DDPConfig) -> str:
+    """The evaluation metric of ``cfg``'s model family: "acc" or "val_loss"."""
+    from dgt.experiment.workloads import defaults
+
+    return defaults(cfg.model).metric
+
+
+def summarize(ranks: list[dict[str, Any]], target: float, metric: str = "acc") -> dict[str, Any]:
+    """Rank 0's times up to the first evaluation that reaches ``target`` (accuracy at or above it, a validation
+    loss at or below it; the whole run when never reached); wire bytes per rank and step up to the same point;
+    DGT's own counters over the whole run."""
     r0 = ranks[0]
-    hit = next((e for e in r0["evals"] if e["acc"] >= target), None)
+    hit = next((e for e in r0["evals"] if reached(metric, e[metric], target)), None)
     upto = hit or (r0["evals"][-1] if r0["evals"] else {"it": len(r0["steps"]), "train_time": r0["train_time"]})
     n = upto["it"]
     steps = r0["steps"][:n]
@@ -146,7 +157,8 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
         "step_mean": statistics.fmean(steps) if steps else None,
         "step_p95": nearest_rank(steps, 0.95) if steps else None,
         "step_median": statistics.median(steps) if steps else None,
-        "final_acc": r0["evals"][-1]["acc"] if r0["evals"] else None,
+        "metric": metric,
+        f"final_{metric}": r0["evals"][-1][metric] if r0["evals"] else None,
         "wire_tx_per_rank_step": statistics.fmean(tx) / n if tx and n else None,
         "dgt_lane_bytes_per_rank_step": {k: v / run_steps for k, v in lanes.items()} if lanes else None,
         "dgt_dropped_blocks": sum(r["dgt"].get("dropped", 0) for r in ranks),
@@ -156,32 +168,35 @@ def summarize(ranks: list[dict[str, Any]], target: float) -> dict[str, Any]:
 
 
 def write_plot(results: dict[str, Any], out_dir: str) -> str:
-    """Test accuracy against training time, every arm on one chart (one colour per arm, one line per seed); returns
-    the file name."""
+    """Test accuracy (or gpt's validation loss) against training time, every arm on one chart (one colour per arm,
+    one line per seed); returns the file name."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     target = results["config"]["target"]
+    metric = results.get("workload", {}).get("metric", "acc")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     colours: dict[str, Any] = {}
     for r in results["runs"]:
         if not r.get("summary"):
             continue
         first = r["arm"] not in colours
-        line, = ax.plot([e["train_time"] for e in r["curve"]], [e["acc"] for e in r["curve"]], marker=".",
+        line, = ax.plot([e["train_time"] for e in r["curve"]], [e[metric] for e in r["curve"]], marker=".",
                         label=r["arm"] if first else None, color=colours.get(r["arm"]))
         colours.setdefault(r["arm"], line.get_color())
         if r["summary"]["reached"]:
             ax.axvline(r["summary"]["time_to_target"], color=line.get_color(), ls=":", lw=1)
     ax.axhline(target, color="gray", ls="--", lw=1, label=f"target {target:g}")
     seeds = results.get("seeds") or [results["config"]["seed"]]
-    ax.set(title=f"DDP, {results['config']['workers']} workers, profile {results['profile']}, "
-                 f"seed{'s' if len(seeds) > 1 else ''} {','.join(map(str, seeds))} "
+    ax.set(title=f"DDP {results['config']['model']}, {results['config']['workers']} workers, profile "
+                 f"{results['profile']}, seed{'s' if len(seeds) > 1 else ''} {','.join(map(str, seeds))} "
                  f"({results['network']['mode']})", xlabel="training time (s, evaluation excluded)",
-           ylabel="test accuracy", ylim=(0, 1))
-    ax.legend(loc="lower right")
+           ylabel="validation loss (nats/byte)" if metric == "val_loss" else "test accuracy")
+    if metric != "val_loss":
+        ax.set_ylim(0, 1)
+    ax.legend(loc="upper right" if metric == "val_loss" else "lower right")
     fig.tight_layout()
     name = "accuracy_vs_time.png"
     fig.savefig(os.path.join(out_dir, name), dpi=110)

@@ -20,13 +20,10 @@ import sys
 import time
 from typing import Any
 
-import torch
-import torch.nn.functional as F
-
-from dgt.experiment.data import ShardSampler, load_dataset
+from dgt.experiment.data import ShardSampler
 from dgt.experiment.ddp_config import DDPSpec
-from dgt.experiment.models import build_model
-from dgt.experiment.worker import PROGRESS, evaluate, worker_main
+from dgt.experiment.worker import PROGRESS, worker_main
+from dgt.experiment.workloads import Workload, build_workload
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
@@ -84,6 +81,8 @@ def runnable_batched_powersgd(psgd: Any) -> None:
     AssertionError at its first compressed step (torch 2.13). Where that is so, ``_orthogonalize`` is wrapped to view
     a 2-D matrix as a batch of one (in place, as the hook expects); 3-D input goes through unchanged. Recorded in
     ``WORKAROUNDS``. Nothing changes on a torch whose ``_orthogonalize`` takes a 2-D matrix."""
+    import torch
+
     original = psgd._orthogonalize
     try:
         original(torch.ones(2, 1))
@@ -152,11 +151,11 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
         os.environ.setdefault("GLOO_SOCKET_IFNAME", spec.wire_if)
     dist.init_process_group("dgt" if spec.arm == "dgt-backend" else "gloo", init_method="env://")
     store = dist.distributed_c10d._get_default_store()
-    data = load_dataset(spec.dataset, spec.data_dir, spec.seed)
-    model = build_model(spec.model, data.shape, data.num_classes, spec.width, seed=spec.seed)
+    wl = build_workload(spec.model, spec.dataset, spec.data_dir, spec.seed, spec.width, spec.lr, spec.momentum)
+    data, model = wl.data, wl.model  # the family's model, data, optimizer, loss and metric (workloads.py)
     ddp = DDP(model)
     state = attach_arm(spec.arm, ddp)
-    opt = torch.optim.SGD(ddp.parameters(), lr=spec.lr, momentum=spec.momentum)
+    opt = wl.make_optimizer(ddp.parameters())
     sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
     wire0 = wire_bytes(spec.wire_if)
     steps: list[float] = []
@@ -167,7 +166,7 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
     for it in range(1, spec.max_iters + 1):
         t0 = time.perf_counter()
         idx = sampler.next()
-        loss = F.cross_entropy(ddp(data.x_train[idx]), data.y_train[idx])
+        loss = wl.loss(ddp(data.x_train[idx]), data.y_train[idx])
         opt.zero_grad(set_to_none=False)
         loss.backward()
         opt.step()
@@ -181,14 +180,14 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
         train_time += dt
         decision = None
         if it % spec.eval_every == 0 or it == spec.max_iters:
-            decision = _decide(store, rank, it, spec, model, data, train_time)
+            decision = _decide(store, rank, it, spec, wl, train_time)
             wire = wire_bytes(spec.wire_if)
-            evals.append({"it": it, "train_time": train_time, "acc": decision["acc"],
+            evals.append({"it": it, "train_time": train_time, wl.metric: decision["value"],
                           "wire": _delta(wire, wire0)})
         if emit:
             out = {"it": it, "bct": dt, "loss": loss_v, "train_time": train_time}
             if decision is not None:
-                out["acc"] = decision["acc"]
+                out[wl.metric] = decision["value"]
             print(PROGRESS + json.dumps(out), flush=True)
         if decision is not None and decision["stop"]:
             stop_reason = decision["reason"]
@@ -208,15 +207,15 @@ def _delta(now: dict[str, int] | None, then: dict[str, int] | None) -> dict[str,
     return None if now is None or then is None else {k: now[k] - then[k] for k in now}
 
 
-def _decide(store: Any, rank: int, it: int, spec: DDPSpec, model: torch.nn.Module, data: Any,
-            train_time: float) -> dict[str, Any]:
-    """Rank 0 evaluates and publishes {acc, stop, reason} in the store; the others wait for it."""
+def _decide(store: Any, rank: int, it: int, spec: DDPSpec, wl: Workload, train_time: float) -> dict[str, Any]:
+    """Rank 0 evaluates (test accuracy, or gpt's validation loss) and publishes {value, stop, reason} in the store;
+    the others wait for it."""
     key = f"dgtddp/eval/{it}"
     if rank == 0:
-        acc = evaluate(model, data)
-        reason = ("target" if acc >= spec.target else "max_iters" if it >= spec.max_iters
+        value = wl.evaluate()
+        reason = ("target" if wl.reached(value, spec.target) else "max_iters" if it >= spec.max_iters
                   else "max_time" if train_time >= spec.max_time else None)
-        decision = {"acc": acc, "stop": reason is not None, "reason": reason}
+        decision = {"value": value, "stop": reason is not None, "reason": reason}
         store.set(key, json.dumps(decision))
         return decision
     return json.loads(store.get(key))
