@@ -26,6 +26,7 @@ from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.early_buffer import EarlyBuffer, datagram_sizes, pack_datagrams, reencode
 from dgt.protocol.events import ALREADY_CLOSED, DropReportIn, Event, Key, RoundDone, RoundRefused
 from dgt.protocol.landing import land_fragments, land_runs, mark_run
+from dgt.protocol.owner import owned
 from dgt.protocol.round_state import (
     HUGE_BYTES,
     Allocator,
@@ -44,6 +45,7 @@ __all__ = ["HUGE_BYTES", "Allocator", "DropReportIn", "Event", "Key", "RoundDone
            "zeroed"]
 
 
+@owned
 class RoundReceiver:
     """Receiver state machine for one endpoint; rounds from several senders and buckets can be open at once."""
 

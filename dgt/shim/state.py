@@ -251,10 +251,9 @@ class DGTState:
 
     def transport_stats(self) -> dict[str, Any] | None:
         """The endpoint's counters (deadline waits, rounds closed by deadline, lanes), None before it connected.
-        Read from another thread than the worker's: counters of a round in progress may be half updated."""
-        group = None if self._worker is None else self._worker.group
-        ep = None if group is None else getattr(group, "endpoint", None)
-        return None if ep is None else ep.stats().to_dict()
+        Read on the worker's trio thread, which owns them (:meth:`TrioWorker.transport_stats`)."""
+        stats = None if self._worker is None else self._worker.transport_stats()
+        return None if stats is None else stats.to_dict()
 
     def close(self) -> None:
         """Stop the worker thread and close the transport (the state stays usable: it reconnects on next use)."""

@@ -142,10 +142,12 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
         self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
+        # the lossy ring hops' CPU gate, fed on this (the trio) thread with the readings the hops' worker returns
+        self.cpu_gate = CpuGate(c.cpu_gate) if c.cpu_gate else None
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=hop,
-                                 cpu_gate=CpuGate(c.cpu_gate) if c.cpu_gate else None)
+                                 cpu_wait=self.cpu_gate is not None)
 
     @classmethod
     async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,
@@ -281,7 +283,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         """A snapshot of the endpoint's counters (per lane both directions, rounds, losses, deadline waits)."""
         st = self._stats
         rc = self.receiver.counters
-        gate = self.streams.cpu_gate
+        gate = self.cpu_gate
         lanes = []
         l0 = self.cfg.lanes[0]
         tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)

@@ -86,7 +86,7 @@ class HopRoundMixin(OutboundMixin):
         now = trio.current_time()
         packed: list[torch.Tensor] = []
         plan, _ = self._plan_round(link, bucket, round, flat.detach().reshape(-1), layout, cls, order, False, True,
-                                   codec, packed.append, self.streams.cpu_gate)
+                                   codec, packed.append, self.cpu_gate)
         stats = SendStats(peer, bucket, round, 0, plan.unimportant_blocks, 1, 0, copied=True,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)
         for lane, n in plan.unsent_lanes.items():
@@ -156,7 +156,10 @@ class HopRoundMixin(OutboundMixin):
         geom = Geometry.of(layout, fragment_elems(layout.block, itemsize, room))
         most = int(geom.frags_needed.sum())
         seg = wire.HEADER_SIZE + room
-        policy = self.receiver.deadline  # read in the worker thread (its learning happens here, between hops)
+        # the receiver's policy belongs to this (the trio) thread: the worker evaluates a copy of it as it stands now
+        # (it learns on this thread as rounds close, between hops), and gets its longest wait as a value
+        peer_wait = self.receiver.deadline.longest_wait()
+        policy = self.receiver.deadline.frozen()
         name = wire.headers(1)
         name["rank"], name["round"], name["bucket"] = peer, round, bucket
         addr = self._hop_addr(peer)
@@ -166,7 +169,7 @@ class HopRoundMixin(OutboundMixin):
             announced = wire.decode_round_end(ctl[len(ctl) - _END + wire.HEADER_SIZE :])[3] if len(ctl) >= _END else 0
             expect = min(int(announced), most)
             return DatagramRecv(buf(expect * seg + 2 * SLOT), addr, name.tobytes()[NAME], expect, policy.deadline,
-                                peer_wait=policy.longest_wait())
+                                peer_wait=peer_wait)
 
         return receipt
 

@@ -391,7 +391,9 @@ class LinkMixin(EndpointState):
                 self._exchange_scopes.add(scope)
                 try:
                     started = True  # streams.exchange owns the ticket from here, however it ends
-                    return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                    results = await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                    self._feed_cpu_gate(results)
+                    return results
                 except (PeerClosed, BaseExceptionGroup) as exc:
                     # a peer that aborted may hang up on a lane before its ABORT is read; both neighbours' lanes
                     # failing at once come as a group of PeerClosed (trio's MultiError), which must wait for it too
@@ -412,6 +414,14 @@ class LinkMixin(EndpointState):
             if scope is not None:
                 self._exchange_scopes.discard(scope)
             self._stream_watch.unwatch(entries)
+
+    def _feed_cpu_gate(self, results: list[HopResult]) -> None:
+        """The CPU gate's readings the hops' worker thread measured and returned (on the trio thread, which owns
+        the gate: docs/architecture.md, Threads)."""
+        if self.cpu_gate is not None:
+            for r in results:
+                if r.cpu_wait is not None:
+                    self.cpu_gate.observe(*r.cpu_wait)
 
 
 def _all_peer_closed(exc: BaseException) -> bool:

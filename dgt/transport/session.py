@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from dgt.errors import PeerClosed, RankMismatch
     from dgt.layout import BucketLayout
     from dgt.protocol.bulk import BulkReceiver
+    from dgt.protocol.cpu_gate import CpuGate
     from dgt.protocol.datagram_mac import DatagramMac
     from dgt.protocol.events import BulkDone, Event, RoundDone
     from dgt.protocol.pacing import Pacer
@@ -53,6 +54,7 @@ class EndpointState:
     scheduler: DatagramScheduler
     deadlines: DeadlineTimer
     streams: StreamHub
+    cpu_gate: CpuGate | None  # endpoint: fed the lossy hops' readings on the trio thread (links.exchange)
     _links: dict[int, _Link]  # handshake: the link registry
     _link_ready: dict[int, Slot]
     _sources: dict[tuple[str, int], int]  # (host, UDP port) -> rank
