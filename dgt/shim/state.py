@@ -134,9 +134,7 @@ class DGTState:
         with this rank's loss; a tensor is read with ``float()`` (a device sync on CUDA)."""
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         self.last_loss = value
-        observe = getattr(self.codec, "observe_loss", None)
-        if observe is not None:
-            observe(value)
+        self.codec.observe_loss(value)
 
     @property
     def past_warmup(self) -> bool:
@@ -244,9 +242,9 @@ class DGTState:
             path[name] = path.get(name, 0.0) + sec
         entry = {"codec": self.codec.name if lossy else "dense", "seconds": seconds, "blocks": stats.blocks,
                  "dropped": stats.dropped, "bytes_sent": dict(stats.bytes_sent)}
-        schedule = getattr(self.codec, "schedule", None)
-        if lossy and schedule is not None:
-            entry["p"] = schedule.p()
+        p = self.codec.current_p() if lossy else None
+        if p is not None:
+            entry["p"] = p
         self.last_stats[index] = entry
 
     def transport_stats(self) -> dict[str, Any] | None:

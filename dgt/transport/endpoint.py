@@ -15,6 +15,7 @@ and dgt.transport.outbound (the send APIs, drop reports, pacing feedback).
 
 from __future__ import annotations
 
+import socket
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -39,16 +40,17 @@ from dgt.protocol.receiver import RoundReceiver
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.deadline_timer import DeadlineTimer
-from dgt.transport.handshake import HandshakeMixin, _Link
+from dgt.transport.handshake import HandshakeMixin
 from dgt.transport.hop_round import HopRoundMixin
 from dgt.transport.inbound import InboundMixin
 from dgt.transport.links import LinkMixin
-from dgt.transport.outbound import BYTES_BUCKET, PendingSend, _SendTrack
-from dgt.transport.stats import LaneStats, RoundResult, TransportStats
+from dgt.transport.outbound import BYTES_BUCKET, PendingSend
+from dgt.transport.records import Link, SendTrack
+from dgt.transport.stats import LaneStats, PendingRounds, RoundResult, TransportStats
 from dgt.transport.stream_watch import StreamWatch
 from dgt.transport.streams import StreamHub
 
-__all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "_Link", "_SendTrack"]
+__all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "Link", "SendTrack"]
 
 T = TypeVar("T")
 
@@ -105,7 +107,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         except BaseException:
             self._close_sockets()
             raise
-        self._links: dict[int, _Link] = {}
+        self._links: dict[int, Link] = {}
         self._link_ready: dict[int, Slot] = {}
         self._sources: dict[tuple[str, int], int] = {}
         self._recv_waiters: dict[tuple[int, int, int], Slot] = {}
@@ -113,7 +115,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self.bulk = BulkReceiver(c.limits.max_open_rounds, self.receiver.max_open_bytes, self._allocate)
         self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
-        self._sending: dict[tuple[int, int, int], _SendTrack] = {}
+        self._sending: dict[tuple[int, int, int], SendTrack] = {}
         self._bytes_tx: dict[tuple[int, int], int] = {}
         self._bytes_rx: dict[tuple[int, int], int] = {}
         self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
@@ -325,7 +327,17 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             receive_seconds=st.receive_seconds, results_evicted=st.results_evicted, rounds_copied=st.rounds_copied,
             pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
             rounds_cpu_gated=0 if gate is None else gate.gated, cpu_wait=None if gate is None else gate.value,
+            pace_shared_peers=sum(ln.pacer is not None and ln.pacer.shared is not None for ln in self._links.values()),
         )  # fmt: skip
+
+    def pending_rounds(self, limit: int = 20) -> PendingRounds:
+        """What this endpoint waits for (see :class:`PendingRounds`), for the error message of a stuck call."""
+        return PendingRounds(list(self._recv_waiters)[:limit], list(self._sending)[:limit],
+                             list(self._results)[:limit], self.receiver.progress(limit))
+
+    def link_sockets(self) -> list[socket.socket]:
+        """The TCP socket of every session link open now (not the stream lanes'), e.g. to pace them."""
+        return [ln.chan.sock for ln in self._links.values() if not ln.chan.closed]
 
     def socket_info(self) -> dict[str, Any]:
         """DSCP and SO_PRIORITY read back from the kernel for every socket (listener, connections, UDP lanes)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,12 +21,12 @@ from dgt.channels.sockopts import canonical_host
 from dgt.channels.tcp import TcpChannel, dial
 from dgt.channels.tcp_writer import ReliableWriter
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error, open_nursery
-from dgt.protocol.budget import RoundWindow
 from dgt.protocol.congestion import LedbatRate
 from dgt.protocol.pacing import Pacer, TokenBucket
 from dgt.protocol.sender import RoundSender
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
+from dgt.transport.records import Link
 from dgt.transport.session import EndpointState
 
 HANDSHAKE_STAGING = 4096  # (i22) bytes an accepted connection stages until its peer proved the key (was 1 MiB)
@@ -39,26 +38,6 @@ def _control_only(h: np.void) -> object:
     if int(h["ftype"]) != wire.FrameType.CONTROL:
         raise ProtocolError(f"expected a CONTROL frame in the handshake, got frame type {int(h['ftype'])}")
     return KEEP
-
-
-@dataclass
-class _Link:
-    """One connected peer."""
-
-    rank: int
-    address: PeerAddress
-    chan: TcpChannel
-    reader: FrameReader
-    writer: ReliableWriter
-    sender: RoundSender
-    pacer: Pacer | None
-    udp_addrs: list[tuple[str, int]]
-    error: BaseException | None = None
-    scope: trio.CancelScope | None = None
-    last_ping: float = 0.0
-    said_bye: bool = False
-    dirty: set[int] = field(default_factory=set)  # buckets whose residual holds folded losses
-    window: RoundWindow = field(default_factory=RoundWindow)  # expected round length, for the send budget
 
 
 class HandshakeMixin(EndpointState):
@@ -307,7 +286,7 @@ class HandshakeMixin(EndpointState):
             reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
             mac=self._mac, peer=rank,
         )  # fmt: skip
-        link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
+        link = Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
         self._links[rank] = link
         self._spawn(self._run_link, link)
         self._link_ready.setdefault(rank, Slot()).set()

@@ -25,7 +25,7 @@ from dgt.errors import (
 )
 from dgt.protocol.events import Event
 from dgt.transport import control
-from dgt.transport.handshake import _Link
+from dgt.transport.records import Link
 from dgt.transport.session import EndpointState
 from dgt.transport.streams import Hop, HopResult
 from dgt.wire import Flags, FrameType
@@ -41,7 +41,7 @@ SETTLE = 0.2
 class LinkMixin(EndpointState):
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
 
-    async def _run_link(self, link: _Link) -> None:
+    async def _run_link(self, link: Link) -> None:
         try:
             with trio.CancelScope() as scope:
                 link.scope = scope
@@ -53,7 +53,7 @@ class LinkMixin(EndpointState):
         finally:
             self._fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} ended"))
 
-    async def _link_task(self, link: _Link, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    async def _link_task(self, link: Link, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
         try:
             await fn(*args)
@@ -97,7 +97,7 @@ class LinkMixin(EndpointState):
             self._sending[key].report.fail(error)
         self.streams.abort(rank, error)
 
-    def _link(self, peer: int) -> _Link:
+    def _link(self, peer: int) -> Link:
         self._check_open()
         if self._abort is not None:
             raise self._abort.with_traceback(None)
@@ -108,7 +108,7 @@ class LinkMixin(EndpointState):
             raise link.error.with_traceback(None)
         return link
 
-    async def _reader(self, link: _Link) -> None:
+    async def _reader(self, link: Link) -> None:
         recv = self.receiver
         rank = link.rank
 
@@ -178,7 +178,7 @@ class LinkMixin(EndpointState):
                 budget = 0
                 self.deadlines.poke()
 
-    def _on_control(self, link: _Link, frame: memoryview | None) -> None:
+    def _on_control(self, link: Link, frame: memoryview | None) -> None:
         try:
             _, msg = control.parse(frame, self.cfg.limits)
         except ProtocolError:

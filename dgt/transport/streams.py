@@ -59,7 +59,7 @@ class Hop:
     recv_from: int | None = None
     land: torch.Tensor | None = None
     add_src: torch.Tensor | None = None
-    codec: int = 0  # the headers' codec byte (a collective's call code, its op): both ends must agree
+    op: int = 0  # a collective's call code (its reduce op), in the headers' codec byte: both ends must agree
     land_later: Callable[[], torch.Tensor] | None = None
     """Instead of ``land``: called in the worker thread once the hops before this one are done, for a landing
     whose size depends on what they received (a lossy hop's packed blocks, sized by the mask message before it)."""
@@ -407,7 +407,7 @@ class StreamHub:
         dt = wire.wire_dtype(t.dtype)
         return [(wire.encode_header(FrameType.BULK, token=self.token, rank=sender, round=h.round, bucket=h.bucket,
                                     block=n, offset=a, count=min(per, n - a), length=min(per, n - a) * isz, dtype=dt,
-                                    codec=h.codec),
+                                    codec=h.op),
                  a, min(a + per, n)) for a in range(0, max(n, 1), per)]
 
     def _run(self, plan: list[list[tuple[Any, ...]] | None], hops: list[Hop], lanes: dict[int, StreamLane],
