@@ -1,5 +1,5 @@
 """Structure rules of the package, checked on its source with ``ast`` (issues #24, #44): no module over 600 lines, no
-function over 80 lines, no collective that decides by a codec's name (it asks ``codec.capabilities``), no getattr
+function over 60 lines, no collective that decides by a codec's name (it asks ``codec.capabilities``), no getattr
 probe of a codec or a transport and no read of another object's private fields in the layers above the transport
 (collectives, shim, experiment, bench), and no import cycle in ``dgt`` (``TYPE_CHECKING`` imports included)."""
 
@@ -13,7 +13,22 @@ import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "dgt"
 MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
+OLD_MAX_FUNCTION_LINES = 80  # the cap before issue 44: what the functions still waiting for their split must keep
+
+# Functions allowed over MAX_FUNCTION_LINES (but not over OLD_MAX_FUNCTION_LINES) for now: issue 44 lowered the cap
+# from 80 to 60 lines, and these were over 60 then. Each waits for its split (some in modules other work was changing
+# at the time); remove its entry once it is split (test_the_function_allow_list_is_still_needed). "module:function".
+FUNCTION_ALLOW: set[str] = {
+    "bench/allreduce.py:_rank", "bench/ddp.py:_rank", "bench/lgc.py:reconstruction_report", "bench/lgc.py:train",
+    "bench/transport.py:_dgt", "channels/duplex.py:duplex_py", "collectives/model_server.py:step",
+    "collectives/ps.py:allreduce", "collectives/ring_lossy.py:_hop", "experiment/plots.py:write_plots",
+    "experiment/worker.py:_train", "harness/simulate.py:train_ps", "inspect/pcapio.py:_parse",
+    "inspect/pcapio.py:read_pcap", "inspect/reassembly.py:frames", "inspect/rounds.py:_round_record",
+    "inspect/synth.py:synth_rounds", "netem/cli.py:add_parser", "netem/crosstraffic.py:run_sink",
+    "netem/runner.py:run", "transport/endpoint.py:__init__", "transport/handshake.py:_handshake",
+    "transport/links.py:_reader", "transport/outbound.py:_send",
+}
 
 # Modules allowed over MAX_MODULE_LINES for now. Split pending, issue #24: other work was landing in both files when
 # the rule was added, so they are split in a session of their own. Remove each entry when its file is split.
@@ -202,9 +217,9 @@ def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_the_checks_catch_what_they_are_for():
-    long_fn = "def f():\n" + "    x = 1\n" * 80
-    assert long_functions(long_fn) == [("f", 1, 81)]
-    assert long_functions("def f():\n" + "    x = 1\n" * 79) == []
+    long_fn = "def f():\n" + "    x = 1\n" * 60
+    assert long_functions(long_fn) == [("f", 1, 61)]
+    assert long_functions("def f():\n" + "    x = 1\n" * 59) == []
     bad = (
         "def f(self, codec):\n"
         "    a = self.codec.name in ('dense', 'dgt')\n"
@@ -263,9 +278,19 @@ def test_the_allow_list_is_still_needed():
     assert not stale, f"remove from MODULE_ALLOW, now within {MAX_MODULE_LINES} lines: {stale}"
 
 
-def test_no_function_over_80_lines():
-    over = {rel: fns for rel, src in _sources() if (fns := long_functions(src))}
-    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (name, line, length): {over}"
+def test_no_function_over_60_lines():
+    over = {rel: [f for f in fns if f"{rel}:{f[0]}" not in FUNCTION_ALLOW or f[2] > OLD_MAX_FUNCTION_LINES]
+            for rel, src in _sources() if (fns := long_functions(src))}
+    over = {rel: fns for rel, fns in over.items() if fns}
+    assert not over, (f"functions over {MAX_FUNCTION_LINES} lines, or allowed ones over {OLD_MAX_FUNCTION_LINES} "
+                      f"(name, line, length): {over}")
+
+
+def test_the_function_allow_list_is_still_needed():
+    """An allowed function that got split (or renamed, or moved) must leave FUNCTION_ALLOW."""
+    over = {f"{rel}:{name}" for rel, src in _sources() for name, _, _ in long_functions(src)}
+    stale = FUNCTION_ALLOW - over
+    assert not stale, f"remove from FUNCTION_ALLOW, now within {MAX_FUNCTION_LINES} lines (or gone): {stale}"
 
 
 def test_collectives_never_decide_by_codec_name():
