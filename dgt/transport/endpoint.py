@@ -88,25 +88,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self.receiver = RoundReceiver(
             self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), allocator=self._allocate
         )
-        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
-        self.udp: dict[int, UdpChannel] = {}
-
-        def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
-            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
-
-        hop: UdpChannel | None = None  # lossy ring hops' datagrams (dgt.channels.hop_datagrams); trio never reads it
-        try:
-            for lane in range(1, len(c.lanes)):
-                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
-            if self.udp and c.stream_hops != "off":
-                try:
-                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
-                except OSError:  # no port left in the range: lossy hops run their rounds on the session link
-                    hop = None
-        except BaseException:
-            self._close_sockets()
-            raise
+        hop = self._bind_sockets(host)  # lossy ring hops' datagrams (dgt.channels.hop_datagrams); trio never reads it
         self._links: dict[int, Link] = {}
         self._link_ready: dict[int, Slot] = {}
         self._sources: dict[tuple[str, int], int] = {}
@@ -150,6 +132,31 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=hop,
                                  cpu_wait=self.cpu_gate is not None)
+
+    def _bind_sockets(self, host: str) -> UdpChannel | None:
+        """The TCP listener and one UDP socket per unreliable lane (``listener``, ``udp``), each on a port of the
+        configured range; returns the hop socket (None: stream hops off, no UDP lane, or no port left for it)."""
+        c = self.cfg
+        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
+        self.udp = {}
+
+        def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
+            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
+                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
+
+        hop: UdpChannel | None = None
+        try:
+            for lane in range(1, len(c.lanes)):
+                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
+            if self.udp and c.stream_hops != "off":
+                try:
+                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
+                except OSError:  # no port left in the range: lossy hops run their rounds on the session link
+                    hop = None
+        except BaseException:
+            self._close_sockets()
+            raise
+        return hop
 
     @classmethod
     async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,

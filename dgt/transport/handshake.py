@@ -220,17 +220,7 @@ class HandshakeMixin(EndpointState):
                     else:
                         self.streams.accept(rank, chan, direction)
                     return
-                if msg["op"] != control.HELLO:
-                    why = "expected hello"
-                elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
-                    why = f"rank {rank} is already connected"
-                elif int(msg.get("lanes", -1)) != len(self.udp):
-                    why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
-                elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
-                    why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
-                addr = PeerAddress.from_dict(msg["address"])
-                if why is None and len(addr.udp_ports) != len(self.udp):
-                    why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
+                why, addr = self._session_refusal(rank, msg)
                 if why is not None:
                     await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
                     chan.close()
@@ -255,6 +245,23 @@ class HandshakeMixin(EndpointState):
         chan.label = f"rank {self.rank} <- rank {rank}"
         reader.reserve()  # authenticated: now the link's full staging buffer
         self._register(rank, addr, host, chan, reader)
+
+    def _session_refusal(self, rank: int, msg: dict[str, Any]) -> tuple[str | None, PeerAddress]:
+        """Why an authenticated session hello from ``rank`` is refused (None: it is not), and the address it gave
+        (an error if it gave none that parses: the handshake fails)."""
+        why = None
+        if msg["op"] != control.HELLO:
+            why = "expected hello"
+        elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
+            why = f"rank {rank} is already connected"
+        elif int(msg.get("lanes", -1)) != len(self.udp):
+            why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+        elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
+            why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
+        addr = PeerAddress.from_dict(msg["address"])
+        if why is None and len(addr.udp_ports) != len(self.udp):
+            why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
+        return why, addr
 
     def _tcp_channel(self, sock: socket.socket, rank: int) -> TcpChannel:
         c = self.cfg

@@ -108,9 +108,12 @@ class LinkMixin(EndpointState):
             raise link.error.with_traceback(None)
         return link
 
-    async def _reader(self, link: Link) -> None:
+    def _frame_routes(self, rank: int) -> tuple[Callable[[np.void], memoryview | object | None],
+                                                Callable[[np.ndarray], np.ndarray]]:
+        """For the reader of ``rank``'s link: where a frame's payload lands (``place``: the receiver's buffer for
+        a data frame, the bulk receiver's for a BULK one, None to drop it, KEEP to read it into a frame), and which
+        staged frames go to the receiver in one vectorised pass (``batchable``)."""
         recv = self.receiver
-        rank = link.rank
 
         def place(h: np.void) -> memoryview | object | None:
             if int(h["rank"]) != rank:
@@ -127,6 +130,12 @@ class LinkMixin(EndpointState):
                                 & (h["rank"] == rank))
             return mask
 
+        return place, batchable
+
+    async def _reader(self, link: Link) -> None:
+        recv = self.receiver
+        rank = link.rank
+        place, batchable = self._frame_routes(rank)
         budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
         events: Sequence[Event] | None
         waits = link.chan.waits

@@ -228,23 +228,27 @@ class OutboundMixin(EndpointState):
         except trio.TooSlowError:
             raise PeerTimeout(f"round {round} of bucket {bucket} to rank {peer}: not done in {timeout} s") from None
         finally:
-            for job in track.jobs:
-                lane = job.lane
-                stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
-                stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
-                stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
-                self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
-                if not job.done.done:  # cancelled mid-round: stop its datagrams
-                    self.scheduler.cancel(job, PeerClosed("send cancelled"))
-            if wait or not finished or track.report.done or quiet:
-                if self._sending.get(key) is track:
-                    del self._sending[key]
-            else:
-                track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
+            self._send_over(key, track, stats, keep=not (wait or not finished or track.report.done or quiet))
         self._stats.rounds_sent += 1
         stats.elapsed = trio.current_time() - t0
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
+
+    def _send_over(self, key: tuple[int, int, int], track: SendTrack, stats: SendStats, keep: bool) -> None:
+        """A round's send is over (done, failed or cancelled): its datagram jobs counted into ``stats`` (and those
+        still queued stopped), its track kept for the drop report to come (``keep``) or dropped."""
+        for job in track.jobs:
+            lane = job.lane
+            stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
+            stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
+            stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
+            self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
+            if not job.done.done:  # cancelled mid-round: stop its datagrams
+                self.scheduler.cancel(job, PeerClosed("send cancelled"))
+        if keep:
+            track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
+        elif self._sending.get(key) is track:
+            del self._sending[key]
 
     def _plan_round(self, link: Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                     cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, op: int,
