@@ -1,16 +1,30 @@
-"""Structure rules of the package, checked on its source with ``ast`` (issue #24): no module over 600 lines, no
-function over 80 lines, and no collective that decides by a codec's name (it asks ``codec.capabilities``)."""
+"""Structure rules of the package, checked on its source with ``ast`` (issues #24, #44): no module over 600 lines, no
+function over 60 lines, no collective that decides by a codec's name (it asks ``codec.capabilities``), no getattr
+probe of a codec or a transport and no read of another object's private fields in the layers above the transport
+(collectives, shim, experiment, bench), and no import cycle in ``dgt`` (``TYPE_CHECKING`` imports included)."""
 
 from __future__ import annotations
 
 import ast
+import sys
 from pathlib import Path
 
 import pytest
 
 PKG = Path(__file__).resolve().parent.parent / "dgt"
 MAX_MODULE_LINES = 600
-MAX_FUNCTION_LINES = 80
+MAX_FUNCTION_LINES = 60
+OLD_MAX_FUNCTION_LINES = 80  # the cap before issue 44: what the functions still waiting for their split must keep
+
+# Functions allowed over MAX_FUNCTION_LINES (but not over OLD_MAX_FUNCTION_LINES) for now: issue 44 lowered the cap
+# from 80 to 60 lines, and these were over 60 then. Each waits for its split (some in modules other work was changing
+# at the time); remove its entry once it is split (test_the_function_allow_list_is_still_needed). "module:function".
+FUNCTION_ALLOW: set[str] = {
+    "bench/allreduce.py:_rank", "bench/ddp.py:_rank", "bench/lgc.py:reconstruction_report", "bench/lgc.py:train",
+    "bench/transport.py:_dgt", "channels/duplex.py:duplex_py", "collectives/ps.py:allreduce",
+    "collectives/ring_lossy.py:_hop", "experiment/plots.py:write_plots", "experiment/worker.py:_train",
+    "netem/crosstraffic.py:run_sink", "netem/runner.py:run",
+}
 
 # Modules allowed over MAX_MODULE_LINES for now. Split pending, issue #24: other work was landing in both files when
 # the rule was added, so they are split in a session of their own. Remove each entry when its file is split.
@@ -33,13 +47,31 @@ def long_functions(source: str, limit: int = MAX_FUNCTION_LINES) -> list[tuple[s
     return out
 
 
-def _mentions_codec(node: ast.AST) -> bool:
-    """Whether an expression reads a codec: a name or attribute chain with 'codec' in one of its parts."""
+# the layers above the transport: they use a codec's and a transport's declared members only
+ABOVE = ("collectives/", "shim/", "experiment/", "bench/")
+
+
+def _mentions(node: ast.AST, words: tuple[str, ...], names: tuple[str, ...] = ()) -> bool:
+    """Whether an expression reads one of ``words``: a name or attribute chain with one of them in one of its parts
+    (or a part named exactly as one of ``names``)."""
+    def hit(part: str) -> bool:
+        return part in names or any(w in part.lower() for w in words)
+
     while isinstance(node, (ast.Attribute, ast.Call, ast.Subscript)):
-        if isinstance(node, ast.Attribute) and "codec" in node.attr.lower():
+        if isinstance(node, ast.Attribute) and hit(node.attr):
             return True
         node = node.func if isinstance(node, ast.Call) else node.value
-    return isinstance(node, ast.Name) and "codec" in node.id.lower()
+    return isinstance(node, ast.Name) and hit(node.id)
+
+
+def _mentions_codec(node: ast.AST) -> bool:
+    """Whether an expression reads a codec: a name or attribute chain with 'codec' in one of its parts."""
+    return _mentions(node, ("codec",))
+
+
+def _mentions_transport(node: ast.AST) -> bool:
+    """Whether an expression reads a transport: 'endpoint' or 'transport' in one of its parts, or a part ``ep``."""
+    return _mentions(node, ("endpoint", "transport"), ("ep", "_ep"))
 
 
 def _is_codec_name(node: ast.AST) -> bool:
@@ -69,10 +101,121 @@ def codec_name_tests(source: str) -> list[int]:
     return lines
 
 
+def probes(source: str) -> list[int]:
+    """Lines that probe a codec or a transport with ``getattr``/``hasattr`` (what they offer is declared: the codec
+    contract, ``dgt.transport.contract.Transport``, the endpoint's public accessors)."""
+    return [node.lineno for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in ("hasattr", "getattr")
+            and node.args and (_mentions_codec(node.args[0]) or _mentions_transport(node.args[0]))]
+
+
+def _library_names(tree: ast.AST) -> set[str]:
+    """Names a module binds by importing modules, or anything from outside ``dgt`` (a library's private API is the
+    library's business; this rule is about dgt's own objects)."""
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and not (node.module or "").startswith("dgt"):
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def private_reads(source: str) -> list[tuple[int, str]]:
+    """(line, expression) of every read of another object's private field: ``x._name`` where ``x`` is not
+    ``self``/``cls`` (nor an imported library or module)."""
+    tree = ast.parse(source)
+    ok = {"self", "cls"} | _library_names(tree)
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            root = node.value
+            while isinstance(root, (ast.Attribute, ast.Call, ast.Subscript)):
+                root = root.func if isinstance(root, ast.Call) else root.value
+            if isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"):
+                continue
+            if isinstance(root, ast.Name) and root.id in ok - {"self", "cls"}:
+                continue
+            out.append((node.lineno, ast.unparse(node)))
+    return sorted(out)
+
+
+def _module_of(rel: str) -> str:
+    parts = ["dgt", *rel.removesuffix(".py").split("/")]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(sources: list[tuple[str, str]]) -> dict[str, set[str]]:
+    """Module -> the dgt modules it imports, every import counted (inside functions and ``if TYPE_CHECKING:``
+    too): ``from pkg import name`` names the submodule ``pkg.name`` when there is one, else ``pkg`` itself."""
+    mods = {_module_of(rel): rel for rel, _ in sources}
+
+    def known(name: str) -> str | None:
+        while name and name not in mods:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph: dict[str, set[str]] = {}
+    for rel, src in sources:
+        me = _module_of(rel)
+        pkg = me if rel.endswith("__init__.py") else me.rpartition(".")[0]
+        deps: set[str | None] = set()
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.Import):
+                deps |= {known(a.name) for a in node.names if a.name.split(".")[0] == "dgt"}
+            elif isinstance(node, ast.ImportFrom):
+                base = pkg.split(".")[: len(pkg.split(".")) - node.level + 1] if node.level else []
+                mod = ".".join([*base, *([node.module] if node.module else [])])
+                if mod.split(".")[0] == "dgt":
+                    deps |= {f"{mod}.{a.name}" if f"{mod}.{a.name}" in mods else known(mod) for a in node.names}
+        graph[me] = {d for d in deps if d is not None and d != me}
+    return graph
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10 * len(graph) + 100))
+    try:
+        for v in sorted(graph):
+            if v not in index:
+                visit(v)
+    finally:
+        sys.setrecursionlimit(limit)
+    return out
+
+
 def test_the_checks_catch_what_they_are_for():
-    long_fn = "def f():\n" + "    x = 1\n" * 80
-    assert long_functions(long_fn) == [("f", 1, 81)]
-    assert long_functions("def f():\n" + "    x = 1\n" * 79) == []
+    long_fn = "def f():\n" + "    x = 1\n" * 60
+    assert long_functions(long_fn) == [("f", 1, 61)]
+    assert long_functions("def f():\n" + "    x = 1\n" * 59) == []
     bad = (
         "def f(self, codec):\n"
         "    a = self.codec.name in ('dense', 'dgt')\n"
@@ -85,6 +228,38 @@ def test_the_checks_catch_what_they_are_for():
         "    i = getattr(self.group.endpoint, 'cfg', None)\n"  # not a codec: fine
     )
     assert codec_name_tests(bad) == [2, 3, 4, 5, 8]
+    probing = (
+        "def f(self, endpoint, group, comm):\n"
+        "    a = getattr(endpoint, '_links', {})\n"
+        "    b = hasattr(self.codec, 'observe_loss')\n"
+        "    c = getattr(group.endpoint, 'receiver', None)\n"
+        "    d = getattr(comm._ep, 'stats', None)\n"
+        "    e = getattr(args, 'cpu_gate', None)\n"  # an argparse namespace: fine
+        "    g = getattr(self, name)\n"  # its own attributes: fine
+    )
+    assert probes(probing) == [2, 3, 4, 5]
+    private = (
+        "import os\n"
+        "import torch.distributed as dist\n"
+        "from argparse import ArgumentParser\n"
+        "from dgt.transport import Endpoint\n"
+        "def f(self, endpoint, comm, p):\n"
+        "    a = endpoint._links\n"
+        "    b = comm._ep.stats()\n"
+        "    c = self._worker.group._closing\n"
+        "    d = self._worker\n"  # its own: fine
+        "    e = dist.distributed_c10d._get_default_group()\n"  # a library's: fine
+        "    os._exit(0)\n"
+        "    g = Endpoint._handle\n"
+        "    h = endpoint.__class__\n"
+    )
+    assert private_reads(private) == [(6, "endpoint._links"), (7, "comm._ep"), (8, "self._worker.group._closing"),
+                                      (12, "Endpoint._handle")]
+    cyclic = [("a/__init__.py", "from dgt.a import b\n"), ("a/b.py", "if TYPE_CHECKING:\n    from dgt.a.c import C\n"),
+              ("a/c.py", "import dgt.a.b\n"), ("d.py", "from dgt.a import c\n")]
+    graph = import_graph(cyclic)
+    assert graph == {"dgt.a": {"dgt.a.b"}, "dgt.a.b": {"dgt.a.c"}, "dgt.a.c": {"dgt.a.b"}, "dgt.d": {"dgt.a.c"}}
+    assert import_cycles(graph) == [["dgt.a.b", "dgt.a.c"]]
 
 
 def test_no_module_over_600_lines():
@@ -99,15 +274,42 @@ def test_the_allow_list_is_still_needed():
     assert not stale, f"remove from MODULE_ALLOW, now within {MAX_MODULE_LINES} lines: {stale}"
 
 
-def test_no_function_over_80_lines():
-    over = {rel: fns for rel, src in _sources() if (fns := long_functions(src))}
-    assert not over, f"functions over {MAX_FUNCTION_LINES} lines (name, line, length): {over}"
+def test_no_function_over_60_lines():
+    over = {rel: [f for f in fns if f"{rel}:{f[0]}" not in FUNCTION_ALLOW or f[2] > OLD_MAX_FUNCTION_LINES]
+            for rel, src in _sources() if (fns := long_functions(src))}
+    over = {rel: fns for rel, fns in over.items() if fns}
+    assert not over, (f"functions over {MAX_FUNCTION_LINES} lines, or allowed ones over {OLD_MAX_FUNCTION_LINES} "
+                      f"(name, line, length): {over}")
+
+
+def test_the_function_allow_list_is_still_needed():
+    """An allowed function that got split (or renamed, or moved) must leave FUNCTION_ALLOW."""
+    over = {f"{rel}:{name}" for rel, src in _sources() for name, _, _ in long_functions(src)}
+    stale = FUNCTION_ALLOW - over
+    assert not stale, f"remove from FUNCTION_ALLOW, now within {MAX_FUNCTION_LINES} lines (or gone): {stale}"
 
 
 def test_collectives_never_decide_by_codec_name():
     found = {rel: codec_name_tests(src) for rel, src in _sources() if rel.startswith("collectives/")}
     found = {rel: lines for rel, lines in found.items() if lines}
     assert not found, f"codec-name comparisons or hasattr probes (use codec.capabilities): {found}"
+
+
+def test_no_getattr_probes_of_codecs_or_transports_above_the_transport():
+    found = {rel: lines for rel, src in _sources() if rel.startswith(ABOVE) and (lines := probes(src))}
+    assert not found, f"getattr/hasattr on a codec or a transport (use its declared members): {found}"
+
+
+def test_no_reads_of_another_objects_private_fields_above_the_transport():
+    found = {rel: reads for rel, src in _sources() if rel.startswith(ABOVE) and (reads := private_reads(src))}
+    assert not found, f"private fields of another object (give it a public accessor): {found}"
+
+
+def test_no_import_cycles():
+    """None, counting the imports only type checkers run (``if TYPE_CHECKING:``) and those inside functions: a
+    type shared by two modules lives in a third that both import (issue 44)."""
+    cycles = import_cycles(import_graph(_sources()))
+    assert not cycles, f"import cycles in dgt: {cycles}"
 
 
 def test_type_checker_exceptions_are_only_the_pending_splits():

@@ -66,34 +66,34 @@ def test_missing_netem_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None
     monkeypatch.setattr(probe, "probe", lambda: ALL_FEATURES | {"sch_netem": False})
     topo = Topology(hosts=2, rate="100mbit", delay="5ms", prefix="dgtunit", delay_backend="netem")
     with pytest.raises(EmulationUnsupported, match="sch_netem") as err:
-        topo._check_kernel()  # the check runs before anything is created
+        topo.check_kernel()  # the check runs before anything is created
     assert "CONFIG_NET_SCH_NETEM" in str(err.value) and "delay" in str(err.value)
     # without netem, auto delays through the relay (and netem is used for nothing)
     topo = Topology(hosts=2, rate="100mbit", delay="5ms", loss="1%", prefix="dgtunit")
-    topo._check_kernel()
+    topo.check_kernel()
     assert topo.relay_delay and not topo.use_netem and topo.nft_loss
     assert [name for name, _ in topo.relayed_links] == ["h0", "h1"]
     # with netem, auto keeps netem; relay is chosen only when asked for
     monkeypatch.setattr(probe, "probe", lambda: ALL_FEATURES)
     topo = Topology(hosts=2, delay="5ms", prefix="dgtunit")
-    topo._check_kernel()
+    topo.check_kernel()
     assert topo.use_netem and not topo.relay_delay and topo.relayed_links == []
     topo = Topology(hosts=3, dumbbell=True, bottleneck=LinkSpec.make(delay="5ms"), prefix="dgtunit",
                     delay_backend="relay")
-    topo._check_kernel()
+    topo.check_kernel()
     assert not topo.use_netem and [name for name, _ in topo.relayed_links] == ["bottleneck"]
     with pytest.raises(DgtError, match="delay_backend"):
         Topology(hosts=2, delay="5ms", prefix="dgtunit", delay_backend="tc")
     monkeypatch.setattr(probe, "probe", lambda: ALL_FEATURES | {"sch_netem": False})
     # loss alone falls back to nftables; with neither backend the message names both
-    Topology(hosts=2, loss="1%", prefix="dgtunit")._check_kernel()
+    Topology(hosts=2, loss="1%", prefix="dgtunit").check_kernel()
     monkeypatch.setattr(probe, "probe", lambda: ALL_FEATURES | {"sch_netem": False, "nft_numgen": False})
     with pytest.raises(EmulationUnsupported, match="sch_netem.*CONFIG_NFT_NUMGEN"):
-        Topology(hosts=2, loss="1%", prefix="dgtunit")._check_kernel()
+        Topology(hosts=2, loss="1%", prefix="dgtunit").check_kernel()
     monkeypatch.setattr(probe, "probe", lambda: ALL_FEATURES | {"cls_u32": False})
     with pytest.raises(EmulationUnsupported, match="cls_u32"):
-        Topology(hosts=2, rate="10mbit", prefix="dgtunit")._check_kernel()
-    Topology(hosts=2, rate="10mbit", priority=False, prefix="dgtunit")._check_kernel()
+        Topology(hosts=2, rate="10mbit", prefix="dgtunit").check_kernel()
+    Topology(hosts=2, rate="10mbit", priority=False, prefix="dgtunit").check_kernel()
 
 
 def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -101,10 +101,10 @@ def test_backend_choice(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(probe, "probe", lambda: ALL_FEATURES)
     t = Topology(hosts=2, loss="1%", prefix="dgtunit")
-    t._check_kernel()
+    t.check_kernel()
     assert t.use_netem and not t.nft_loss  # netem preferred where present
     t = Topology(hosts=2, loss="1%", prefix="dgtunit", loss_backend="nft")
-    t._check_kernel()
+    t.check_kernel()
     assert t.nft_loss and not t.use_netem
 
 

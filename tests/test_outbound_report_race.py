@@ -14,11 +14,12 @@ import trio
 
 from dgt.channels.slot import Slot
 from dgt.errors import PeerClosed, open_nursery
-from dgt.transport.outbound import OutboundMixin, _SendTrack
+from dgt.transport.outbound import OutboundMixin
+from dgt.transport.records import SendTrack
 
 
-def _track() -> tuple[_SendTrack, SimpleNamespace]:
-    track = _SendTrack()
+def _track() -> tuple[SendTrack, SimpleNamespace]:
+    track = SendTrack()
     job = SimpleNamespace(done=Slot())
     track.jobs.append(job)
     return track, job

@@ -114,14 +114,15 @@ def test_a_hop_rounds_window_is_its_stream_time_not_its_reports_round_trip():
 
     from dgt.protocol.pacing import Pacer
     from dgt.protocol.report import Timing
-    from dgt.transport.outbound import OutboundMixin, _SendTrack
+    from dgt.transport.outbound import OutboundMixin
+    from dgt.transport.records import SendTrack
 
     learnt: list[float | None] = []
 
     async def account(hop_window: float | None) -> None:
         now = trio.current_time()
         link = SimpleNamespace(pacer=Pacer(10e6, 1 << 18, LedbatRate(10e6)), window=RoundWindow())
-        track = _SendTrack(t0=now - 0.050, window=hop_window)  # started 50 ms ago; the receiver waited 10 ms
+        track = SendTrack(t0=now - 0.050, window=hop_window)  # started 50 ms ago; the receiver waited 10 ms
         track.jobs.append(SimpleNamespace(sends=[(now - 0.049, 1, 4096)], rows=np.zeros((1, 4096), np.uint8), odd=[]))
         info = SimpleNamespace(lost_mask=None, missing_blocks=0, bucket=3,
                                timing=Timing(1, 100.0, 100.0, 0.010, 4096, 100.01))

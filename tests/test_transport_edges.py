@@ -47,12 +47,13 @@ async def test_a_round_reported_before_the_peer_said_goodbye_is_complete():
     from types import SimpleNamespace
 
     from dgt.channels.slot import Slot
-    from dgt.transport.outbound import OutboundMixin, _SendTrack
+    from dgt.transport.outbound import OutboundMixin
+    from dgt.transport.records import SendTrack
 
     out = OutboundMixin.__new__(OutboundMixin)
     for reported in (True, False):
         job = SimpleNamespace(done=Slot())
-        track = _SendTrack(jobs=[job])
+        track = SendTrack(jobs=[job])
         if reported:
             track.report.set("info")
         job.done.fail(PeerClosed("rank 1 closed its endpoint"))

@@ -197,6 +197,14 @@ class Codec:
             out += t
         return out
 
+    def observe_loss(self, loss: float) -> None:
+        """This step's training loss, for a codec whose schedule follows it (DGT's p); the others ignore it."""
+
+    def current_p(self) -> float | None:
+        """The fraction the next encode classifies as important, for a codec with a schedule of p (DGT); None for
+        the others."""
+        return None
+
     def merge(self, parts: list[Received], state: BucketState, local: torch.Tensor) -> torch.Tensor:
         """A pull codec with ``capabilities.merges``: the local replica updated by the pulled parts."""
         raise NotImplementedError(f"codec {self.name!r} does not merge pulled parts (capabilities.merges is False)")

@@ -52,6 +52,9 @@ class DGTCodec(Codec):
     def observe_loss(self, loss: float) -> None:
         self.schedule.observe_loss(loss)
 
+    def current_p(self) -> float | None:
+        return float(self.schedule.p())
+
     def encode(self, bucket: torch.Tensor, state: BucketState) -> list[Part]:
         flat = bucket.reshape(-1)
         est = state.values.get("estimator")

@@ -9,7 +9,8 @@ variable-length transfers as lossless tensor messages.
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import trio
@@ -19,6 +20,8 @@ from dgt.collectives.group import Group
 from dgt.collectives.ring import RingAllReduce
 from dgt.errors import PeerClosed, open_nursery, single_error
 from dgt.transport.bridge import TrioThread
+
+R = TypeVar("R")
 
 
 def _tag_id(tag: str) -> int:
@@ -63,6 +66,10 @@ class TransportComm:
     @property
     def _ep(self):
         return self._group.endpoint
+
+    def on_endpoint(self, fn: Callable[[Any], R]) -> R:
+        """``fn(endpoint)`` on the comm's trio thread, which owns the endpoint (docs/architecture.md, Threads)."""
+        return self._bridge.call_sync(fn, self._ep)
 
     # -- the Comm protocol ---------------------------------------------------------------------------------------
     def allreduce_sum(self, t: torch.Tensor, *, tag: str) -> torch.Tensor:

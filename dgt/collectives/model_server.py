@@ -166,14 +166,9 @@ class ModelServer(Collective):
         if self.average and trains:
             delta = local  # model averaging pushes the parameters themselves
         if self.every > 1:
-            self._calls += 1
-            if trains and not self.average:
-                d = delta.detach().reshape(-1)
-                self._pending = d.clone() if self._pending is None else self._pending.add_(d)
-            if self._calls % self.every:
+            delta, only_accumulates = self._accumulate(delta, trains)
+            if only_accumulates:
                 return CollectiveResult(local if trains else self.w.clone(), stats)
-            if not self.average:
-                delta, self._pending = self._pending, None
         if g.world > 1:
             # workers-server, on the first call that communicates: a step that only accumulates (every=p) must not
             # dial, or a server's last local step re-dialled workers that had finished and closed (PeerTimeout)
@@ -200,14 +195,7 @@ class ModelServer(Collective):
                     if w != g.rank:
                         nursery.start_soon(gather, w)
         with self.phase(stats, "update"):
-            like = self.w
-            decoded = [self.codec.decode(received[w], self.push_rx_states[w], like).to(like.dtype)
-                       for w in self.workers]
-            if self.average:  # the same reduction as simulate.train_model_averaging
-                self.w = torch.stack(decoded).mean(0)
-            else:
-                agg = self.codec.aggregate(decoded)
-                self.w -= self.lr * agg
+            self._update(received)
         with self.phase(stats, "pull"):
             pull = self.pull_codec.encode(self.w, self.pull_tx_state)
             async with open_nursery() as nursery:
@@ -219,6 +207,29 @@ class ModelServer(Collective):
                 else:
                     out = self.w.clone()
         return CollectiveResult(out, stats)
+
+    def _accumulate(self, delta: torch.Tensor | None, trains: bool) -> tuple[torch.Tensor | None, bool]:
+        """``every=p``: this call's ``delta`` into the pending sum; (the delta to push, whether this call only
+        accumulates: every call but each p-th)."""
+        self._calls += 1
+        if trains and not self.average:
+            d = delta.detach().reshape(-1)
+            self._pending = d.clone() if self._pending is None else self._pending.add_(d)
+        if self._calls % self.every:
+            return delta, True
+        if not self.average:
+            delta, self._pending = self._pending, None
+        return delta, False
+
+    def _update(self, received: dict[int, list[Received]]) -> None:
+        """The server's model from every worker's decoded push: their mean (``average``) or one SGD step."""
+        like = self.w
+        decoded = [self.codec.decode(received[w], self.push_rx_states[w], like).to(like.dtype) for w in self.workers]
+        if self.average:  # the same reduction as simulate.train_model_averaging
+            self.w = torch.stack(decoded).mean(0)
+        else:
+            agg = self.codec.aggregate(decoded)
+            self.w -= self.lr * agg
 
     def _merge(self, got: list[Received], local: torch.Tensor) -> torch.Tensor:
         flat = local.detach().reshape(-1)

@@ -109,7 +109,7 @@ async def _send_one(stats: CollectiveStats, ep, peer, key, rnd, data, layout, cl
     # a lossless round has nothing to learn from its drop report: do not spend a round trip waiting for it
     lossless = cls == 0 if isinstance(cls, int) else not bool((cls != 0).any())
     st = await ep.send_round(peer, key, rnd, data, layout=layout, cls=cls, order=order,
-                             wait=wait_report and not lossless, codec=op)
+                             wait=wait_report and not lossless, op=op)
     unsent = getattr(st, "unsent_bytes", 0)
     if unsent:  # the send budget kept these back (error feedback carries them): not sent on the unreliable lane
         stats.add_sent(1, -unsent)

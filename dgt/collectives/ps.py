@@ -198,18 +198,18 @@ class ParameterServer(Collective):
             for s in range(1, W):
                 to, frm = (r + s) % W, (r - s) % W
                 hops.append(Hop(transport_key(bucket_id, "push", s), rnd, to, ch.chunk(src, to), frm, mine,
-                                add_src=ch.chunk(src, r) if s == 1 else mine, codec=op))
+                                add_src=ch.chunk(src, r) if s == 1 else mine, op=op))
             for s in range(1, W):
                 to, frm = (r + s) % W, (r - s) % W
-                hops.append(Hop(transport_key(bucket_id, "pull", s), rnd, to, mine, frm, ch.chunk(res, frm), codec=op))
+                hops.append(Hop(transport_key(bucket_id, "pull", s), rnd, to, mine, frm, ch.chunk(res, frm), op=op))
         elif r == self.server:
             workers = [w for w in range(W) if w != r]
-            hops = [Hop(push, rnd, recv_from=w, land=res, add_src=res if i else src, codec=op)
+            hops = [Hop(push, rnd, recv_from=w, land=res, add_src=res if i else src, op=op)
                     for i, w in enumerate(workers)]
-            hops += [Hop(pull, rnd, send_to=w, payload=res, codec=op) for w in workers]
+            hops += [Hop(pull, rnd, send_to=w, payload=res, op=op) for w in workers]
         else:
-            hops = [Hop(push, rnd, send_to=self.server, payload=src, codec=op),
-                    Hop(pull, rnd, recv_from=self.server, land=res, codec=op)]
+            hops = [Hop(push, rnd, send_to=self.server, payload=src, op=op),
+                    Hop(pull, rnd, recv_from=self.server, land=res, op=op)]
         stats = CollectiveStats()
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops, family=FAMILY_MASK)

@@ -175,10 +175,10 @@ class RingAllReduce(Collective):
         for s in range(W - 1):
             a, c = (r - s) % W, (r - s - 1) % W
             hops.append(Hop(transport_key(bucket_id, "rs", s, 0), rnd, nxt, ch.chunk(src if s == 0 else flat, a), prv,
-                            ch.chunk(flat, c), add_src=ch.chunk(src, c), codec=self.call_code))
+                            ch.chunk(flat, c), add_src=ch.chunk(src, c), op=self.call_code))
         for s in range(W - 1):
             hops.append(Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
-                            ch.chunk(flat, (own - s - 1) % W), codec=self.call_code))
+                            ch.chunk(flat, (own - s - 1) % W), op=self.call_code))
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, ch, flat)
@@ -251,7 +251,7 @@ class RingAllReduce(Collective):
         key = transport_key(bucket_id, phase, step, 0)
         pending = None
         if out.numel():
-            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out, codec=self.call_code)
+            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out, op=self.call_code)
             stats.add_sent(0, out.numel() * out.element_size())
         if land is not None:
             res = await ep.recv_round((g.rank - 1) % g.world, key, rnd, out=land)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -32,6 +32,7 @@ import trio
 
 from dgt.channels.hop_datagrams import DatagramRecv
 from dgt.codecs.base import BLOCK_MEANS_HINT
+from dgt.collectives.base import Collective
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import FAMILY_MASK, check_op, host, state_key, transport_key, wire_layout
 from dgt.collectives.stats import CollectiveStats
@@ -41,9 +42,6 @@ from dgt.protocol.block_ops import add_blocks, combine_blocks, packed_offsets
 from dgt.protocol.packed_blocks import packed_numel
 from dgt.transport.hop_round import control_bytes
 from dgt.transport.streams import Hop, streamable
-
-if TYPE_CHECKING:
-    from dgt.collectives.ring import RingAllReduce
 
 MASK_PART, PACKED_PART = 1, 2  # transport key parts of a hop's two stream messages (part 0: its session round)
 
@@ -121,7 +119,7 @@ class _HopSum:
         return self.early
 
 
-def lossy_on_streams(coll: RingAllReduce, ch: Chunking, flat: torch.Tensor) -> bool:
+def lossy_on_streams(coll: Collective, ch: Chunking, flat: torch.Tensor) -> bool:
     """Whether a lossy ring call can take this path: stream hops on, both neighbours reachable on the hop socket,
     a lossy summable codec whose chunks are their own wire form (DGT), a contiguous float32 CPU bucket, and no
     empty chunk (every hop carries a round)."""
@@ -137,7 +135,7 @@ def lossy_on_streams(coll: RingAllReduce, ch: Chunking, flat: torch.Tensor) -> b
 class LossyHops:
     """The reduce-scatter of one lossy ring call (see the module docstring); the ring owns one, for its buffers."""
 
-    def __init__(self, coll: RingAllReduce) -> None:
+    def __init__(self, coll: Collective) -> None:
         self.coll = coll
         self._bufs: dict[tuple[int, int, int, int], _HopBuffers] = {}
 
@@ -205,9 +203,9 @@ class LossyHops:
             seen.append(receipt())
             return seen[-1]  # type: ignore[no-any-return]
 
-        hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, buf.tx_msg, prv, buf.rx_msg, codec=op),
+        hops = [Hop(transport_key(bucket_id, "rs", s, MASK_PART), rnd, nxt, buf.tx_msg, prv, buf.rx_msg, op=op),
                 Hop(transport_key(bucket_id, "rs", s, PACKED_PART), rnd, nxt, hs.packed, prv,
-                    land_later=land_packed, codec=op, datagrams=hs.datagrams, datagrams_in=datagrams_in)]
+                    land_later=land_packed, op=op, datagrams=hs.datagrams, datagrams_in=datagrams_in)]
         ticket, tickets[s] = tickets[s], None
         try:
             # family: a round of this call from ``prv`` on the session link means it took the round path (another

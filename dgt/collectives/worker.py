@@ -90,6 +90,22 @@ class TrioWorker:
             pass
         bridge.join(timeout)
 
+    def transport_stats(self) -> Any:
+        """The group's transport counters (``Endpoint.stats()``, a ``TransportStats``), read on the worker's trio
+        thread, which owns them: a snapshot between two of its steps, never a round half counted (docs/architecture.md,
+        Threads). None before the group connected; once the thread has ended (nothing counts any more), read here."""
+        group, bridge = self.group, self._bridge
+        if group is None:
+            return None
+        if bridge is not None and bridge.running and not bridge.in_thread:
+            import trio
+
+            try:
+                return bridge.call_sync(group.endpoint.stats)
+            except trio.RunFinishedError:  # it ended meanwhile
+                pass
+        return group.endpoint.stats()
+
     # -- jobs -------------------------------------------------------------------------------------------------
     def submit(self, job: Job, devices: Sequence[torch.device] | None = None) -> torch.futures.Future:
         """Queue ``job`` and return its future at once. ``devices``: the CUDA devices of the result tensors, so the

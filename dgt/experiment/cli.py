@@ -129,7 +129,7 @@ def _checked(args: argparse.Namespace, base: ExperimentConfig, **extra: Any) -> 
         if cfg.network.cross_traffic not in (None, "unpaced"):
             parse_rate(cfg.network.cross_traffic)
     except (ValueError, DgtError) as exc:
-        args._parser.error(str(exc))
+        args.parser.error(str(exc))
     return cfg
 
 
@@ -154,7 +154,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
         "accuracy for both.",
     )
     _common(d, ExperimentConfig.demo())
-    d.set_defaults(func=demo, _parser=d)
+    d.set_defaults(func=demo, parser=d)
 
     e = subparsers.add_parser("experiment", help="reproduce the DGT paper's experiments in emulation")
     esub = e.add_subparsers(dest="experiment", metavar="EXPERIMENT")
@@ -172,7 +172,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     t.add_argument("--data-dir", default=None, help="directory of the Fashion-MNIST IDX files (.gz or plain)")
     t.add_argument("--width", type=int, default=base.width, help="model width multiplier (default: %(default)s)")
     _common(t, base)
-    t.set_defaults(func=table1, _parser=t)
+    t.set_defaults(func=table1, parser=t)
     from dgt.experiment.ddp_cli import add_ddp_parser
 
     add_ddp_parser(esub)

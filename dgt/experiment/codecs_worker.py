@@ -213,8 +213,7 @@ async def _ps(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
     for it in range(1, run["iters"] + 1):
         t0 = time.perf_counter()
         g, loss = tr.grad(it)
-        if hasattr(codec, "observe_loss"):
-            codec.observe_loss(loss)
+        codec.observe_loss(loss)
         t1 = time.perf_counter()
         res = await ps.allreduce(g, 0, tr.segments)
         t2 = time.perf_counter()
@@ -337,7 +336,7 @@ def _run_lgc(tr: _Trainer, run: dict[str, Any], rank: int, world: int, store: An
     if run.get("pace_rate"):  # TransportComm connects every link at start
         from dgt.experiment.worker import pace_tcp
 
-        paced = pace_tcp(comm._ep, run["pace_rate"])  # its endpoint (no public accessor)
+        paced = comm.on_endpoint(lambda ep: pace_tcp(ep, run["pace_rate"]))  # on the comm's trio thread
     try:
         runner = LGCRunner(make_codec(run["spec"]), comm, sum(tr.segments), layers=tr.segments)
         log = _Log(tr, run, rank)

@@ -42,7 +42,7 @@ def profile_unsupported(cfg: DDPConfig, mode: str) -> str | None:
     topo = Topology(hosts=2, rate=net.rate, limit=net.queue_limit, priority=net.priority, loss=net.loss or None,
                     delay=net.delay, prefix=net.prefix)
     try:
-        topo._check_kernel()
+        topo.check_kernel()
     except EmulationUnsupported as exc:
         return str(exc)
     return None

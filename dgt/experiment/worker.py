@@ -50,30 +50,16 @@ def pace_tcp(endpoint: Any, rate: float) -> int:
     kernel pace TCP itself). The transport paces its UDP lanes to the same rate from a budget the TCP bytes come
     off too (TransportConfig.pace_rate, pace_shared), so both together stay within ``rate``. Returns how many
     sockets were paced."""
-    n = 0
-    for link in getattr(endpoint, "_links", {}).values():  # the endpoint exposes no socket list; read its links
-        sock = getattr(getattr(link, "chan", None), "sock", None)
-        if sock is not None:
-            sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate))
-            n += 1
-    return n
+    socks = endpoint.link_sockets()
+    for sock in socks:
+        sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate))
+    return len(socks)
 
 
 def transport_state(endpoint: Any) -> dict[str, Any]:
-    """What a stuck all-reduce waits for (rounds awaited, rounds in flight, rounds open at the receiver): the
-    endpoint's bookkeeping, read for the error message only."""
-    out: dict[str, Any] = {}
-    for name in ("_recv_waiters", "_sending", "_results"):
-        d = getattr(endpoint, name, None)
-        if d is not None:
-            out[name.strip("_")] = [list(k) for k in list(d)[:20]]
-    recv = getattr(endpoint, "receiver", None)
-    for key, r in list(getattr(recv, "rounds", {}).items())[:20]:
-        out.setdefault("open_rounds", []).append({
-            "key": list(key), "end": getattr(r, "end", None), "important_done": getattr(r, "n_imp_done", None),
-            "blocks_done": getattr(r, "n_done", None), "important_done_at": getattr(r, "imp_done_at", None),
-        })
-    return out
+    """What a stuck all-reduce waits for (rounds awaited, rounds in flight, rounds open at the receiver), for the
+    error message: ``Endpoint.pending_rounds``."""
+    return endpoint.pending_rounds(20).to_dict()
 
 
 def _lane_dict(d: dict) -> dict[str, int]:
@@ -114,12 +100,10 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
                                connect="all", nursery=services)
     paced = pace_tcp(group.endpoint, spec.pace_rate) if spec.pace_rate else 0
     # peers whose TCP and UDP bytes come off one budget (loopback: all of them), read off the links for the record
-    shared = sum(getattr(getattr(ln, "pacer", None), "shared", None) is not None
-                 for ln in getattr(group.endpoint, "_links", {}).values())
+    shared = group.endpoint.stats().pace_shared_peers
     server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
     ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)
     codec = ps.codec
-    schedule = getattr(codec, "schedule", None)
 
     records: list[dict[str, Any]] = []
     evals: list[dict[str, Any]] = []
@@ -136,9 +120,9 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
             loss_v = _local_gradient(model, params, opt, data, sampler.next(), grad, rank, it)
             s = spec.loss_smoothing
             smoothed = loss_v if smoothed is None else s * smoothed + (1 - s) * loss_v
-            if hasattr(codec, "observe_loss"):
-                codec.observe_loss(smoothed)
-            p = schedule.p() if schedule is not None else 1.0
+            codec.observe_loss(smoothed)
+            p = codec.current_p()
+            p = 1.0 if p is None else p
             t1 = time.perf_counter()
             try:
                 with trio.fail_after(spec.round_timeout):

@@ -58,14 +58,14 @@ class OfflineTransport:
     async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
                          layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
                          order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-                         codec: int = 0) -> SendStats:
+                         op: int = 0) -> SendStats:
         self._offline("send_round")
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
                          timeout: float | None = None) -> RoundResult:
         self._offline("recv_round")
 
-    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, op: int = 0) -> PendingSend:
         self._offline("post_send")
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
@@ -79,7 +79,7 @@ class OfflineTransport:
         return False  # no hop socket: a lossy ring takes the session-link path (and meets _offline there)
 
     def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                       cls: torch.Tensor, order: torch.Tensor | None, codec: int) -> HopRoundSend:
+                       cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend:
         self._offline("plan_hop_round")
 
     def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:

@@ -250,7 +250,7 @@ def train_ps(
     local = [w.clone() for _ in range(k)]
     wire_up, wire_down = Wire(drop, seed + 1), Wire(drop, seed + 2)
     c = _PSCodecs.make(push, pull, k, seed, w, model)
-    push_rx, pull_tx = c.push_rx, c.pull_tx
+    push_rx = c.push_rx
     history = []
     for t in range(rounds):
         decoded = []
@@ -270,16 +270,23 @@ def train_ps(
             continue
         agg = push_rx.aggregate(decoded) if push_rx is not None else torch.stack(decoded).sum(0)
         w -= lr * agg
-        if pull_tx is None:
-            wire_down.bytes += k * w.numel() * w.element_size()
-            local = [w.clone() for _ in range(k)]
-        else:
-            parts = pull_tx.encode(w, c.pull_tx_state)
-            for r in range(k):
-                local[r] = pull_tx.merge(wire_down.send(parts), c.pull_rx_state[r], local[r])
+        local = _pull(c, w, local, wire_down)
         if eval_every and (t + 1) % eval_every == 0:
             history.append({"round": t + 1, **model.evaluate(w, data)})
-    res = model.evaluate(w, data)
+    return _ps_result(model.evaluate(w, data), rounds, k, w, wire_up, wire_down, history, local)
+
+
+def _pull(c: _PSCodecs, w: torch.Tensor, local: list[torch.Tensor], wire_down: Wire) -> list[torch.Tensor]:
+    """Every worker's model after the pull: a dense copy of ``w``, or the pull codec's parts merged."""
+    if c.pull_tx is None:
+        wire_down.bytes += len(local) * w.numel() * w.element_size()
+        return [w.clone() for _ in local]
+    parts = c.pull_tx.encode(w, c.pull_tx_state)
+    return [c.pull_tx.merge(wire_down.send(parts), c.pull_rx_state[r], m) for r, m in enumerate(local)]
+
+
+def _ps_result(res: dict, rounds: int, k: int, w: torch.Tensor, wire_up: Wire, wire_down: Wire, history: list,
+               local: list[torch.Tensor]) -> dict:
     n = w.numel()
     res.update(
         rounds=rounds,

@@ -59,7 +59,7 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 
 def _options(args: argparse.Namespace):
-    from dgt.inspect.summary import Options
+    from dgt.inspect.options import Options
 
     return Options(
         tcp_ports=tuple(args.tcp_port),

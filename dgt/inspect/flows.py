@@ -6,18 +6,15 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from dgt import wire
 from dgt.inspect import reassembly
+from dgt.inspect.options import Options
 from dgt.inspect.pcapio import TCP, UDP, PacketTable
 from dgt.inspect.rounds import Frames, addr_cols, group_rows
 from dgt.wire import Flags, FrameType
-
-if TYPE_CHECKING:
-    from dgt.inspect.summary import Options
 
 REASONS = (*wire.REASONS, "not-a-fragment", "ip-fragment")
 _NOT_FRAGMENT = REASONS.index("not-a-fragment")

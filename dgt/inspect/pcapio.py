@@ -111,6 +111,34 @@ def _link_layer(h: np.ndarray, rows: np.ndarray, linktype: np.ndarray) -> tuple[
     return l3, et, bynibble
 
 
+def _addresses(h: np.ndarray, rows: np.ndarray, l3c: np.ndarray, v4: np.ndarray,
+               v6: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Source and destination addresses, 16 bytes a packet (IPv4 as IPv4-mapped IPv6)."""
+    n = len(h)
+    src = np.zeros((n, 16), np.uint8)
+    dst = np.zeros((n, 16), np.uint8)
+    a4 = l3c[v4, None]
+    src[v4, 10:12] = 0xFF
+    dst[v4, 10:12] = 0xFF
+    src[v4, 12:] = h[rows[v4, None], a4 + 12 + np.arange(4)]
+    dst[v4, 12:] = h[rows[v4, None], a4 + 16 + np.arange(4)]
+    a6 = l3c[v6, None]
+    src[v6] = h[rows[v6, None], a6 + 8 + np.arange(16)]
+    dst[v6] = h[rows[v6, None], a6 + 24 + np.arange(16)]
+    return src, dst
+
+
+def _udp_gso(h: np.ndarray, rows: np.ndarray, payoff: np.ndarray, udp_ok: np.ndarray, ippay: np.ndarray,
+             paylen: np.ndarray) -> np.ndarray:
+    """Which UDP packets are GSO aggregates (seen unsegmented on loopback): the UDP length is one segment, the IP
+    length all of them, or, as loopback also shows them, one UDP packet holding the whole run of equal datagrams back
+    to back (a DGT header whose length ends before the payload does)."""
+    p0 = np.minimum(payoff, HEAD)
+    first_len = _be32(h, rows, p0 + 44)
+    magic = (h[rows, p0] == 0x44) & (h[rows, p0 + 1] == 0x47)
+    return udp_ok & ((ippay - 8 > paylen) | (magic & (first_len + 48 < paylen)))
+
+
 def _parse(head: np.ndarray, caplen: np.ndarray, linktype: np.ndarray) -> dict[str, np.ndarray]:
     """Vectorised link/IP/L4 parse of a chunk of packet heads."""
     n = len(head)
@@ -132,16 +160,7 @@ def _parse(head: np.ndarray, caplen: np.ndarray, linktype: np.ndarray) -> dict[s
     proto = np.where(v4, h[rows, l3c + 9], h[rows, l3c + 6]).astype(np.int64)
     fragw = _be16(h, rows, l3c + 6)
     ipfrag = v4 & (((fragw & 0x2000) != 0) | ((fragw & 0x1FFF) != 0))
-    src = np.zeros((n, 16), np.uint8)
-    dst = np.zeros((n, 16), np.uint8)
-    a4 = l3c[v4, None]
-    src[v4, 10:12] = 0xFF
-    dst[v4, 10:12] = 0xFF
-    src[v4, 12:] = h[rows[v4, None], a4 + 12 + np.arange(4)]
-    dst[v4, 12:] = h[rows[v4, None], a4 + 16 + np.arange(4)]
-    a6 = l3c[v6, None]
-    src[v6] = h[rows[v6, None], a6 + 8 + np.arange(16)]
-    dst[v6] = h[rows[v6, None], a6 + 24 + np.arange(16)]
+    src, dst = _addresses(h, rows, l3c, v4, v6)
 
     l4 = l3c + ihl
     ip = (v4 | v6) & (ihl >= 20) & ~(v4 & ((fragw & 0x1FFF) != 0))
@@ -157,13 +176,7 @@ def _parse(head: np.ndarray, caplen: np.ndarray, linktype: np.ndarray) -> dict[s
     ok = (is_udp | (is_tcp & (doff >= 20))) & (payoff <= np.minimum(caplen, HEAD)) & (paylen >= 0)
     ok &= l4 + 8 <= HEAD
     z = lambda a: np.where(ok, a, 0)
-    # a UDP GSO aggregate (seen unsegmented on loopback): the UDP length is one segment, the IP length all of them
-    # or, as loopback also shows them, one UDP packet holding the whole run of equal datagrams back to back
-    p0 = np.minimum(payoff, HEAD)
-    first_len = _be32(h, rows, p0 + 44)
-    magic = (h[rows, p0] == 0x44) & (h[rows, p0 + 1] == 0x47)
-    udp_ok = ok & is_udp & (paylen > 0)
-    gso = udp_ok & ((ippay - 8 > paylen) | (magic & (first_len + 48 < paylen)))
+    gso = _udp_gso(h, rows, payoff, ok & is_udp & (paylen > 0), ippay, paylen)
     return dict(
         gso=gso,
         udpall=np.where(gso, np.maximum(ippay - 8, paylen), 0),
@@ -191,6 +204,38 @@ def _timestamp(meta, nano: bool) -> float:
     return meta.sec + meta.usec * (1e-9 if nano else 1e-6)
 
 
+def _read_chunk(reader: RawPcapReader, room: int, nano: bool,
+                default_lt: int) -> tuple[list[bytes], list[float], list[int], list[int], bool]:
+    """Up to ``room`` packet records: their bytes, times, wire lengths, link types, and whether the file ended (or
+    broke off: a truncated last record just ends it)."""
+    datas: list[bytes] = []
+    ts: list[float] = []
+    wl: list[int] = []
+    lts: list[int] = []
+    while len(datas) < room:
+        try:
+            rec = reader._read_packet(MAX_RECORD)
+        except (EOFError, Scapy_Exception):
+            return datas, ts, wl, lts, True
+        if rec is None:  # pcapng block that is not a packet
+            continue
+        data, meta = rec
+        datas.append(data)
+        ts.append(_timestamp(meta, nano))
+        wl.append(int(meta.wirelen))
+        lts.append(int(getattr(meta, "linktype", default_lt)))
+    return datas, ts, wl, lts, False
+
+
+def _keep(out: dict[int, bytes], datas: list[bytes], base: int, cols: dict[str, np.ndarray], rows: np.ndarray,
+          length: str) -> None:
+    """The payload (from ``payoff``, ``cols[length]`` bytes) of each packet of ``rows``, by its index in the table."""
+    at = np.flatnonzero(rows)
+    offs, lens = cols["payoff"][at].tolist(), cols[length][at].tolist()
+    for i, off, ln in zip(at.tolist(), offs, lens):
+        out[base + i] = datas[i][off : off + ln]
+
+
 def read_pcap(path: str, max_packets: int | None = None) -> PacketTable:
     """Parse a capture file. Raises :class:`PcapError` if it is not a pcap/pcapng file; a truncated last record
     just ends the table (a capture killed mid-write is still worth summarising)."""
@@ -209,29 +254,9 @@ def read_pcap(path: str, max_packets: int | None = None) -> PacketTable:
     try:
         done = False
         while not done:
-            datas: list[bytes] = []
-            ts: list[float] = []
-            wl: list[int] = []
-            lts: list[int] = []
-            while len(datas) < CHUNK:
-                if max_packets is not None and base + len(datas) >= max_packets:
-                    done = True
-                    break
-                try:
-                    rec = reader._read_packet(MAX_RECORD)
-                except EOFError:
-                    done = True
-                    break
-                except Scapy_Exception:
-                    done = True
-                    break
-                if rec is None:  # pcapng block that is not a packet
-                    continue
-                data, meta = rec
-                datas.append(data)
-                ts.append(_timestamp(meta, nano))
-                wl.append(int(meta.wirelen))
-                lts.append(int(getattr(meta, "linktype", default_lt)))
+            room = CHUNK if max_packets is None else min(CHUNK, max_packets - base)
+            datas, ts, wl, lts, done = _read_chunk(reader, room, nano, default_lt)
+            done = done or (max_packets is not None and base + len(datas) >= max_packets)
             if not datas:
                 break
             caplen = np.fromiter((len(d) for d in datas), np.int64, len(datas))
@@ -242,14 +267,8 @@ def read_pcap(path: str, max_packets: int | None = None) -> PacketTable:
             unknown += int((~np.isin(lt, KNOWN_LINKS)).sum())
             cols = _parse(head, caplen, lt)
             cols.update(ts=np.asarray(ts, np.float64), caplen=caplen, wirelen=np.asarray(wl, np.int64), head=head)
-            tcp_rows = np.flatnonzero(cols["ok"] & (cols["proto"] == TCP) & (cols["paylen"] > 0))
-            offs, lens = cols["payoff"][tcp_rows].tolist(), cols["paylen"][tcp_rows].tolist()
-            for i, off, ln in zip(tcp_rows.tolist(), offs, lens):
-                tcp_payload[base + i] = datas[i][off : off + ln]
-            gso_rows = np.flatnonzero(cols["gso"])
-            offs, lens = cols["payoff"][gso_rows].tolist(), cols["udpall"][gso_rows].tolist()
-            for i, off, ln in zip(gso_rows.tolist(), offs, lens):
-                gso_payload[base + i] = datas[i][off : off + ln]
+            _keep(tcp_payload, datas, base, cols, cols["ok"] & (cols["proto"] == TCP) & (cols["paylen"] > 0), "paylen")
+            _keep(gso_payload, datas, base, cols, cols["gso"], "udpall")
             parts.append(cols)
             base += len(datas)
     finally:

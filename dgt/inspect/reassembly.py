@@ -126,6 +126,16 @@ def _resync(data: bytes, pos: int, limits: wire.Limits, gaps: list[tuple[int, in
         pos += 1
 
 
+def _header_table(data: bytes, starts: list[int]) -> tuple[np.ndarray, np.ndarray]:
+    """(start offsets, headers as a HEADER_DTYPE array) of the frames starting at ``starts`` in ``data``."""
+    spos = np.asarray(starts, np.int64)
+    if not len(spos):
+        return spos, np.zeros(0, wire.HEADER_DTYPE)
+    raw = np.frombuffer(data, np.uint8)
+    hdr = raw[spos[:, None] + np.arange(wire.HEADER_SIZE)[None, :]]
+    return spos, np.ascontiguousarray(hdr).view(wire.HEADER_DTYPE).reshape(-1)
+
+
 def frames(stream: Stream, limits: wire.Limits = wire.DEFAULT_LIMITS) -> StreamFrames:
     """Walk the length-prefixed frames of a stream. Never raises: bad bytes are skipped and counted."""
     data = stream.data
@@ -169,13 +179,7 @@ def frames(stream: Stream, limits: wire.Limits = wire.DEFAULT_LIMITS) -> StreamF
     tail = n - pos if pos < n else 0
     if tail:
         note("truncated")
-    spos = np.asarray(starts, np.int64)
-    raw = np.frombuffer(data, np.uint8)
-    if len(spos):
-        hdr = raw[spos[:, None] + np.arange(hs)[None, :]]
-        headers = np.ascontiguousarray(hdr).view(wire.HEADER_DTYPE).reshape(-1)
-    else:
-        headers = np.zeros(0, wire.HEADER_DTYPE)
+    spos, headers = _header_table(data, starts)
     fend = spos + hs + headers["length"].astype(np.int64)
     seg = np.searchsorted(stream.seg_end, fend, side="left")
     seg = np.minimum(seg, max(len(stream.seg_end) - 1, 0))

@@ -300,6 +300,33 @@ def _fragments(t: _Tally, fr_rows: np.ndarray, fr: Frames, acc: Accounts) -> Non
     t.st["fragments_seen"] = int(np.unique(b[good] * g.per_block + fi[good]).size)
 
 
+def _account_blocks(t: _Tally, acc: Accounts, done: np.ndarray, partial: np.ndarray, dropped: int,
+                    unsent: int) -> None:
+    """A round's complete blocks per lane (its tally), its lost and unsent ones (the capture's accounts)."""
+    for lane, c in zip(*np.unique(t.lane_of[done], return_counts=True)):
+        t.lanes.setdefault(int(lane), Counter())["blocks"] = int(c)
+    # a partial block was sent (and lost) on the lane its fragments came by; the rest of the lost blocks and the
+    # unsent ones are placed on the unreliable lane by summarize when the capture has only one
+    for lane, c in zip(*np.unique(t.lane_of[partial], return_counts=True)):
+        acc.lane(int(lane))["lost_blocks"] += int(c)
+    acc.lost_unplaced += dropped - int(partial.sum())
+    acc.unsent_unplaced += unsent
+
+
+def _announced(r: WireRound, st: Counter) -> dict | None:
+    """What the round's ROUND_END announced (None: none was seen)."""
+    if not r.end:
+        return None
+    ib, ub, ifr, ufr = r.end[1]
+    return dict(
+        important_blocks=ib,
+        unimportant_blocks=ub,
+        important_frames=ifr,
+        unimportant_frames=ufr,
+        unimportant_frames_not_seen=max(ufr - st["fragments_seen"], 0),
+    )
+
+
 def _round_record(key: tuple, r: WireRound, t: _Tally, fr: Frames, acc: Accounts, t0: float) -> dict:
     """The JSON record of one announced round (docs/inspect.md), its drop event and its lanes' totals."""
     assert r.begin is not None
@@ -312,14 +339,7 @@ def _round_record(key: tuple, r: WireRound, t: _Tally, fr: Frames, acc: Accounts
     unsent = min(max(nb - r.end[1][0] - r.end[1][1], 0), nb - int(done.sum())) if r.end else 0
     dropped = nb - int(done.sum()) - unsent
     late_blocks_n = len([x for x in t.late_blocks if not done[x]])
-    for lane, c in zip(*np.unique(t.lane_of[done], return_counts=True)):
-        lanes.setdefault(int(lane), Counter())["blocks"] = int(c)
-    # a partial block was sent (and lost) on the lane its fragments came by; the rest of the lost blocks and the
-    # unsent ones are placed on the unreliable lane by summarize when the capture has only one
-    for lane, c in zip(*np.unique(t.lane_of[partial], return_counts=True)):
-        acc.lane(int(lane))["lost_blocks"] += int(c)
-    acc.lost_unplaced += dropped - int(partial.sum())
-    acc.unsent_unplaced += unsent
+    _account_blocks(t, acc, done, partial, dropped, unsent)
     t_last = float(fr.ts[r.rel + fr_rows.tolist()].max()) if (r.rel or len(fr_rows)) else tb
     t_close = r.report[0] if r.report else None
     acc.drop_ev.append((t_close if t_close is not None else t_last, dropped))
@@ -352,18 +372,9 @@ def _round_record(key: tuple, r: WireRound, t: _Tally, fr: Frames, acc: Accounts
         lanes={
             str(k): dict(frames=v["frames"], blocks=v["blocks"], bytes=v["bytes"]) for k, v in sorted(lanes.items())
         },
-        announced=None,
+        announced=_announced(r, st),
         report=None,
     )
-    if r.end:
-        ib, ub, ifr, ufr = r.end[1]
-        rec["announced"] = dict(
-            important_blocks=ib,
-            unimportant_blocks=ub,
-            important_frames=ifr,
-            unimportant_frames=ufr,
-            unimportant_frames_not_seen=max(ufr - st["fragments_seen"], 0),
-        )
     if r.report:
         _check_report(rec, key, r.report[1], done, nb, unsent, acc.warnings)
     for lane, v in lanes.items():

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from dgt.inspect.flows import (
     tcp_streams,
     udp_datagrams,
 )
+from dgt.inspect.options import Options
 from dgt.inspect.pcapio import TCP, UDP, PacketTable, addr, read_pcap
 from dgt.inspect.rounds import (
     Accounts,
@@ -62,18 +63,6 @@ DEFAULT_UNRELIABLE_DSCP = (LE, CS1)
 
 def dscp_name(v: int) -> str:
     return f"{DSCP_NAMES[v]}({v})" if v in DSCP_NAMES else str(v)
-
-
-@dataclass
-class Options:
-    """What the tool cannot learn from the capture: extra DGT ports, and the DSCP each lane was configured with."""
-
-    tcp_ports: tuple[int, ...] = ()
-    udp_ports: tuple[int, ...] = ()
-    auto: bool = True  # also detect DGT flows by the magic/version at the start of payloads and streams
-    expect_dscp: dict[int, tuple[int, ...]] = field(default_factory=dict)  # lane -> acceptable DSCP values
-    bin_s: float | None = None  # timeline bin width (None: about 60 bins over the capture)
-    limits: wire.Limits = wire.DEFAULT_LIMITS
 
 
 def expected_dscp(lane: int, opts: Options, session: dict[int, tuple[int, ...]]) -> tuple[int, ...]:

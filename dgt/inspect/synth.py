@@ -121,6 +121,15 @@ class _Conn:
         return ts
 
 
+def _open_conns(out: PcapOut, step: float) -> tuple[_Conn, _Conn, float]:
+    """The reliable lane's two directions, their SYNs written; and the time after them."""
+    fwd, back = _Conn(out, True, 1000), _Conn(out, False, 5000)
+    ts = 1_700_000_000.0
+    fwd.syn(ts)
+    back.syn(ts + step)
+    return fwd, back, ts + 2 * step
+
+
 def synth_rounds(
     path: str,
     spec: TrafficSpec | None = None,
@@ -138,11 +147,7 @@ def synth_rounds(
     tx = RoundSender(spec.token, 0, block=spec.block, lanes=spec.lanes)
     rx = RoundReceiver(spec.token, rank=1)
     out = PcapOut(path, w)
-    fwd, back = _Conn(out, True, 1000), _Conn(out, False, 5000)
-    ts = 1_700_000_000.0
-    fwd.syn(ts)
-    back.syn(ts + step)
-    ts += 2 * step
+    fwd, back, ts = _open_conns(out, step)
     res = TrafficResult(tcp_port=w.tcp_ports[1], udp_ports=[w.udp_ports[1] + k for k in range(spec.lanes - 1)])
     done: list[RoundDone] = []
     clock = [ts]
@@ -181,9 +186,7 @@ def synth_rounds(
                 raise RuntimeError(f"round {rnd} did not close")
             for lane, g in late:
                 feed_udp(lane, g)
-        res.stats = [d.stats.to_dict() for d in done]
-        res.late = rx.counters.late
-        res.rejected = rx.counters.rejected
+        res.stats, res.late, res.rejected = [d.stats.to_dict() for d in done], rx.counters.late, rx.counters.rejected
     finally:
         out.close()
     return res

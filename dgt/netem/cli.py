@@ -188,6 +188,24 @@ def cmd_probe(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_up(sub: Any, common: argparse.ArgumentParser, default_subnet: str) -> None:
+    """`dgt netem up`."""
+    up = sub.add_parser("up", parents=[common], help="create hosts, switch(es) and shaped links; leave them running")
+    up.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
+    _link_args(up)
+    up.add_argument("--dumbbell", action="store_true", help="two switches joined by a bottleneck link")
+    _link_args(up, "bottleneck-", "the bottleneck")
+    up.add_argument("--subnet", default=default_subnet, help=f"host addresses (default {default_subnet})")
+    up.add_argument("--loss-backend", choices=("auto", "netem", "nft"), default="auto",
+                    help="how random loss is made (auto: netem if the kernel has it, else nftables)")
+    up.add_argument("--delay-backend", choices=("auto", "netem", "relay"), default="auto",
+                    help="how delay/jitter/reordering are made (auto: netem if the kernel has it, else a relay "
+                         "process per delayed link)")
+    up.add_argument("--force", action="store_true", help="remove an existing topology with this prefix first")
+    up.add_argument("--json", action="store_true", help="print the saved configuration as JSON")
+    up.set_defaults(func=cmd_up)
+
+
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `dgt netem` and its subcommands."""
     from dgt.netem.spec import DEFAULT_PREFIX, DEFAULT_SUBNET
@@ -201,20 +219,7 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     sub = netem.add_subparsers(dest="netem_command", metavar="SUBCOMMAND")
     netem.set_defaults(func=lambda a: (netem.print_help(), 0)[1])
 
-    up = sub.add_parser("up", parents=[common], help="create hosts, switch(es) and shaped links; leave them running")
-    up.add_argument("--hosts", type=int, default=2, help="number of hosts (default 2)")
-    _link_args(up)
-    up.add_argument("--dumbbell", action="store_true", help="two switches joined by a bottleneck link")
-    _link_args(up, "bottleneck-", "the bottleneck")
-    up.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"host addresses (default {DEFAULT_SUBNET})")
-    up.add_argument("--loss-backend", choices=("auto", "netem", "nft"), default="auto",
-                    help="how random loss is made (auto: netem if the kernel has it, else nftables)")
-    up.add_argument("--delay-backend", choices=("auto", "netem", "relay"), default="auto",
-                    help="how delay/jitter/reordering are made (auto: netem if the kernel has it, else a relay "
-                         "process per delayed link)")
-    up.add_argument("--force", action="store_true", help="remove an existing topology with this prefix first")
-    up.add_argument("--json", action="store_true", help="print the saved configuration as JSON")
-    up.set_defaults(func=cmd_up)
+    _add_up(sub, common, DEFAULT_SUBNET)
 
     st = sub.add_parser("status", parents=[common], help="per-link, per-class packet/drop counters")
     st.add_argument("--json", action="store_true", help="machine-readable counters")

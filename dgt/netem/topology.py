@@ -139,7 +139,7 @@ class Topology:
             raise DgtError(f"delay_backend must be auto, netem or relay, not {delay_backend!r}")
         self.delay_backend = delay_backend
         self.relay_capacity = relay_capacity
-        self.relay_delay = False  # decided in _check_kernel: delayed links go through a relay
+        self.relay_delay = False  # decided in check_kernel: delayed links go through a relay
         self.relays: dict[str, subprocess.Popen] = {}
         self.replace = replace
         self.offloads_off = offloads_off
@@ -201,7 +201,7 @@ class Topology:
         """Check the privileges, then that the kernel can do what was asked, then build; on any failure remove what
         was built. Without root (or CAP_NET_ADMIN and CAP_SYS_ADMIN): PrivilegeRequired, before anything else."""
         nsutil.require_privilege("building an emulated network")
-        self._check_kernel()
+        self.check_kernel()
         if nsutil.list_ns(self.prefix):
             if not self.replace:
                 raise DgtError(f"namespaces with prefix {self.prefix!r} exist: {nsutil.list_ns(self.prefix)}; "
@@ -228,7 +228,9 @@ class Topology:
         self.relays.clear()
         return removed
 
-    def _check_kernel(self) -> None:
+    def check_kernel(self) -> None:
+        """Before anything is created: EmulationUnsupported, naming what is missing, where this kernel cannot build
+        the topology (and the delay and loss backends chosen for it)."""
         specs = [("host links", self.link)] + ([("the bottleneck", self.bottleneck)] if self.bottleneck else [])
         backend = self.delay_backend
         if backend == "auto" and any(s.needs_netem for _, s in specs):

@@ -18,6 +18,7 @@ import torch
 from dgt import wire
 from dgt.errors import ProtocolError
 from dgt.protocol.events import BulkDone, Event, Key
+from dgt.protocol.owner import owned
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
 
@@ -58,6 +59,7 @@ class BulkMessage:
         return self.data.numel()
 
 
+@owned
 class BulkReceiver:
     """Where BULK payloads go. Frames of one message must come in order and fit it; anything else is a protocol
     violation of that peer (:class:`ProtocolError`, which ends its connection with that error), since a TCP stream

@@ -24,14 +24,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from dgt.protocol.owner import owned
 
+
+@owned
 @dataclass
 class CpuGate:
     """EWMA (weight ``alpha``) of the fraction of a transfer's time its thread waited for a CPU; closed above
     ``threshold``, open again under ``threshold * reopen``; it never closes before ``warm`` readings (a link's first
     transfers pay its start-up: slow start, first-touch page faults). Transfers shorter than ``min_span`` seconds
     are not read (the kernel's accounting is too coarse for them). ``closes``: how often it closed; ``gated``:
-    rounds it kept from sending (counted by the caller through :meth:`admit`)."""
+    rounds it kept from sending (counted by the caller through :meth:`admit`). It belongs to the endpoint's trio thread,
+    which feeds it the readings the hops' worker thread returns (docs/architecture.md, Threads)."""
 
     threshold: float = 0.1
     alpha: float = 0.25

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any
+
+from dgt.protocol.owner import owned, release
 
 
 @dataclass
@@ -18,7 +21,11 @@ class DeadlineState:
     dense_wait: float | None = None  # what the missing unimportant bytes would take at the important blocks' rate
 
 
+@owned
 class DeadlinePolicy:
+    """One receiver's policy: it belongs to the receiver's thread (its learning, :meth:`observe`, happens there); a
+    worker thread that decides deadlines of its own evaluates a :meth:`frozen` copy (docs/architecture.md, Threads)."""
+
     def deadline(self, st: DeadlineState) -> float:
         raise NotImplementedError
 
@@ -31,7 +38,15 @@ class DeadlinePolicy:
         """A round closed ``wait`` seconds after its important blocks were in: ``complete`` when every announced
         unimportant block had arrived by then (``wait`` is what it needed), else at its deadline (it needed more)."""
 
+    def frozen(self) -> DeadlinePolicy:
+        """A copy of the policy as it stands, for another thread to evaluate (a lossy ring hop's datagram reads): it
+        learns nothing this policy observes later, and belongs to the thread that first uses it."""
+        twin = copy.copy(self)
+        release(twin)
+        return twin
 
+
+@owned
 @dataclass
 class FixedGrace(DeadlinePolicy):
     """Wait a fixed time after the last important block."""
@@ -45,6 +60,7 @@ class FixedGrace(DeadlinePolicy):
         return self.grace
 
 
+@owned
 @dataclass
 class AdaptiveGrace(DeadlinePolicy):
     """Wait while unimportant frames keep coming: until the stream has been quiet for ``k`` mean gaps, or long enough

@@ -5,6 +5,7 @@ Sans-IO: time is passed in; the datagram scheduler (:mod:`dgt.channels.udp_sched
 from __future__ import annotations
 
 from dgt.protocol.congestion import Feedback, LedbatRate
+from dgt.protocol.owner import owned
 
 
 class TokenBucket:
@@ -53,6 +54,7 @@ class TokenBucket:
         self.rate = rate
 
 
+@owned
 class Pacer:
     """Per-peer pacing state: a token bucket, optionally steered by a congestion controller (``cc``).
 

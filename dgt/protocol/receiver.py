@@ -26,6 +26,7 @@ from dgt.protocol.deadline import AdaptiveGrace, DeadlinePolicy, DeadlineState
 from dgt.protocol.early_buffer import EarlyBuffer, datagram_sizes, pack_datagrams, reencode
 from dgt.protocol.events import ALREADY_CLOSED, DropReportIn, Event, Key, RoundDone, RoundRefused
 from dgt.protocol.landing import land_fragments, land_runs, mark_run
+from dgt.protocol.owner import owned
 from dgt.protocol.round_state import (
     HUGE_BYTES,
     Allocator,
@@ -35,7 +36,7 @@ from dgt.protocol.round_state import (
     group_by_round,
     zeroed,
 )
-from dgt.protocol.stats import ReceiverCounters
+from dgt.protocol.stats import ReceiverCounters, RoundProgress
 from dgt.wire import Flags, FrameType
 
 # names callers import from this module (tests take the batch helper and the buffer maker from here)
@@ -44,6 +45,7 @@ __all__ = ["HUGE_BYTES", "Allocator", "DropReportIn", "Event", "Key", "RoundDone
            "zeroed"]
 
 
+@owned
 class RoundReceiver:
     """Receiver state machine for one endpoint; rounds from several senders and buckets can be open at once."""
 
@@ -102,6 +104,11 @@ class RoundReceiver:
 
     def open_rounds(self) -> list[Key]:
         return list(self.rounds)
+
+    def progress(self, limit: int = 20) -> list[RoundProgress]:
+        """How far the first ``limit`` open rounds have come (for the error message of a call that waits too long)."""
+        return [RoundProgress(key, r.end, r.n_imp_done, r.n_done, r.imp_done_at)
+                for key, r in list(self.rounds.items())[:limit]]
 
     def is_open(self, key: Key) -> bool:
         """Whether round ``key`` is open (its ROUND_BEGIN was accepted, it has not closed yet)."""

@@ -18,6 +18,7 @@ from dgt.protocol.budget import fold_blocks, split_budget
 from dgt.protocol.datagram_mac import DatagramMac, slots, tag_bytes
 from dgt.protocol.datagram_rows import DatagramRows, gather_rows
 from dgt.protocol.geometry import Geometry, fragment_elems
+from dgt.protocol.owner import owned
 from dgt.protocol.packed_blocks import packed_numel
 from dgt.protocol.report import Timing, decode_report
 from dgt.protocol.stats import lane_counts
@@ -107,6 +108,7 @@ def raw_bytes(flat: torch.Tensor) -> np.ndarray:
     return flat.view(torch.uint8).numpy()
 
 
+@owned
 class RoundSender:
     """Turns classified buckets into frames and keeps the error-feedback residual per bucket.
 

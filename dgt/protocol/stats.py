@@ -56,6 +56,21 @@ class RoundStats:
         return d
 
 
+@dataclass(frozen=True)
+class RoundProgress:
+    """How far an open round has come (what a stuck call waits for: :meth:`RoundReceiver.progress`)."""
+
+    key: tuple[int, int, int]  # (sender, bucket, round)
+    end: tuple[int, int, int, int] | None  # its ROUND_END's announcement, None until it came
+    important_done: int  # important blocks complete
+    blocks_done: int  # blocks complete
+    important_done_at: float | None  # when the last important block came in
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"key": list(self.key), "end": self.end, "important_done": self.important_done,
+                "blocks_done": self.blocks_done, "important_done_at": self.important_done_at}
+
+
 @dataclass
 class ReceiverCounters:
     """Counters of frames that belong to no open round (kept across rounds)."""

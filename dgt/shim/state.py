@@ -134,9 +134,7 @@ class DGTState:
         with this rank's loss; a tensor is read with ``float()`` (a device sync on CUDA)."""
         value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
         self.last_loss = value
-        observe = getattr(self.codec, "observe_loss", None)
-        if observe is not None:
-            observe(value)
+        self.codec.observe_loss(value)
 
     @property
     def past_warmup(self) -> bool:
@@ -244,17 +242,16 @@ class DGTState:
             path[name] = path.get(name, 0.0) + sec
         entry = {"codec": self.codec.name if lossy else "dense", "seconds": seconds, "blocks": stats.blocks,
                  "dropped": stats.dropped, "bytes_sent": dict(stats.bytes_sent)}
-        schedule = getattr(self.codec, "schedule", None)
-        if lossy and schedule is not None:
-            entry["p"] = schedule.p()
+        p = self.codec.current_p() if lossy else None
+        if p is not None:
+            entry["p"] = p
         self.last_stats[index] = entry
 
     def transport_stats(self) -> dict[str, Any] | None:
         """The endpoint's counters (deadline waits, rounds closed by deadline, lanes), None before it connected.
-        Read from another thread than the worker's: counters of a round in progress may be half updated."""
-        group = None if self._worker is None else self._worker.group
-        ep = None if group is None else getattr(group, "endpoint", None)
-        return None if ep is None else ep.stats().to_dict()
+        Read on the worker's trio thread, which owns them (:meth:`TrioWorker.transport_stats`)."""
+        stats = None if self._worker is None else self._worker.transport_stats()
+        return None if stats is None else stats.to_dict()
 
     def close(self) -> None:
         """Stop the worker thread and close the transport (the state stays usable: it reconnects on next use)."""

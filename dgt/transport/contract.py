@@ -60,14 +60,14 @@ class Transport(Protocol):
     async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
                          layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
                          order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
-                         codec: int = 0) -> SendStats:
+                         op: int = 0) -> SendStats:
         ...
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
                          timeout: float | None = None) -> RoundResult:
         ...
 
-    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, op: int = 0) -> PendingSend:
         ...
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
@@ -95,7 +95,7 @@ class Transport(Protocol):
         ...
 
     def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                       cls: torch.Tensor, order: torch.Tensor | None, codec: int) -> HopRoundSend:
+                       cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend:
         """A lossy ring hop's round to ``peer``, planned (nothing sent): its frames, packed important blocks and
         datagrams for the exchange."""
         ...

@@ -15,6 +15,7 @@ and dgt.transport.outbound (the send APIs, drop reports, pacing feedback).
 
 from __future__ import annotations
 
+import socket
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -39,16 +40,17 @@ from dgt.protocol.receiver import RoundReceiver
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress, TransportConfig
 from dgt.transport.deadline_timer import DeadlineTimer
-from dgt.transport.handshake import HandshakeMixin, _Link
+from dgt.transport.handshake import HandshakeMixin
 from dgt.transport.hop_round import HopRoundMixin
 from dgt.transport.inbound import InboundMixin
 from dgt.transport.links import LinkMixin
-from dgt.transport.outbound import BYTES_BUCKET, PendingSend, _SendTrack
-from dgt.transport.stats import LaneStats, RoundResult, TransportStats
+from dgt.transport.outbound import BYTES_BUCKET, PendingSend
+from dgt.transport.records import Link, SendTrack
+from dgt.transport.stats import LaneStats, PendingRounds, RoundResult, TransportStats
 from dgt.transport.stream_watch import StreamWatch
 from dgt.transport.streams import StreamHub
 
-__all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "_Link", "_SendTrack"]
+__all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "Link", "SendTrack"]
 
 T = TypeVar("T")
 
@@ -86,26 +88,8 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self.receiver = RoundReceiver(
             self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), allocator=self._allocate
         )
-        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
-        self.udp: dict[int, UdpChannel] = {}
-
-        def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
-            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
-
-        hop: UdpChannel | None = None  # lossy ring hops' datagrams (dgt.channels.hop_datagrams); trio never reads it
-        try:
-            for lane in range(1, len(c.lanes)):
-                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
-            if self.udp and c.stream_hops != "off":
-                try:
-                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
-                except OSError:  # no port left in the range: lossy hops run their rounds on the session link
-                    hop = None
-        except BaseException:
-            self._close_sockets()
-            raise
-        self._links: dict[int, _Link] = {}
+        hop = self._bind_sockets(host)  # lossy ring hops' datagrams (dgt.channels.hop_datagrams); trio never reads it
+        self._links: dict[int, Link] = {}
         self._link_ready: dict[int, Slot] = {}
         self._sources: dict[tuple[str, int], int] = {}
         self._recv_waiters: dict[tuple[int, int, int], Slot] = {}
@@ -113,7 +97,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self.bulk = BulkReceiver(c.limits.max_open_rounds, self.receiver.max_open_bytes, self._allocate)
         self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
-        self._sending: dict[tuple[int, int, int], _SendTrack] = {}
+        self._sending: dict[tuple[int, int, int], SendTrack] = {}
         self._bytes_tx: dict[tuple[int, int], int] = {}
         self._bytes_rx: dict[tuple[int, int], int] = {}
         self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
@@ -142,10 +126,37 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
         self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
+        # the lossy ring hops' CPU gate, fed on this (the trio) thread with the readings the hops' worker returns
+        self.cpu_gate = CpuGate(c.cpu_gate) if c.cpu_gate else None
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=hop,
-                                 cpu_gate=CpuGate(c.cpu_gate) if c.cpu_gate else None)
+                                 cpu_wait=self.cpu_gate is not None)
+
+    def _bind_sockets(self, host: str) -> UdpChannel | None:
+        """The TCP listener and one UDP socket per unreliable lane (``listener``, ``udp``), each on a port of the
+        configured range; returns the hop socket (None: stream hops off, no UDP lane, or no port left for it)."""
+        c = self.cfg
+        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
+        self.udp = {}
+
+        def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
+            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
+                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
+
+        hop: UdpChannel | None = None
+        try:
+            for lane in range(1, len(c.lanes)):
+                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
+            if self.udp and c.stream_hops != "off":
+                try:
+                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
+                except OSError:  # no port left in the range: lossy hops run their rounds on the session link
+                    hop = None
+        except BaseException:
+            self._close_sockets()
+            raise
+        return hop
 
     @classmethod
     async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,
@@ -281,7 +292,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         """A snapshot of the endpoint's counters (per lane both directions, rounds, losses, deadline waits)."""
         st = self._stats
         rc = self.receiver.counters
-        gate = self.streams.cpu_gate
+        gate = self.cpu_gate
         lanes = []
         l0 = self.cfg.lanes[0]
         tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)
@@ -323,7 +334,17 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             receive_seconds=st.receive_seconds, results_evicted=st.results_evicted, rounds_copied=st.rounds_copied,
             pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
             rounds_cpu_gated=0 if gate is None else gate.gated, cpu_wait=None if gate is None else gate.value,
+            pace_shared_peers=sum(ln.pacer is not None and ln.pacer.shared is not None for ln in self._links.values()),
         )  # fmt: skip
+
+    def pending_rounds(self, limit: int = 20) -> PendingRounds:
+        """What this endpoint waits for (see :class:`PendingRounds`), for the error message of a stuck call."""
+        return PendingRounds(list(self._recv_waiters)[:limit], list(self._sending)[:limit],
+                             list(self._results)[:limit], self.receiver.progress(limit))
+
+    def link_sockets(self) -> list[socket.socket]:
+        """The TCP socket of every session link open now (not the stream lanes'), e.g. to pace them."""
+        return [ln.chan.sock for ln in self._links.values() if not ln.chan.closed]
 
     def socket_info(self) -> dict[str, Any]:
         """DSCP and SO_PRIORITY read back from the kernel for every socket (listener, connections, UDP lanes)."""

@@ -9,7 +9,6 @@ from __future__ import annotations
 import errno
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -22,12 +21,12 @@ from dgt.channels.sockopts import canonical_host
 from dgt.channels.tcp import TcpChannel, dial
 from dgt.channels.tcp_writer import ReliableWriter
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error, open_nursery
-from dgt.protocol.budget import RoundWindow
 from dgt.protocol.congestion import LedbatRate
 from dgt.protocol.pacing import Pacer, TokenBucket
 from dgt.protocol.sender import RoundSender
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
+from dgt.transport.records import Link
 from dgt.transport.session import EndpointState
 
 HANDSHAKE_STAGING = 4096  # (i22) bytes an accepted connection stages until its peer proved the key (was 1 MiB)
@@ -39,26 +38,6 @@ def _control_only(h: np.void) -> object:
     if int(h["ftype"]) != wire.FrameType.CONTROL:
         raise ProtocolError(f"expected a CONTROL frame in the handshake, got frame type {int(h['ftype'])}")
     return KEEP
-
-
-@dataclass
-class _Link:
-    """One connected peer."""
-
-    rank: int
-    address: PeerAddress
-    chan: TcpChannel
-    reader: FrameReader
-    writer: ReliableWriter
-    sender: RoundSender
-    pacer: Pacer | None
-    udp_addrs: list[tuple[str, int]]
-    error: BaseException | None = None
-    scope: trio.CancelScope | None = None
-    last_ping: float = 0.0
-    said_bye: bool = False
-    dirty: set[int] = field(default_factory=set)  # buckets whose residual holds folded losses
-    window: RoundWindow = field(default_factory=RoundWindow)  # expected round length, for the send budget
 
 
 class HandshakeMixin(EndpointState):
@@ -241,17 +220,7 @@ class HandshakeMixin(EndpointState):
                     else:
                         self.streams.accept(rank, chan, direction)
                     return
-                if msg["op"] != control.HELLO:
-                    why = "expected hello"
-                elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
-                    why = f"rank {rank} is already connected"
-                elif int(msg.get("lanes", -1)) != len(self.udp):
-                    why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
-                elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
-                    why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
-                addr = PeerAddress.from_dict(msg["address"])
-                if why is None and len(addr.udp_ports) != len(self.udp):
-                    why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
+                why, addr = self._session_refusal(rank, msg)
                 if why is not None:
                     await chan.send_buffers([control.control(self.token, self.rank, control.REFUSE, why=why)])
                     chan.close()
@@ -276,6 +245,23 @@ class HandshakeMixin(EndpointState):
         chan.label = f"rank {self.rank} <- rank {rank}"
         reader.reserve()  # authenticated: now the link's full staging buffer
         self._register(rank, addr, host, chan, reader)
+
+    def _session_refusal(self, rank: int, msg: dict[str, Any]) -> tuple[str | None, PeerAddress]:
+        """Why an authenticated session hello from ``rank`` is refused (None: it is not), and the address it gave
+        (an error if it gave none that parses: the handshake fails)."""
+        why = None
+        if msg["op"] != control.HELLO:
+            why = "expected hello"
+        elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
+            why = f"rank {rank} is already connected"
+        elif int(msg.get("lanes", -1)) != len(self.udp):
+            why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+        elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
+            why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
+        addr = PeerAddress.from_dict(msg["address"])
+        if why is None and len(addr.udp_ports) != len(self.udp):
+            why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
+        return why, addr
 
     def _tcp_channel(self, sock: socket.socket, rank: int) -> TcpChannel:
         c = self.cfg
@@ -307,7 +293,7 @@ class HandshakeMixin(EndpointState):
             reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
             mac=self._mac, peer=rank,
         )  # fmt: skip
-        link = _Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
+        link = Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
         self._links[rank] = link
         self._spawn(self._run_link, link)
         self._link_ready.setdefault(rank, Slot()).set()

@@ -34,7 +34,8 @@ from dgt.protocol.datagram_decode import decode_datagrams
 from dgt.protocol.events import Event
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.protocol.sender import RoundPlan
-from dgt.transport.outbound import OutboundMixin, _SendTrack
+from dgt.transport.outbound import OutboundMixin
+from dgt.transport.records import SendTrack
 from dgt.transport.stats import SendStats
 
 _END = wire.HEADER_SIZE + len(wire.encode_round_end(0, 0, 0, 0))
@@ -57,7 +58,7 @@ class HopRoundSend:
     datagrams: DatagramSend | None
     stats: SendStats
     job: DatagramJob | None
-    track: _SendTrack | None
+    track: SendTrack | None
 
 
 class HopRoundMixin(OutboundMixin):
@@ -73,7 +74,7 @@ class HopRoundMixin(OutboundMixin):
         return (link.udp_addrs[0][0], link.address.hop_port)
 
     def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                       cls: torch.Tensor, order: torch.Tensor | None, codec: int) -> HopRoundSend:
+                       cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend:
         """Plan round ``round`` of ``bucket`` to ``peer`` without sending anything (see the module docstring): the
         important blocks are the caller's to carry (``HopRoundSend.packed``, float32 only)."""
         link = self._link(peer)
@@ -86,7 +87,7 @@ class HopRoundMixin(OutboundMixin):
         now = trio.current_time()
         packed: list[torch.Tensor] = []
         plan, _ = self._plan_round(link, bucket, round, flat.detach().reshape(-1), layout, cls, order, False, True,
-                                   codec, packed.append, self.streams.cpu_gate)
+                                   op, packed.append, self.cpu_gate)
         stats = SendStats(peer, bucket, round, 0, plan.unimportant_blocks, 1, 0, copied=True,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)
         for lane, n in plan.unsent_lanes.items():
@@ -105,7 +106,7 @@ class HopRoundMixin(OutboundMixin):
                                 limit=self.cfg.round_timeout or 10.0)
         track = None
         if plan.unimportant_blocks:  # a report will come: it finds its track (none without datagrams: NO_REPORT)
-            track = self._sending[key] = _SendTrack(t0=now, cls=plan.cls, detached=True)
+            track = self._sending[key] = SendTrack(t0=now, cls=plan.cls, detached=True)
         return HopRoundSend(peer, key, control, packed[0], send, stats, job, track)
 
     def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
@@ -156,7 +157,10 @@ class HopRoundMixin(OutboundMixin):
         geom = Geometry.of(layout, fragment_elems(layout.block, itemsize, room))
         most = int(geom.frags_needed.sum())
         seg = wire.HEADER_SIZE + room
-        policy = self.receiver.deadline  # read in the worker thread (its learning happens here, between hops)
+        # the receiver's policy belongs to this (the trio) thread: the worker evaluates a copy of it as it stands now
+        # (it learns on this thread as rounds close, between hops), and gets its longest wait as a value
+        peer_wait = self.receiver.deadline.longest_wait()
+        policy = self.receiver.deadline.frozen()
         name = wire.headers(1)
         name["rank"], name["round"], name["bucket"] = peer, round, bucket
         addr = self._hop_addr(peer)
@@ -166,7 +170,7 @@ class HopRoundMixin(OutboundMixin):
             announced = wire.decode_round_end(ctl[len(ctl) - _END + wire.HEADER_SIZE :])[3] if len(ctl) >= _END else 0
             expect = min(int(announced), most)
             return DatagramRecv(buf(expect * seg + 2 * SLOT), addr, name.tobytes()[NAME], expect, policy.deadline,
-                                peer_wait=policy.longest_wait())
+                                peer_wait=peer_wait)
 
         return receipt
 

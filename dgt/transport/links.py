@@ -25,7 +25,7 @@ from dgt.errors import (
 )
 from dgt.protocol.events import Event
 from dgt.transport import control
-from dgt.transport.handshake import _Link
+from dgt.transport.records import Link
 from dgt.transport.session import EndpointState
 from dgt.transport.streams import Hop, HopResult
 from dgt.wire import Flags, FrameType
@@ -41,7 +41,7 @@ SETTLE = 0.2
 class LinkMixin(EndpointState):
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
 
-    async def _run_link(self, link: _Link) -> None:
+    async def _run_link(self, link: Link) -> None:
         try:
             with trio.CancelScope() as scope:
                 link.scope = scope
@@ -53,7 +53,7 @@ class LinkMixin(EndpointState):
         finally:
             self._fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} ended"))
 
-    async def _link_task(self, link: _Link, fn: Callable[..., Awaitable[object]], *args: object) -> None:
+    async def _link_task(self, link: Link, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
         try:
             await fn(*args)
@@ -97,7 +97,7 @@ class LinkMixin(EndpointState):
             self._sending[key].report.fail(error)
         self.streams.abort(rank, error)
 
-    def _link(self, peer: int) -> _Link:
+    def _link(self, peer: int) -> Link:
         self._check_open()
         if self._abort is not None:
             raise self._abort.with_traceback(None)
@@ -108,9 +108,12 @@ class LinkMixin(EndpointState):
             raise link.error.with_traceback(None)
         return link
 
-    async def _reader(self, link: _Link) -> None:
+    def _frame_routes(self, rank: int) -> tuple[Callable[[np.void], memoryview | object | None],
+                                                Callable[[np.ndarray], np.ndarray]]:
+        """For the reader of ``rank``'s link: where a frame's payload lands (``place``: the receiver's buffer for
+        a data frame, the bulk receiver's for a BULK one, None to drop it, KEEP to read it into a frame), and which
+        staged frames go to the receiver in one vectorised pass (``batchable``)."""
         recv = self.receiver
-        rank = link.rank
 
         def place(h: np.void) -> memoryview | object | None:
             if int(h["rank"]) != rank:
@@ -127,6 +130,12 @@ class LinkMixin(EndpointState):
                                 & (h["rank"] == rank))
             return mask
 
+        return place, batchable
+
+    async def _reader(self, link: Link) -> None:
+        recv = self.receiver
+        rank = link.rank
+        place, batchable = self._frame_routes(rank)
         budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
         events: Sequence[Event] | None
         waits = link.chan.waits
@@ -178,7 +187,7 @@ class LinkMixin(EndpointState):
                 budget = 0
                 self.deadlines.poke()
 
-    def _on_control(self, link: _Link, frame: memoryview | None) -> None:
+    def _on_control(self, link: Link, frame: memoryview | None) -> None:
         try:
             _, msg = control.parse(frame, self.cfg.limits)
         except ProtocolError:
@@ -391,7 +400,9 @@ class LinkMixin(EndpointState):
                 self._exchange_scopes.add(scope)
                 try:
                     started = True  # streams.exchange owns the ticket from here, however it ends
-                    return await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                    results = await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                    self._feed_cpu_gate(results)
+                    return results
                 except (PeerClosed, BaseExceptionGroup) as exc:
                     # a peer that aborted may hang up on a lane before its ABORT is read; both neighbours' lanes
                     # failing at once come as a group of PeerClosed (trio's MultiError), which must wait for it too
@@ -412,6 +423,14 @@ class LinkMixin(EndpointState):
             if scope is not None:
                 self._exchange_scopes.discard(scope)
             self._stream_watch.unwatch(entries)
+
+    def _feed_cpu_gate(self, results: list[HopResult]) -> None:
+        """The CPU gate's readings the hops' worker thread measured and returned (on the trio thread, which owns
+        the gate: docs/architecture.md, Threads)."""
+        if self.cpu_gate is not None:
+            for r in results:
+                if r.cpu_wait is not None:
+                    self.cpu_gate.observe(*r.cpu_wait)
 
 
 def _all_peer_closed(exc: BaseException) -> bool:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -24,23 +23,11 @@ from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import DropInfo, RoundPlan
 from dgt.protocol.stats import lane_counts
 from dgt.transport.checks import check_classes
-from dgt.transport.handshake import _Link
+from dgt.transport.records import Link, SendTrack
 from dgt.transport.session import EndpointState
 from dgt.transport.stats import SendStats
 
 BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
-
-
-@dataclass
-class _SendTrack:
-    """A round on its way to a peer: the drop report slot and the datagram jobs (for the loss estimate)."""
-
-    report: Slot = field(default_factory=Slot)
-    jobs: list[DatagramJob] = field(default_factory=list)
-    detached: bool = False  # send_round returned without waiting for the report
-    t0: float = 0.0  # when the round started (the send budget learns the round's length from its report)
-    cls: np.ndarray | None = None  # lane class per block (per-lane loss accounting)
-    window: float | None = None  # a hop round's: the seconds its stream messages took (the budget's window sample)
 
 
 class PendingSend:
@@ -98,7 +85,7 @@ class OutboundMixin(EndpointState):
             link.dirty.add(frame.bucket)
         self.scheduler.poke()
 
-    def _account_report(self, link: _Link, track: _SendTrack, info: DropInfo) -> None:
+    def _account_report(self, link: Link, track: SendTrack, info: DropInfo) -> None:
         """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
         if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
             for lane, n in lane_counts(track.cls[info.lost_mask]).items():
@@ -140,28 +127,29 @@ class OutboundMixin(EndpointState):
         *,
         wait: bool = True,
         timeout: float | None = None,
-        codec: int = 0,
+        op: int = 0,
     ) -> SendStats:
         """Send one round of ``bucket`` to ``peer``: blocks of class 0 over TCP (with the round's opening and
         closing frames), class k >= 1 over UDP lane k in ``order`` (most important first). ``cls=0`` sends
         everything reliably (lossless). With ``wait`` (default) returns once the receiver's drop report is in,
         so the stats say what was lost and error feedback has already folded it in; otherwise once every frame
-        was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``codec``: the
-        frame headers' codec byte, a collective's call code (its op), the receiver's ``RoundResult.codec``.
+        was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``op``: a
+        collective's call code (its reduce op), carried in the frame headers' codec byte: the receiver's
+        ``RoundResult.codec``.
         The hops of a lossy ring plan their rounds with :meth:`plan_hop_round` instead (dgt.transport.hop_round)."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
-        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, codec)
+        return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, op)
 
     @staticmethod
-    async def _jobs_done(track: _SendTrack) -> None:
+    async def _jobs_done(track: SendTrack) -> None:
         for job in track.jobs:
             try:
                 await job.done.wait()
             except OSError:
                 pass  # the lane could not send: those datagrams are lost, the deadline covers them
 
-    async def _jobs_until_report(self, track: _SendTrack) -> None:
+    async def _jobs_until_report(self, track: SendTrack) -> None:
         """Wait for the round's datagrams, or for its drop report, whichever comes first: once the receiver has
         closed the round the datagrams still queued (a pacer slowed by loss) are abandoned, not waited for. Waiting
         for them outlived a receiver that had reported and closed its endpoint (PeerClosed on a finished round).
@@ -188,7 +176,7 @@ class OutboundMixin(EndpointState):
 
     async def _send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout | None,
                     cls: torch.Tensor | int, order: torch.Tensor | None, wait: bool, timeout: float | None,
-                    codec: int = 0) -> SendStats:
+                    op: int = 0) -> SendStats:
         link = self._link(peer)
         t0 = trio.current_time()
         flat = flat.detach().reshape(-1)
@@ -205,9 +193,9 @@ class OutboundMixin(EndpointState):
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
         if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
-            return await self.post_send(peer, bucket, round, flat, codec=codec).wait(timeout)
+            return await self.post_send(peer, bucket, round, flat, op=op).wait(timeout)
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        plan, copy = self._plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, codec)
+        plan, copy = self._plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, op)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
@@ -215,7 +203,7 @@ class OutboundMixin(EndpointState):
             self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
         if plan.unsent_blocks and self.cfg.error_feedback:
             link.dirty.add(bucket)  # the blocks kept back are in the residual: the next round adds it
-        track = self._sending[key] = _SendTrack(t0=t0, cls=plan.cls)
+        track = self._sending[key] = SendTrack(t0=t0, cls=plan.cls)
         finished = False
         try:
             with trio.fail_after(timeout) if timeout else nullcontext():
@@ -240,26 +228,30 @@ class OutboundMixin(EndpointState):
         except trio.TooSlowError:
             raise PeerTimeout(f"round {round} of bucket {bucket} to rank {peer}: not done in {timeout} s") from None
         finally:
-            for job in track.jobs:
-                lane = job.lane
-                stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
-                stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
-                stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
-                self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
-                if not job.done.done:  # cancelled mid-round: stop its datagrams
-                    self.scheduler.cancel(job, PeerClosed("send cancelled"))
-            if wait or not finished or track.report.done or quiet:
-                if self._sending.get(key) is track:
-                    del self._sending[key]
-            else:
-                track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
+            self._send_over(key, track, stats, keep=not (wait or not finished or track.report.done or quiet))
         self._stats.rounds_sent += 1
         stats.elapsed = trio.current_time() - t0
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
 
-    def _plan_round(self, link: _Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                    cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, codec: int,
+    def _send_over(self, key: tuple[int, int, int], track: SendTrack, stats: SendStats, keep: bool) -> None:
+        """A round's send is over (done, failed or cancelled): its datagram jobs counted into ``stats`` (and those
+        still queued stopped), its track kept for the drop report to come (``keep``) or dropped."""
+        for job in track.jobs:
+            lane = job.lane
+            stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
+            stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
+            stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
+            self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
+            if not job.done.done:  # cancelled mid-round: stop its datagrams
+                self.scheduler.cancel(job, PeerClosed("send cancelled"))
+        if keep:
+            track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
+        elif self._sending.get(key) is track:
+            del self._sending[key]
+
+    def _plan_round(self, link: Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+                    cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, op: int,
                     stage: Callable[[torch.Tensor], None] | None = None,
                     gate: CpuGate | None = None) -> tuple[RoundPlan, bool]:
         """The round's plan under the link's send budget (zero while ``gate`` is closed), and whether it sends from
@@ -275,20 +267,20 @@ class OutboundMixin(EndpointState):
                 budget = 0
         if stage is not None:  # residual, pack and private copy in one pass (RoundSender.plan_split)
             link.dirty.discard(bucket)
-            return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,
+            return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, op,
                                           stage)[0], True
         # Copy only when needed: to add a non-zero residual, or to keep the bucket for a report we do not wait for.
         copy = self.cfg.error_feedback and (bucket in link.dirty or (not wait and not lossless))
         link.dirty.discard(bucket)
         if copy and flat.dtype == torch.float32 and flat.device.type == "cpu" and flat.is_contiguous():
             # the copy, the residual added and the blocks the budget keeps back folded, in one pass
-            return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, codec,
+            return link.sender.plan_split(bucket, round, flat, layout, cls, order, not quiet, budget, op,
                                           None)[0], True
         data = link.sender.prepare(bucket, flat) if copy else flat
         return link.sender.plan(bucket, round, data, layout, cls, order, report=not quiet, budget=budget,
-                                codec=codec), copy
+                                codec=op), copy
 
-    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, codec: int = 0) -> PendingSend:
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, op: int = 0) -> PendingSend:
         """Queue round ``round`` of ``bucket`` to ``peer`` losslessly, without waiting: it goes out as BULK frames
         (see dgt.protocol.bulk) behind whatever the connection's writer already holds, and lands on the peer like a
         complete round (``recv_round``). ``flat`` is sent from in place: leave it unchanged until
@@ -306,7 +298,7 @@ class OutboundMixin(EndpointState):
         if copied:
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
-        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, codec)
+        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, op)
         nblocks = self._layout(flat.numel()).nblocks
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)

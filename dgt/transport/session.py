@@ -23,14 +23,14 @@ if TYPE_CHECKING:
     from dgt.errors import PeerClosed, RankMismatch
     from dgt.layout import BucketLayout
     from dgt.protocol.bulk import BulkReceiver
+    from dgt.protocol.cpu_gate import CpuGate
     from dgt.protocol.datagram_mac import DatagramMac
     from dgt.protocol.events import BulkDone, Event, RoundDone
     from dgt.protocol.pacing import Pacer
     from dgt.protocol.receiver import RoundReceiver
     from dgt.transport.config import PeerAddress, TransportConfig
     from dgt.transport.deadline_timer import DeadlineTimer
-    from dgt.transport.handshake import _Link
-    from dgt.transport.outbound import _SendTrack
+    from dgt.transport.records import Link, SendTrack
     from dgt.transport.stats import RoundResult, TransportStats
     from dgt.transport.stream_watch import StreamWatch
     from dgt.transport.streams import StreamHub
@@ -53,7 +53,8 @@ class EndpointState:
     scheduler: DatagramScheduler
     deadlines: DeadlineTimer
     streams: StreamHub
-    _links: dict[int, _Link]  # handshake: the link registry
+    cpu_gate: CpuGate | None  # endpoint: fed the lossy hops' readings on the trio thread (links.exchange)
+    _links: dict[int, Link]  # handshake: the link registry
     _link_ready: dict[int, Slot]
     _sources: dict[tuple[str, int], int]  # (host, UDP port) -> rank
     _handshakes: int
@@ -68,7 +69,7 @@ class EndpointState:
     _drop_rng: np.random.Generator | None
     _rx_dropped_hook: dict[int, int]
     _lane_delivered: dict[int, list[int]]
-    _sending: dict[Key, _SendTrack]  # outbound
+    _sending: dict[Key, SendTrack]  # outbound
     _layouts: dict[int, BucketLayout]
     _bytes_tx: dict[tuple[int, int], int]
     _tx_abandoned: dict[int, int]
@@ -95,9 +96,9 @@ class EndpointState:
 
         def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None: ...  # endpoint
 
-        def _link(self, peer: int) -> _Link: ...  # links
+        def _link(self, peer: int) -> Link: ...  # links
 
-        async def _run_link(self, link: _Link) -> None: ...  # links
+        async def _run_link(self, link: Link) -> None: ...  # links
 
         def _fail_peer(self, rank: int, error: BaseException) -> None: ...  # links
 

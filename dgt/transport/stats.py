@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dgt.layout import BucketLayout
-from dgt.protocol.stats import RoundStats
+from dgt.protocol.stats import RoundProgress, RoundStats
 
 
 @dataclass
@@ -112,6 +112,24 @@ class LaneStats:
 
 
 @dataclass
+class PendingRounds:
+    """What an endpoint waits for, the first ``limit`` of each (:meth:`Endpoint.pending_rounds`): rounds a receive
+    awaits, rounds in flight (sent, their drop report not in), results nobody collected yet, open rounds."""
+
+    recv_waiters: list[tuple[int, int, int]]
+    sending: list[tuple[int, int, int]]
+    results: list[tuple[int, int, int]]
+    open_rounds: list[RoundProgress]
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"recv_waiters": [list(k) for k in self.recv_waiters],
+                             "sending": [list(k) for k in self.sending], "results": [list(k) for k in self.results]}
+        if self.open_rounds:
+            d["open_rounds"] = [r.to_dict() for r in self.open_rounds]
+        return d
+
+
+@dataclass
 class TransportStats:
     """Endpoint totals: lanes, rounds, losses, deadline waits, rejected input."""
 
@@ -135,6 +153,7 @@ class TransportStats:
     # the average fraction of a hop's transfer its thread waited for a CPU (None: no reading, or no gate)
     rounds_cpu_gated: int = 0
     cpu_wait: float | None = None
+    pace_shared_peers: int = 0  # peers whose TCP bytes come off the datagrams' pacing budget (pace_shared)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

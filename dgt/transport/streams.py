@@ -41,7 +41,6 @@ from dgt.channels.slot import Slot
 from dgt.channels.tcp import TcpChannel
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, open_nursery
-from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.sender import raw_bytes
 from dgt.wire import FrameType
 
@@ -60,7 +59,7 @@ class Hop:
     recv_from: int | None = None
     land: torch.Tensor | None = None
     add_src: torch.Tensor | None = None
-    codec: int = 0  # the headers' codec byte (a collective's call code, its op): both ends must agree
+    op: int = 0  # a collective's call code (its reduce op), in the headers' codec byte: both ends must agree
     land_later: Callable[[], torch.Tensor] | None = None
     """Instead of ``land``: called in the worker thread once the hops before this one are done, for a landing
     whose size depends on what they received (a lossy hop's packed blocks, sized by the mask message before it)."""
@@ -77,6 +76,10 @@ class HopResult:
     sent: int  # bytes, header included
     received: int
     finished: float  # time.monotonic() when the hop completed
+    cpu_wait: tuple[float | None, float] | None = None
+    """A hop with datagrams, when the hub measures it (``cpu_wait``): (seconds its thread was runnable but waiting
+    for a CPU, seconds its messages took), the CPU gate's reading, handed to the endpoint's trio thread, which feeds
+    its gate (dgt.protocol.cpu_gate; docs/architecture.md, Threads)."""
 
 
 def _given(t: torch.Tensor | None, what: str, h: Hop) -> torch.Tensor:
@@ -135,12 +138,12 @@ class StreamHub:
     def __init__(self, rank: int, token: int, timeout: float, dial: Callable[[int, int], Awaitable[TcpChannel]],
                  link_error: Callable[[int], BaseException | None], native: bool = NATIVE,
                  frame_bytes: int = wire.DEFAULT_LIMITS.max_payload, hop_threads: int = 1,
-                 hop: UdpChannel | None = None, cpu_gate: CpuGate | None = None) -> None:
+                 hop: UdpChannel | None = None, cpu_wait: bool = False) -> None:
         self.rank = rank
         self.hop = hop  # the hop socket (datagrams of lossy hops, dgt.channels.hop_datagrams); closed with the hub
-        # fed, in the worker thread, every hop's runqueue wait while its messages travelled; read by the trio side
-        # when it plans a hop's round (dgt.protocol.cpu_gate)
-        self.cpu_gate = cpu_gate
+        # measure, in the worker thread, every datagram hop's runqueue wait while its messages travelled: returned in
+        # its HopResult (the endpoint's CPU gate is fed on the trio thread, dgt.protocol.cpu_gate)
+        self.cpu_wait = cpu_wait
         self._pacer = PacerThread()  # their paced sends
         self._carried: OrderedDict[bytes, int] = OrderedDict()  # datagrams read ahead of their round, by its name
         self.split = hop_threads == 2 and native  # a hop's send half on a second thread (native loop only)
@@ -404,7 +407,7 @@ class StreamHub:
         dt = wire.wire_dtype(t.dtype)
         return [(wire.encode_header(FrameType.BULK, token=self.token, rank=sender, round=h.round, bucket=h.bucket,
                                     block=n, offset=a, count=min(per, n - a), length=min(per, n - a) * isz, dtype=dt,
-                                    codec=h.codec),
+                                    codec=h.op),
                  a, min(a + per, n)) for a in range(0, max(n, 1), per)]
 
     def _run(self, plan: list[list[tuple[Any, ...]] | None], hops: list[Hop], lanes: dict[int, StreamLane],
@@ -418,6 +421,7 @@ class StreamHub:
                 assert h.land_later is not None
                 pieces = plan[i] = self._plan(replace(h, land=h.land_later(), land_later=None), lanes)
             sent = got = 0
+            reading = None
             dgrams = self._datagrams_first(h)  # before the messages: they travel beside them
             for send, header, payload, recv, expect, land, add, label in pieces:
                 s, g = duplex(None if send is None else send.tx.sock, header, payload,
@@ -428,7 +432,8 @@ class StreamHub:
                 got += g
             if dgrams is not None:
                 self._datagrams_rest(h, dgrams, timeout / 2)
-            out.append(HopResult(sent, got, time.monotonic()))
+                reading = (dgrams.queued, dgrams.span) if self.cpu_wait else None
+            out.append(HopResult(sent, got, time.monotonic(), reading))
         return out
 
     def _datagrams_first(self, h: Hop) -> HopDatagrams | None:
@@ -438,7 +443,7 @@ class StreamHub:
             return None
         if self.hop is None:
             raise RuntimeError("a hop with datagrams needs the hop socket (this endpoint has none)")
-        dgrams = HopDatagrams(self.hop.sock, h.datagrams, self._pacer, cpu_wait=self.cpu_gate is not None)
+        dgrams = HopDatagrams(self.hop.sock, h.datagrams, self._pacer, cpu_wait=self.cpu_wait)
         dgrams.start()
         return dgrams
 
@@ -454,8 +459,6 @@ class StreamHub:
             dgrams.finish(rx, self._cancel_r)
         except HopDatagramsCancelled:
             raise HopCancelled(f"rank {self.rank} hop datagrams (bucket {h.bucket:#x}, round {h.round})") from None
-        if self.cpu_gate is not None:
-            self.cpu_gate.observe(dgrams.queued, dgrams.span)
         if rx is not None:  # what it read of later rounds: their own hops count it (the receiver buffers the data)
             for name, n in rx.others.items():
                 self._carried[name] = self._carried.get(name, 0) + n
