@@ -79,20 +79,11 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import dgt.shim
 
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(rank)
-    if cfg["model"]:
-        from dgt.experiment.workloads import build_workload
-
-        wl0 = build_workload(cfg["model"])
-        x, y, loss_fn = wl0.data.x_train, wl0.data.y_train, wl0.loss  # type: ignore[attr-defined]
-    else:
-        x = torch.randn(1024, 64, generator=gen)
-        y = torch.randint(10, (1024,), generator=gen)
-        loss_fn = torch.nn.functional.cross_entropy
+    x, y, loss_fn = _data(cfg, gen)
     every = {
         "gloo": None,
         "dgt_lossless": {"codec": "dense"},
@@ -106,6 +97,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     def build() -> tuple[torch.nn.Module, Any]:
         """One mode's model (same initial weights in every mode and rank) and its optimizer factory."""
         if cfg["model"]:
+            from dgt.experiment.workloads import build_workload
+
             wl = build_workload(cfg["model"])
             return wl.model, wl.make_optimizer
         return _model(cfg["hidden"]), lambda ps: torch.optim.SGD(ps, lr=0.01)
@@ -115,25 +108,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
     for name, opts in modes.items():  # every mode's model and state exist side by side
         net, make_opt = build()
         ddp = DDP(net, bucket_cap_mb=cfg["bucket_mb"])
-        state = None
-        if opts is not None and "torch" in opts:
-            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-            from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
-
-            if opts["torch"] == "fp16":
-                ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
-            else:
-                ddp.register_comm_hook(psgd.PowerSGDState(process_group=None, **POWERSGD), psgd.powerSGD_hook)
-        elif opts is not None and opts["codec"] == "default":  # the README line: no options at all
-            kw = {"transport": opts["transport"]} if opts.get("transport") else {}
-            if cfg["collective"] != "ring":
-                kw["collective"] = cfg["collective"]
-            state = dgt.shim.DGTState(**kw)
-        elif opts is not None:
-            state = dgt.shim.DGTState(codec=opts["codec"], collective=cfg["collective"], warmup_iters=1,
-                                      transport=opts.get("transport"))
-        if state is not None:
-            ddp.register_comm_hook(state, dgt.shim.hook)
+        state = _register(ddp, opts, cfg)
         runs[name] = (ddp, state, make_opt(ddp.parameters()), [])
 
     def step(name: str) -> float:
@@ -165,24 +140,68 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
             prev = lo[name]
             lo[name] = None if prev is None or tx0 is None or tx1 is None else prev + tx1 - tx0
     for name, (_ddp, state, _opt, losses) in runs.items():
-        ts = times[name]
-        res = {"median": statistics.median(ts), "mean": statistics.fmean(ts), "final_loss": losses[-1],
-               "steps": len(ts)}
-        total = lo[name]
-        res["lo_tx_bytes_per_rank_step"] = None if total is None else total / world / len(ts)
-        if state is not None:
-            t, t0 = state.totals, totals0[name]
-            n = len(ts)
-            res["hook_comm_s_per_step"] = (t["seconds"] - t0["seconds"]) / n
-            res["dropped_blocks"] = t["dropped"] - t0["dropped"]
-            for lane, key in ((0, "reliable"), (1, "droppable")):
-                res[f"{key}_bytes_per_step"] = (t["bytes_sent"].get(lane, 0) - t0["bytes_sent"].get(lane, 0)) / n
-            if state.chooser is not None:  # which path the default state chose, on what figures
-                res["choice"] = state.chooser.summary()
-            state.close()
-        out[name] = res
+        out[name] = _mode_result(times[name], losses, lo[name], world, state, totals0.get(name))
     dist.destroy_process_group()
     return out
+
+
+def _data(cfg: dict, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """The training inputs, labels and loss: the model family's (``--model``), else the example's random data."""
+    if cfg["model"]:
+        from dgt.experiment.workloads import build_workload
+
+        wl0 = build_workload(cfg["model"])
+        return wl0.data.x_train, wl0.data.y_train, wl0.loss  # type: ignore[attr-defined]
+    x = torch.randn(1024, 64, generator=gen)
+    y = torch.randint(10, (1024,), generator=gen)
+    return x, y, torch.nn.functional.cross_entropy
+
+
+def _register(ddp: Any, opts: dict | None, cfg: dict) -> Any:
+    """Register the mode's communication hook on ``ddp``: torch's (fp16, PowerSGD) or DGT's; returns the DGT state
+    (None for Gloo and torch's hooks)."""
+    import dgt.shim
+
+    state = None
+    if opts is not None and "torch" in opts:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        if opts["torch"] == "fp16":
+            ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+        else:
+            ddp.register_comm_hook(psgd.PowerSGDState(process_group=None, **POWERSGD), psgd.powerSGD_hook)
+    elif opts is not None and opts["codec"] == "default":  # the README line: no options at all
+        kw = {"transport": opts["transport"]} if opts.get("transport") else {}
+        if cfg["collective"] != "ring":
+            kw["collective"] = cfg["collective"]
+        state = dgt.shim.DGTState(**kw)
+    elif opts is not None:
+        state = dgt.shim.DGTState(codec=opts["codec"], collective=cfg["collective"], warmup_iters=1,
+                                  transport=opts.get("transport"))
+    if state is not None:
+        ddp.register_comm_hook(state, dgt.shim.hook)
+    return state
+
+
+def _mode_result(ts: list[float], losses: list[float], lo_total: int | None, world: int, state: Any,
+                 t0: dict | None) -> dict:
+    """One mode's figures: step times, final loss, loopback bytes and, for a DGT state, its counters over the timed
+    steps (``t0``: its totals before them); closes the state."""
+    res: dict[str, Any] = {"median": statistics.median(ts), "mean": statistics.fmean(ts), "final_loss": losses[-1],
+                           "steps": len(ts)}
+    res["lo_tx_bytes_per_rank_step"] = None if lo_total is None else lo_total / world / len(ts)
+    if state is not None and t0 is not None:
+        t = state.totals
+        n = len(ts)
+        res["hook_comm_s_per_step"] = (t["seconds"] - t0["seconds"]) / n
+        res["dropped_blocks"] = t["dropped"] - t0["dropped"]
+        for lane, key in ((0, "reliable"), (1, "droppable")):
+            res[f"{key}_bytes_per_step"] = (t["bytes_sent"].get(lane, 0) - t0["bytes_sent"].get(lane, 0)) / n
+        if state.chooser is not None:  # which path the default state chose, on what figures
+            res["choice"] = state.chooser.summary()
+        state.close()
+    return res
 
 
 def _snapshot(state) -> dict:

@@ -76,19 +76,14 @@ async def train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool) -> 
             services.cancel_scope.cancel()  # group.aclose() ended the service already; a close cut short ends here
 
 
-async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, services: Any) -> dict[str, Any]:
+async def _connect(spec: RunSpec, rank: int, world: int, bind: str, services: Any) -> tuple[Any, Any, Any, int, int]:
+    """The rendezvous store, the group (every link open), its parameter server, the number of TCP sockets paced and
+    of peers whose TCP and UDP share one budget."""
     import trio
 
     from dgt.collectives import Group, ParameterServer
     from dgt.collectives.rendezvous import store_from_env
     from dgt.transport import TransportConfig
-
-    data = load_dataset(spec.dataset, spec.data_dir, spec.seed, spec.limit_train, spec.limit_test)
-    model = build_model(spec.model, data.shape, data.num_classes, spec.width, seed=spec.seed)
-    params = [p for p in model.parameters() if p.requires_grad]
-    segments = [p.numel() for p in params]
-    opt = torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
-    sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
 
     store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
     # loopback: one budget per peer that TCP and UDP share (pace_shared), so DGT gets no more than the baseline
@@ -103,6 +98,19 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
     shared = group.endpoint.stats().pace_shared_peers
     server: int | str = "sharded" if spec.server == "sharded" else int(spec.server)
     ps = ParameterServer(group, spec.codec, server=server, lossy_pull=spec.lossy_pull)
+    return store, group, ps, paced, shared
+
+
+async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, services: Any) -> dict[str, Any]:
+    import trio
+
+    data = load_dataset(spec.dataset, spec.data_dir, spec.seed, spec.limit_train, spec.limit_test)
+    model = build_model(spec.model, data.shape, data.num_classes, spec.width, seed=spec.seed)
+    params = [p for p in model.parameters() if p.requires_grad]
+    segments = [p.numel() for p in params]
+    opt = torch.optim.SGD(params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay)
+    sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
+    store, group, ps, paced, shared = await _connect(spec, rank, world, bind, services)
     codec = ps.codec
 
     records: list[dict[str, Any]] = []
