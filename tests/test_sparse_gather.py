@@ -192,3 +192,50 @@ def test_dense_chunks_fall_back_to_the_dense_all_gather():
         assert torch.equal(bits(res[r]["outs"][0][0]), bits(out))
         sent, dense = _gather_bytes(r, world, res[0]["block"], out)
         assert res[r]["ag_bytes"][0] == sent == dense
+
+
+def _hook_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dgt.collectives import ring_gather
+    from dgt.shim import DGTState
+    from dgt.shim.hook import submit
+
+    gather = ring_gather.SparseGather.gather
+    ag_bytes: list[int] = []
+
+    async def spy(self, coll, ch, flat, bucket_id, rnd, stats, ticket):
+        before = stats.bytes_sent.get(0, 0)
+        await gather(self, coll, ch, flat, bucket_id, rnd, stats, ticket)
+        ag_bytes.append(stats.bytes_sent[0] - before)
+
+    ring_gather.SparseGather.gather = spy
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    st = DGTState(warmup_iters=1, choose=False)  # the default codec and its fp16 wire, no chooser (deterministic)
+    res = [submit(st, data(rank, it), 0, SEGMENTS, use_codec=it >= 1, it=it).wait() for it in range(3)]
+    wire = st.wire_dtype
+    st.close()
+    dist.destroy_process_group()
+    return {"results": res, "ag_bytes": ag_bytes, "wire": wire}
+
+
+def test_the_default_hook_gathers_sparse_chunks_in_fp16_identically_on_every_rank():
+    """A tiny hook run (3 ranks, the default state: DGT, fp16 wire): the lossy iterations' all-gather sends only
+    the nonzero blocks, every rank gets the same bits, the zero tensor stays exactly zero."""
+    world = 3
+    res = run_ranks(_hook_rank, world, timeout=120)
+    assert res[0]["wire"] == torch.float16
+    for it in range(3):
+        out = res[0]["results"][it]
+        assert out.dtype == torch.float32
+        for r in range(world):
+            assert torch.equal(bits(res[r]["results"][it]), bits(out)), (r, it)
+        assert (bits(out[ZERO]) == 0).all()
+        mean = sum(data(r, it) for r in range(world)) / world
+        torch.testing.assert_close(out, mean, rtol=0, atol=0.05)  # fp16 shares, p = 0.1: nothing drops on loopback
+    for r in range(world):
+        assert len(res[r]["ag_bytes"]) == 2  # the two lossy iterations took the stream all-gather
+        for it in (1, 2):
+            fp16 = res[0]["results"][it].to(torch.float16)  # (only its zero pattern is read)
+            sent, dense = _gather_bytes(r, world, 1024, fp16)
+            assert res[r]["ag_bytes"][it - 1] == sent < 0.5 * dense
