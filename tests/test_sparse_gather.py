@@ -176,6 +176,8 @@ def test_conservation_with_blocks_kept_back_and_a_sparse_gather():
     for k in range(calls):
         for r in range(world):
             assert torch.equal(bits(res[r]["outs"][k][0]), bits(res[0]["outs"][k][0]))
+            sent, dense = _gather_bytes(r, world, res[0]["block"], res[0]["outs"][k][0])
+            assert res[r]["ag_bytes"][k] == sent < 0.5 * dense  # the gather went sparse
         assert (bits(res[0]["outs"][k][0][ZERO]) == 0).all()
     assert any(res[r]["outs"][k][1]["unsent"] > 0 for r in range(world) for k in range(calls))
     total = sum(data(r, k) for r in range(world) for k in range(calls))
@@ -239,3 +241,31 @@ def test_the_default_hook_gathers_sparse_chunks_in_fp16_identically_on_every_ran
             fp16 = res[0]["results"][it].to(torch.float16)  # (only its zero pattern is read)
             sent, dense = _gather_bytes(r, world, 1024, fp16)
             assert res[r]["ag_bytes"][it - 1] == sent < 0.5 * dense
+
+
+def _small_worker(rank, world):
+    import trio
+
+    from dgt.collectives import Group, RingAllReduce
+
+    async def main():
+        async with Group.open(rank, world, timeout=30) as g:
+            ring = RingAllReduce(g, "dgt:p=0.3", op="sum")
+            outs = []
+            for n in (1500, 5):  # 2 blocks and 1 block over 3 ranks: chunks without a block
+                x = torch.zeros(n, dtype=torch.float16)
+                x[: n // 2] = rank + 1
+                outs.append((await ring.allreduce(x, 0, [n])).tensor)
+            return outs
+
+    return trio.run(main)
+
+
+def test_chunks_without_a_block_gather_too():
+    world = 3
+    res = run_ranks(_small_worker, world, timeout=120)
+    for i, n in enumerate((1500, 5)):
+        want = torch.zeros(n, dtype=torch.float16)
+        want[: n // 2] = 6
+        for r in range(world):
+            assert torch.equal(bits(res[r][i]), bits(want)), (r, n)
