@@ -39,6 +39,10 @@ class RingAllReduce(Collective):
     name = "ring all-reduce"
     needs_summable = True
     prepost = True  # lossless: post each reduce-scatter scratch for the next round once this round is done with it
+    # a lossy ring's all-gather on stream lanes sends only the blocks that hold a value (dgt.collectives.ring_gather);
+    # off by default: a dense chunk then costs an extra message per hop (measured slower on loopback, see
+    # docs/collectives.md); the hook's DGTState turns it on for its lossy collective
+    sparse_gather = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
@@ -190,12 +194,23 @@ class RingAllReduce(Collective):
     async def _stream_gather(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int,
                              stats: CollectiveStats, ag: list[int | None]) -> None:
         """The all-gather of a lossy ring on stream lanes: W-1 lossless hops in the native loop (GIL released), the
-        reduced chunks landing in ``flat``, instead of W-1 DGT rounds on the session link; each hop carries only
-        the blocks of its chunk that hold a value, or the chunk densely (dgt.collectives.ring_gather). The sender of
+        reduced chunks landing in ``flat``, instead of W-1 DGT rounds on the session link; with ``sparse_gather``
+        each hop carries only the blocks of its chunk that hold a value, or the chunk densely
+        (dgt.collectives.ring_gather). The sender of
         each reduce-scatter round keeps its own copy for error feedback, so ``flat`` may be overwritten here."""
         ticket, ag[0] = ag[0], None  # the exchange (or the gather, failing before it) gives the ticket back
+        if self.sparse_gather:
+            with self.phase(stats, "all_gather"):
+                await self._gather.gather(self, ch, flat, bucket_id, rnd, stats, ticket)
+            return
+        g = self.group
+        W, r = g.world, g.rank
+        nxt, prv, own = (r + 1) % W, (r - 1) % W, (r + 1) % W
+        hops = [Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
+                    ch.chunk(flat, (own - s - 1) % W)) for s in range(W - 1)]
         with self.phase(stats, "all_gather"):
-            await self._gather.gather(self, ch, flat, bucket_id, rnd, stats, ticket)
+            done = await g.endpoint.exchange(hops, ticket=ticket, family=FAMILY_MASK)
+        self.count_exchange(stats, hops, done, ch, flat)
 
     def _ag_on_streams(self, flat: torch.Tensor) -> bool:
         """Whether a lossy ring's all-gather can run on stream lanes (stream hops on, a contiguous CPU bucket)."""
