@@ -40,8 +40,8 @@ class RingAllReduce(Collective):
     needs_summable = True
     prepost = True  # lossless: post each reduce-scatter scratch for the next round once this round is done with it
     # a lossy ring's all-gather on stream lanes sends only the blocks that hold a value (dgt.collectives.ring_gather);
-    # off by default: a dense chunk then costs an extra message per hop (measured slower on loopback, see
-    # docs/collectives.md); the hook's DGTState turns it on for its lossy collective
+    # off by default: a dense chunk then costs an extra message per hop (its cost on loopback not yet measured
+    # cleanly, see docs/collectives.md); the hook's DGTState turns it on for its lossy collective
     sparse_gather = False
 
     def __init__(self, *args, **kwargs) -> None:
