@@ -28,6 +28,7 @@ from dgt.collectives.parts import (
     state_key,
     transport_key,
 )
+from dgt.collectives.ring_gather import SparseGather
 from dgt.collectives.ring_lossy import LossyHops, lossy_on_streams
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error, open_nursery
@@ -38,12 +39,17 @@ class RingAllReduce(Collective):
     name = "ring all-reduce"
     needs_summable = True
     prepost = True  # lossless: post each reduce-scatter scratch for the next round once this round is done with it
+    # a lossy ring's all-gather on stream lanes sends only the blocks that hold a value (dgt.collectives.ring_gather);
+    # off by default: a dense chunk then costs an extra message per hop (its cost on loopback not yet measured
+    # cleanly, see docs/collectives.md); the hook's DGTState turns it on for its lossy collective
+    sparse_gather = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         check_world(self.group.world, self.name)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         self._lossy = LossyHops(self)
+        self._gather = SparseGather()
 
     @tells_peers
     @one_error
@@ -188,14 +194,20 @@ class RingAllReduce(Collective):
     async def _stream_gather(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int,
                              stats: CollectiveStats, ag: list[int | None]) -> None:
         """The all-gather of a lossy ring on stream lanes: W-1 lossless hops in the native loop (GIL released), the
-        reduced chunks landing in ``flat``, instead of W-1 DGT rounds on the session link. The sender of each
-        reduce-scatter round keeps its own copy for error feedback, so ``flat`` may be overwritten here."""
+        reduced chunks landing in ``flat``, instead of W-1 DGT rounds on the session link; with ``sparse_gather``
+        each hop carries only the blocks of its chunk that hold a value, or the chunk densely
+        (dgt.collectives.ring_gather). The sender of
+        each reduce-scatter round keeps its own copy for error feedback, so ``flat`` may be overwritten here."""
+        ticket, ag[0] = ag[0], None  # the exchange (or the gather, failing before it) gives the ticket back
+        if self.sparse_gather:
+            with self.phase(stats, "all_gather"):
+                await self._gather.gather(self, ch, flat, bucket_id, rnd, stats, ticket)
+            return
         g = self.group
         W, r = g.world, g.rank
         nxt, prv, own = (r + 1) % W, (r - 1) % W, (r + 1) % W
         hops = [Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
                     ch.chunk(flat, (own - s - 1) % W)) for s in range(W - 1)]
-        ticket, ag[0] = ag[0], None  # the exchange gives the ticket back however it ends
         with self.phase(stats, "all_gather"):
             done = await g.endpoint.exchange(hops, ticket=ticket, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, ch, flat)

@@ -172,7 +172,9 @@ class DGTState:
         from dgt.collectives import ParameterServer, RingAllReduce
 
         if self.collective == "ring":
-            return RingAllReduce(group, codec, op=op)
+            ring = RingAllReduce(group, codec, op=op)
+            ring.sparse_gather = codec.capabilities.lossy_tolerant  # the lossy path's all-gather: nonzero blocks only
+            return ring
         return ParameterServer(group, codec, op=op, server=self.server, normalize=self.normalize,
                                lossy_pull=self.lossy_pull)
 

@@ -63,6 +63,9 @@ class Hop:
     land_later: Callable[[], torch.Tensor] | None = None
     """Instead of ``land``: called in the worker thread once the hops before this one are done, for a landing
     whose size depends on what they received (a lossy hop's packed blocks, sized by the mask message before it)."""
+    payload_later: Callable[[], torch.Tensor] | None = None
+    """Instead of ``payload``: called in the worker thread once the hops before this one are done, for a message
+    that forwards what one of them received (a sparse all-gather's packed blocks, dgt.collectives.ring_gather)."""
     datagrams: DatagramSend | None = None
     """Beside this hop's messages: a round's datagrams to ``send_to``, from the hub's hop socket
     (:mod:`dgt.channels.hop_datagrams`), while those of ``datagrams_in`` are read."""
@@ -320,7 +323,8 @@ class StreamHub:
                     raise ln.error.with_traceback(None)
             # per hop, its pieces (None: planned in the thread when its turn comes, see Hop.land_later)
             plan: list[list[tuple[Any, ...]] | None] = [
-                None if h.land_later is not None else self._plan(h, lanes) for h in hops]
+                None if h.land_later is not None or h.payload_later is not None else self._plan(h, lanes)
+                for h in hops]
             results = await self._in_thread(lambda: self._run(plan, hops, lanes, timeout))
         except BaseException as exc:
             # a stream left mid-message cannot carry another: fail the lanes, and report the peer's own failure
@@ -412,14 +416,17 @@ class StreamHub:
 
     def _run(self, plan: list[list[tuple[Any, ...]] | None], hops: list[Hop], lanes: dict[int, StreamLane],
              timeout: float) -> list[HopResult]:
-        """The worker thread: every hop (every piece of it) in order, no trio. A hop planned late (``land_later``)
-        is planned here, its entry of ``plan`` filled in."""
+        """The worker thread: every hop (every piece of it) in order, no trio. A hop planned late (``land_later``,
+        ``payload_later``) is planned here, its entry of ``plan`` filled in."""
         out = []
         for i, h in enumerate(hops):
             pieces = plan[i]
             if pieces is None:
-                assert h.land_later is not None
-                pieces = plan[i] = self._plan(replace(h, land=h.land_later(), land_later=None), lanes)
+                assert h.land_later is not None or h.payload_later is not None
+                land = h.land_later() if h.land_later is not None else h.land
+                payload = h.payload_later() if h.payload_later is not None else h.payload
+                pieces = plan[i] = self._plan(replace(h, land=land, payload=payload, land_later=None,
+                                                      payload_later=None), lanes)
             sent = got = 0
             reading = None
             dgrams = self._datagrams_first(h)  # before the messages: they travel beside them
