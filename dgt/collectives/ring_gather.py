@@ -139,11 +139,11 @@ class SparseGather:
                 c = (own - s - 1) % W
                 send_mask = tx_mask if s == 0 else rx_masks[s - 1]
                 hops.append(Hop(transport_key(bucket_id, "ag", s, MASK_PART), rnd, nxt, send_mask, prv, rx_masks[s],
-                                codec=op))
+                                op=op))
                 hops.append(Hop(transport_key(bucket_id, "ag", s, VALUES_PART), rnd, nxt,
                                 tx_vals if s == 0 else None, prv,
                                 land_later=_lander(s, rx_masks[s], rx_packs[s], lays[c], chunks[c], landed, prv),
-                                payload_later=None if s == 0 else _forwarder(s - 1, landed), codec=op))
+                                payload_later=None if s == 0 else _forwarder(s - 1, landed), op=op))
         except BaseException:
             if ticket is not None:  # the exchange never ran: later exchanges must not wait for it
                 g.endpoint.forfeit_exchange(ticket)
