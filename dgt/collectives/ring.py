@@ -36,6 +36,7 @@ from dgt.transport.streams import Hop, streamable
 
 class RingAllReduce(Collective):
     name = "ring all-reduce"
+    round_family = "ring"
     needs_summable = True
     prepost = True  # lossless: post each reduce-scatter scratch for the next round once this round is done with it
 

@@ -42,7 +42,7 @@ from dgt.transport.deadline_timer import DeadlineTimer
 from dgt.transport.handshake import HandshakeMixin, _Link
 from dgt.transport.hop_round import HopRoundMixin
 from dgt.transport.inbound import InboundMixin
-from dgt.transport.links import LinkMixin
+from dgt.transport.links import LinkMixin, Refusals
 from dgt.transport.outbound import BYTES_BUCKET, PendingSend, _SendTrack
 from dgt.transport.stats import LaneStats, RoundResult, TransportStats
 from dgt.transport.stream_watch import StreamWatch
@@ -142,6 +142,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
         self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
+        self._refusals = Refusals()  # peers' and this rank's refusals of one call's input (control REFUSED)
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=hop,
