@@ -65,6 +65,8 @@ class Refusals:
 class LinkMixin(EndpointState):
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
 
+    _refusals: Refusals  # (set by the Endpoint) refusals of one call's input, control REFUSED
+
     async def _run_link(self, link: _Link) -> None:
         try:
             with trio.CancelScope() as scope:
