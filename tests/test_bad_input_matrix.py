@@ -284,7 +284,7 @@ async def test_one_rank_refusing_its_input_fails_every_rank_within_peer_timeout(
             assert isinstance(outcome, RankMismatch), (r, outcome)
             assert f"rank {odd} refused its input" in str(outcome), (r, outcome)
             assert ("cannot reduce" if how == "dtype" else "dense (strided)") in str(outcome), (r, outcome)
-        assert took < PEER_TIMEOUT / 2, (r, took, outcome)
+        assert took < PEER_TIMEOUT, (r, took, outcome)  # (a rank left waiting would get PeerTimeout or worse)
 
 
 @pytest.mark.parametrize("kind", COLLECTIVES)
