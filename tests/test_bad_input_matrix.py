@@ -317,3 +317,27 @@ async def test_every_rank_refusing_the_same_input_leaves_the_group_usable(kind, 
         assert len(outcome) == 2
         for got in outcome:
             torch.testing.assert_close(got, torch.full((5000,), want))
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+async def test_after_one_rank_refused_the_next_call_fails_on_every_rank_without_waiting(kind):
+    """After a one-sided refusal the session is over (as after any mismatch): the next call, correct on every rank,
+    raises RankMismatch at once on each, the refusing rank included (its peers' ABORT reached it), never a hang."""
+
+    async def fn(r, g):
+        coll = _build(kind, g, "dgt:p=0.3")
+        with pytest.raises((InputRejected, RankMismatch)):
+            await _call(kind, coll, _refused_input("dgt", "dtype") if r == 1 else torch.ones(5000))
+        t0 = time.monotonic()
+        try:
+            await _call(kind, coll, torch.ones(5000))
+        except DgtError as exc:
+            return exc, time.monotonic() - t0
+        return "returned", time.monotonic() - t0
+
+    for r, (outcome, _) in enumerate(await _on_every_rank(3, "auto", fn)):
+        assert not isinstance(outcome, BaseException), (r, outcome)
+        exc, took = outcome
+        assert isinstance(exc, RankMismatch), (r, exc)
+        assert "rank 1 refused its input" in str(exc), (r, exc)
+        assert took < PEER_TIMEOUT, (r, took, exc)
