@@ -238,3 +238,106 @@ async def test_a_round_the_receiver_refuses_fails_the_senders_send_round(what, l
     assert isinstance(seen["send"], RankMismatch), seen
     assert str(seen["send"]) == str(info.value)  # the same reason on both ends
     assert "expects" in seen["send"].detail
+
+
+# -- one rank refuses its input, or every rank does ------------------------------------------------------------------
+
+
+def _refused_input(codec, how, n=5000):
+    """An input ``codec`` refuses on every collective (InputRejected before any traffic): a dtype it does not carry
+    (the dgt codec: floating tensors only; dense: the wire's dtypes, so not complex), or a sparse tensor."""
+    if how == "dtype":
+        return torch.ones(n, dtype=torch.int32 if codec.startswith("dgt") else torch.complex64)
+    return torch.ones(n).to_sparse()
+
+
+def _refusal_cases():
+    for streams, world in (("auto", 2), ("auto", 3), ("off", 3)):
+        for kind in COLLECTIVES:
+            if kind == "gossip" and streams == "off":
+                continue  # gossip has no stream path
+            for codec in ("dense", "dgt:p=0.3"):
+                for how in ("dtype", "sparse"):
+                    yield pytest.param(kind, codec, how, streams, world, 1,
+                                       id=f"{kind}-{codec}-{how}-{streams}-w{world}")
+    for codec in ("dense", "dgt:p=0.3"):  # the central server refuses: its workers only talk to it
+        yield pytest.param("ps", codec, "dtype", "auto", 3, 0, id=f"ps-server-{codec}-dtype")
+
+
+@pytest.mark.parametrize("kind,codec,how,streams,world,odd", list(_refusal_cases()))
+async def test_one_rank_refusing_its_input_fails_every_rank_within_peer_timeout(kind, codec, how, streams, world, odd):
+    """The refusing rank raises InputRejected; every other rank of the call raises RankMismatch naming that rank and
+    its reason (it is told, control REFUSED, instead of waiting for a rank that never sends): none waits for
+    peer_timeout, or for round_timeout on the round path."""
+
+    async def fn(r, g):
+        coll = _build(kind, g, codec)
+        x = _refused_input(codec, how) if r == odd else torch.ones(5000)
+        await _call(kind, coll, x)
+        return "returned"
+
+    res = await _on_every_rank(world, streams, fn)
+    for r, (outcome, took) in enumerate(res):
+        if r == odd:
+            assert isinstance(outcome, InputRejected), (r, outcome)
+        else:
+            assert isinstance(outcome, RankMismatch), (r, outcome)
+            assert f"rank {odd} refused its input" in str(outcome), (r, outcome)
+            assert ("cannot reduce" if how == "dtype" else "dense (strided)") in str(outcome), (r, outcome)
+        assert took < PEER_TIMEOUT, (r, took, outcome)  # (a rank left waiting would get PeerTimeout or worse)
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+@pytest.mark.parametrize("codec", ["dense", "dgt:p=1.0"])  # p=1: every block reliable, so the sum is exact
+@pytest.mark.parametrize("streams", ["auto", "off"])
+async def test_every_rank_refusing_the_same_input_leaves_the_group_usable(kind, codec, streams):
+    """The common error: every rank passes the same bad input. Each raises InputRejected, and the peers' refusal
+    notices of that call do not fail the next, correct call on the same group (twice, so a late notice of the first
+    refusal would be seen)."""
+    if kind == "gossip" and streams == "off":
+        pytest.skip("gossip has no stream path")
+    world = 3
+
+    async def fn(r, g):
+        coll = _build(kind, g, codec)
+        seen = []
+        for how in ("dtype", "sparse"):
+            with pytest.raises(InputRejected):
+                await _call(kind, coll, _refused_input(codec, how))
+            if r == 0:
+                await trio.sleep(0.2)  # the others' notices of this call arrive while rank 0 is between calls
+            res = await _call(kind, coll, torch.full((5000,), float(r + 1)))
+            seen.append(res.tensor)
+        return seen
+
+    res = await _on_every_rank(world, streams, fn)
+    want = 2.0 if kind == "gossip" else 6.0  # gossip, 3 ranks: the mean of 1, 2, 3 (the default mixing matrix)
+    for r, (outcome, _) in enumerate(res):
+        assert not isinstance(outcome, BaseException), (r, outcome)
+        assert len(outcome) == 2
+        for got in outcome:
+            torch.testing.assert_close(got, torch.full((5000,), want))
+
+
+@pytest.mark.parametrize("kind", COLLECTIVES)
+async def test_after_one_rank_refused_the_next_call_fails_on_every_rank_without_waiting(kind):
+    """After a one-sided refusal the session is over (as after any mismatch): the next call, correct on every rank,
+    raises RankMismatch at once on each, the refusing rank included (its peers' ABORT reached it), never a hang."""
+
+    async def fn(r, g):
+        coll = _build(kind, g, "dgt:p=0.3")
+        with pytest.raises((InputRejected, RankMismatch)):
+            await _call(kind, coll, _refused_input("dgt", "dtype") if r == 1 else torch.ones(5000))
+        t0 = time.monotonic()
+        try:
+            await _call(kind, coll, torch.ones(5000))
+        except DgtError as exc:
+            return exc, time.monotonic() - t0
+        return "returned", time.monotonic() - t0
+
+    for r, (outcome, _) in enumerate(await _on_every_rank(3, "auto", fn)):
+        assert not isinstance(outcome, BaseException), (r, outcome)
+        exc, took = outcome
+        assert isinstance(exc, RankMismatch), (r, exc)
+        assert "rank 1 refused its input" in str(exc), (r, exc)
+        assert took < PEER_TIMEOUT, (r, took, exc)

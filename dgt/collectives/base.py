@@ -9,13 +9,14 @@ from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
+import trio
 
 from dgt.codecs.base import BucketState, Codec
 from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected, PeerClosed, PeerTimeout, RankMismatch, call_code
+from dgt.errors import CodecMismatch, DgtError, InputRejected, PeerClosed, PeerTimeout, RankMismatch, call_code
 from dgt.layout import BucketLayout
 from dgt.transport.streams import Hop, HopResult, streamable
 
@@ -31,8 +32,16 @@ def tells_peers(fn: F) -> F:
 
     @functools.wraps(fn)
     async def wrapper(self: Collective, *args: Any, **kwargs: Any) -> Any:
+        bucket_id = kwargs.get("bucket_id", args[1] if len(args) > 1 else 0)
+        family = self.round_family if isinstance(bucket_id, int) else None
+        before = self.group.round_of(family, bucket_id) if family is not None else -1
         try:
             return await fn(self, *args, **kwargs)
+        except InputRejected as exc:
+            if family is not None and not getattr(exc, "_dgt_told", False):
+                setattr(exc, "_dgt_told", True)  # noqa: B010 - a mark on the exception object
+                await _refuse(self, exc, family, bucket_id, before)
+            raise
         except (RankMismatch, PeerClosed, PeerTimeout, ConnectionError) as exc:
             if getattr(exc, "_dgt_told", False):  # a call of this decorator inside this one handled it (gossip's mix)
                 raise
@@ -61,6 +70,27 @@ async def _tell(coll: Collective, exc: BaseException) -> BaseException:
     # until round_timeout; they fail now, with this text
     ep.call_failed(str(gone or exc))
     return exc if gone is None else gone
+
+
+async def _refuse(coll: Collective, exc: InputRejected, family: str, bucket_id: int, before: int) -> None:
+    """What :func:`tells_peers` does when this rank refuses a call's input (issue 45): the peers of the call, which
+    took a round for it, are told (control REFUSED, scoped to that round), so they fail at once with RankMismatch
+    instead of waiting for this rank. A refusal before any traffic uses up the round the call would have had, so the
+    next call has the same round as on the peers (which took it) and a notice of this call never matches it; every
+    rank refusing the same input (the common error) leaves the session usable."""
+    g = coll.group
+    tell = getattr(g.endpoint, "refuse_round", None)
+    if g.world == 1 or tell is None:
+        return
+    rnd = g.round_of(family, bucket_id)
+    if rnd == before:
+        rnd = g.skip_round(family, bucket_id)
+    try:  # the peers this call would talk to (lazy connections): a peer waits for this rank to dial it
+        with trio.move_on_after(g.endpoint.cfg.peer_timeout):
+            await coll.connect()
+    except (DgtError, OSError, ValueError):  # the notice goes to the peers that are connected
+        pass
+    tell(family, bucket_id, rnd, str(exc), _call_peers(coll))
 
 
 def plain_input(t: Any, what: str = "bucket") -> torch.Tensor:
@@ -125,6 +155,8 @@ async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | No
 
 class Collective:
     name = "collective"
+    round_family: str | None = None
+    """The name its calls take rounds under (Group.next_round); a refused input is told to the call's peers."""
     needs_summable = False
     serves_stateful_server = False
     """Keeps the server-side state a ``stateful_server`` codec needs (the model server)."""

@@ -35,6 +35,7 @@ def ring_matrix(world: int) -> np.ndarray:
 
 class Gossip(Collective):
     name = "gossip"
+    round_family = "gossip"
     serves_replica_deltas = True
 
     def __init__(self, group: Group, codec: str | Codec = "dense", W: np.ndarray | None = None) -> None:

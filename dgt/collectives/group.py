@@ -114,8 +114,22 @@ class Group:
     def next_round(self, collective: str, bucket: int) -> int:
         """Round numbers advance per (collective, bucket); every rank calls collectives in the same order."""
         key = (collective, bucket)
-        self._rounds[key] = self._rounds.get(key, -1) + 1
-        return self._rounds[key]
+        rnd = self._rounds[key] = self._rounds.get(key, -1) + 1
+        enter = getattr(self.endpoint, "enter_round", None)  # (an Endpoint: a peer that refused this call fails it)
+        if enter is not None:
+            enter(collective, bucket, rnd)
+        return rnd
+
+    def round_of(self, collective: str, bucket: int) -> int:
+        """The last round :meth:`next_round` gave out for (collective, bucket); -1 before the first."""
+        return self._rounds.get((collective, bucket), -1)
+
+    def skip_round(self, collective: str, bucket: int) -> int:
+        """Use up the next round of (collective, bucket) without entering it: this rank refused the call's input
+        before any traffic (its peers took that round for the call), so its next call has the next round, as theirs."""
+        key = (collective, bucket)
+        rnd = self._rounds[key] = self._rounds.get(key, -1) + 1
+        return rnd
 
     @property
     def connected(self) -> list[int]:

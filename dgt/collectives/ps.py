@@ -45,6 +45,7 @@ from dgt.transport.streams import Hop
 
 class ParameterServer(Collective):
     name = "parameter server"
+    round_family = "ps"
 
     def __init__(self, group: Group, codec: str | Codec = "dense", op: str = "mean", server: int | str = 0,
                  normalize: str = "world", lossy_pull: bool = False, shards: int | None = None) -> None:

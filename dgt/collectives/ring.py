@@ -37,6 +37,7 @@ from dgt.transport.streams import Hop, streamable
 
 class RingAllReduce(Collective):
     name = "ring all-reduce"
+    round_family = "ring"
     needs_summable = True
     prepost = True  # lossless: post each reduce-scatter scratch for the next round once this round is done with it
     # a lossy ring's all-gather on stream lanes sends only the blocks that hold a value (dgt.collectives.ring_gather);

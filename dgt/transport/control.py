@@ -20,6 +20,8 @@ BYE = "bye"  # the sender is closing its endpoint on purpose
 ABORT = "abort"  # the sender's collective failed for a reason every rank must see (a RankMismatch): ``why``
 STALE = "stale"  # receiver -> sender: that round is ignored (key closed already, or refused by the limits)
 LOST = "lost"  # the sender's collective failed on a failed peer (``why``): calls waiting on the sender fail now
+REFUSED = "refused"  # the sender refused its input to one call (``family``, ``bucket``, ``round``) before any traffic:
+# ``why``; a peer inside that very call fails with RankMismatch, a peer that refused it too ignores it (issue 45)
 ON_LINK = "on-link"  # (i22) the sender runs ``bucket``/``round`` on the session link (rounds), not on stream lanes
 
 

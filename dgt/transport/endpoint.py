@@ -43,7 +43,7 @@ from dgt.transport.deadline_timer import DeadlineTimer
 from dgt.transport.handshake import HandshakeMixin
 from dgt.transport.hop_round import HopRoundMixin
 from dgt.transport.inbound import InboundMixin
-from dgt.transport.links import LinkMixin
+from dgt.transport.links import LinkMixin, Refusals
 from dgt.transport.outbound import BYTES_BUCKET, PendingSend
 from dgt.transport.records import Link, SendTrack
 from dgt.transport.stats import LaneStats, PendingRounds, RoundResult, TransportStats
@@ -128,6 +128,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
         # the lossy ring hops' CPU gate, fed on this (the trio) thread with the readings the hops' worker returns
         self.cpu_gate = CpuGate(c.cpu_gate) if c.cpu_gate else None
+        self._refusals = Refusals()  # peers' and this rank's refusals of one call's input (control REFUSED)
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=hop,

@@ -6,7 +6,9 @@ stream-watch conflict of issue 22) with the stream exchanges it ends.
 from __future__ import annotations
 
 import sys
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any
 
 import numpy as np
 import trio
@@ -38,8 +40,32 @@ SETTLE = 0.2
 """Seconds :meth:`LinkMixin.aborted` still waits for an ABORT once the peer it explains is known dead."""
 
 
+RefusalKey = tuple[str, int, int]  # (round family: "ring", "ps", "gossip"; bucket id; round number)
+KEPT_REFUSALS = 1024
+"""Refusal notices (and this rank's own refused rounds) kept for calls not entered yet; older ones are dropped."""
+
+
+class Refusals:
+    """Refusals of one call's input (issue 45), scoped to the call by its (family, bucket, round), so that a notice
+    never fails another call: the round each (family, bucket) entered last here, the rounds this rank refused itself,
+    and peers' notices for rounds this rank has not entered yet."""
+
+    def __init__(self) -> None:
+        self.entered: dict[tuple[str, int], int] = {}
+        self.mine: OrderedDict[RefusalKey, None] = OrderedDict()
+        self.pending: OrderedDict[RefusalKey, str] = OrderedDict()
+
+    @staticmethod
+    def keep(d: OrderedDict[RefusalKey, Any], key: RefusalKey, value: Any) -> None:
+        d[key] = value
+        while len(d) > KEPT_REFUSALS:
+            d.popitem(last=False)
+
+
 class LinkMixin(EndpointState):
     """Per-link tasks, failure and abort; the stream exchange that an abort cancels."""
+
+    _refusals: Refusals  # (set by the Endpoint) refusals of one call's input, control REFUSED
 
     async def _run_link(self, link: Link) -> None:
         try:
@@ -222,6 +248,8 @@ class LinkMixin(EndpointState):
             self._changed()
             for rank in list(self._links):
                 self._fail_pending(rank, lost)
+        elif msg["op"] == control.REFUSED:
+            self._on_refused(link.rank, msg)
         elif msg["op"] == control.ON_LINK:  # (i22) a peer that only receives on the round path says so
             key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
             if self._stream_watch.expected(key):
@@ -245,6 +273,61 @@ class LinkMixin(EndpointState):
                 track.report.fail(ProtocolError(what))
                 for job in track.jobs:
                     self.scheduler.cancel(job)
+
+    def _on_refused(self, peer: int, msg: dict[str, Any]) -> None:
+        """A peer refused its input to one call (control REFUSED, issue 45). This rank inside that very call fails
+        with RankMismatch now (and tells every rank, as for any mismatch); one that has not entered it yet fails
+        when it does (:meth:`enter_round`); one that refused that call too, or is past it, ignores the notice (the
+        common error of every rank passing the same bad input leaves the session usable)."""
+        try:
+            key = (str(msg.get("family", "")), int(msg.get("bucket", -1)), int(msg.get("round", -1)))
+        except (TypeError, ValueError):
+            self.receiver.counters.reject("control")
+            return
+        why = (f"rank {peer} refused its input to {key[0]} bucket {key[1]} round {key[2]}: "
+               f"{str(msg.get('why', ''))[:2000]}")
+        rf = self._refusals
+        if key in rf.mine:
+            return
+        at = rf.entered.get(key[:2], -1)
+        if at == key[2]:
+            self._refused_call(RankMismatch(why))
+        elif at < key[2]:
+            rf.keep(rf.pending, key, why)
+
+    def _refused_call(self, error: RankMismatch) -> None:
+        """This rank's call cannot complete (a peer refused its input to it): fail what it waits for, as an ABORT
+        does (the session is over, as after any mismatch)."""
+        self._set_abort(error)
+        for rank in list(self._links):
+            self._fail_pending(rank, error)
+
+    def enter_round(self, family: str, bucket: int, rnd: int) -> None:
+        """This rank starts round ``rnd`` of ``family``/``bucket`` (:meth:`~dgt.collectives.Group.next_round`):
+        :class:`RankMismatch` when a peer refused its input to this very call already (control REFUSED)."""
+        rf = self._refusals
+        rf.entered[(family, bucket)] = rnd
+        why = rf.pending.pop((family, bucket, rnd), None)
+        if why is not None:
+            error = RankMismatch(why)
+            self._refused_call(error)
+            raise error
+
+    def refuse_round(self, family: str, bucket: int, rnd: int, why: str, peers: Iterable[int]) -> None:
+        """This rank refused its input to round ``rnd`` of ``family``/``bucket`` (InputRejected): tell ``peers``
+        (queued, no waiting), so that ranks inside that call fail at once instead of waiting for this rank; a notice
+        of the same call from a peer that refused it too is ignored from now on."""
+        rf = self._refusals
+        key = (family, bucket, rnd)
+        rf.entered[(family, bucket)] = max(rnd, rf.entered.get((family, bucket), -1))
+        rf.keep(rf.mine, key, None)
+        rf.pending.pop(key, None)
+        msg = control.control(self.token, self.rank, control.REFUSED, family=family, bucket=bucket, round=rnd,
+                              why=why[:2000])
+        for p in sorted(set(peers)):
+            ln = self._links.get(p)
+            if ln is not None and ln.error is None:
+                ln.writer.push([msg], urgent=True)
 
     async def _liveness(self) -> None:
         """Ping idle links; declare a peer gone after peer_timeout without any byte from it."""
