@@ -79,8 +79,8 @@ async def _refuse(coll: Collective, exc: InputRejected, family: str, bucket_id: 
     next call has the same round as on the peers (which took it) and a notice of this call never matches it; every
     rank refusing the same input (the common error) leaves the session usable."""
     g = coll.group
-    tell = getattr(g.endpoint, "refuse_round", None)
-    if g.world == 1 or tell is None:
+    tell = g.endpoint.refuse_round
+    if g.world == 1:
         return
     rnd = g.round_of(family, bucket_id)
     if rnd == before:

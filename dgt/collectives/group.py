@@ -115,9 +115,7 @@ class Group:
         """Round numbers advance per (collective, bucket); every rank calls collectives in the same order."""
         key = (collective, bucket)
         rnd = self._rounds[key] = self._rounds.get(key, -1) + 1
-        enter = getattr(self.endpoint, "enter_round", None)  # (an Endpoint: a peer that refused this call fails it)
-        if enter is not None:
-            enter(collective, bucket, rnd)
+        self.endpoint.enter_round(collective, bucket, rnd)  # a peer that refused this call already fails it
         return rnd
 
     def round_of(self, collective: str, bucket: int) -> int:

@@ -118,6 +118,12 @@ class OfflineTransport:
     def call_failed(self, why: str) -> None:
         return None  # no peer to tell
 
+    def enter_round(self, family: str, bucket: int, rnd: int) -> None:
+        return None  # no peer to have refused it
+
+    def refuse_round(self, family: str, bucket: int, rnd: int, why: str, peers: Iterable[int]) -> None:
+        return None  # no peer to tell
+
     async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
         return None  # no peer to report one
 

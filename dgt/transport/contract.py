@@ -132,6 +132,14 @@ class Transport(Protocol):
         """Tell every connected peer that this rank's collective failed on a failed peer (``why``)."""
         ...
 
+    def enter_round(self, family: str, bucket: int, rnd: int) -> None:
+        """This rank starts round ``rnd`` of ``family``/``bucket``: RankMismatch if a peer refused that call already."""
+        ...
+
+    def refuse_round(self, family: str, bucket: int, rnd: int, why: str, peers: Iterable[int]) -> None:
+        """This rank refused its input to that round: tell ``peers`` (control REFUSED, scoped to the round)."""
+        ...
+
     async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
         """The mismatch a peer reported, waiting up to ``within`` s for one (less once one of ``dead`` is gone)."""
         ...
