@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING
 
 from dgt.collectives.rendezvous import Rendezvous
-from dgt.errors import PeerClosed, open_nursery, single_error
+from dgt.errors import PeerClosed, open_nursery
 from dgt.transport.contract import Transport
 
 if TYPE_CHECKING:
@@ -102,14 +102,13 @@ class Group:
         in a nursery of this block's own: leaving the block closes the group and no task of its endpoint outlives
         the block; an error in the endpoint's service cancels the block and is raised from it."""
 
-        with single_error():
-            async with open_nursery() as nursery:
-                group = await cls.create(rank, world, store=store, config=config, host=host, timeout=timeout,
-                                         prefix=prefix, connect=connect, nursery=nursery)
-                try:
-                    yield group
-                finally:
-                    await group.aclose()
+        async with open_nursery() as nursery:
+            group = await cls.create(rank, world, store=store, config=config, host=host, timeout=timeout,
+                                     prefix=prefix, connect=connect, nursery=nursery)
+            try:
+                yield group
+            finally:
+                await group.aclose()
 
     def next_round(self, collective: str, bucket: int) -> int:
         """Round numbers advance per (collective, bucket); every rank calls collectives in the same order."""

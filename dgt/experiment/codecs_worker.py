@@ -24,6 +24,7 @@ import math
 import os
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -207,22 +208,7 @@ async def _ps(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
 
     ps = ParameterServer(group, run["spec"], server=0, lossy_pull=True)
     codec = ps.codec
-    log = _Log(tr, run, group.rank)
-    w = tr.flat()
-    dropped = blocks = 0
-    for it in range(1, run["iters"] + 1):
-        t0 = time.perf_counter()
-        g, loss = tr.grad(it)
-        codec.observe_loss(loss)
-        t1 = time.perf_counter()
-        res = await ps.allreduce(g, 0, tr.segments)
-        t2 = time.perf_counter()
-        w -= run["lr"] * res.tensor
-        tr.load(w)
-        dropped += res.stats.dropped
-        blocks += res.stats.blocks
-        log.step(it, time.perf_counter() - t0, t2 - t1, _sent(res.stats), loss, None)
-    return log.result(w, {"dropped_blocks": dropped, "received_blocks": blocks})
+    return await _allreduce_loop(tr, run, group, lambda g: ps.allreduce(g, 0, tr.segments), codec.observe_loss)
 
 
 async def _lowrank(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, Any]:
@@ -231,14 +217,23 @@ async def _lowrank(tr: _Trainer, run: dict[str, Any], group: Any) -> dict[str, A
 
     coll = LowRankAllReduce(group, run["spec"], op="mean")
     shapes = [tuple(p.shape) for p in tr.params]
+    return await _allreduce_loop(tr, run, group, lambda g: coll.allreduce(g, 0, shapes), None)
+
+
+async def _allreduce_loop(tr: _Trainer, run: dict[str, Any], group: Any, reduce: Callable[[Any], Awaitable[Any]],
+                          observe_loss: Callable[[float], None] | None) -> dict[str, Any]:
+    """Train with one all-reduce of the gradient per step (``reduce``: the collective's call), ``observe_loss``
+    fed each step's loss first (the codec's p schedule); counts dropped and received blocks."""
     log = _Log(tr, run, group.rank)
     w = tr.flat()
     dropped = blocks = 0
     for it in range(1, run["iters"] + 1):
         t0 = time.perf_counter()
         g, loss = tr.grad(it)
+        if observe_loss is not None:
+            observe_loss(loss)
         t1 = time.perf_counter()
-        res = await coll.allreduce(g, 0, shapes)
+        res = await reduce(g)
         t2 = time.perf_counter()
         w -= run["lr"] * res.tensor
         tr.load(w)

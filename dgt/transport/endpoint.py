@@ -32,7 +32,7 @@ from dgt.channels.sockopts import get_dscp, get_priority
 from dgt.channels.tcp import TcpListener
 from dgt.channels.udp import UdpChannel, merged
 from dgt.channels.udp_scheduler import DatagramScheduler
-from dgt.errors import PeerClosed, RankMismatch, open_nursery, single_error
+from dgt.errors import PeerClosed, RankMismatch, open_nursery
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.datagram_mac import DatagramMac
@@ -184,13 +184,12 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
     @asynccontextmanager
     async def _serve(cls, rank: int, token: int, cfg: TransportConfig | None,
                      host: str) -> AsyncIterator[Endpoint]:
-        with single_error():
-            async with open_nursery() as nursery:
-                ep = await cls.start(rank, token, cfg, host, nursery=nursery)
-                try:
-                    yield ep
-                finally:
-                    await ep.aclose()
+        async with open_nursery() as nursery:
+            ep = await cls.start(rank, token, cfg, host, nursery=nursery)
+            try:
+                yield ep
+            finally:
+                await ep.aclose()
 
     async def __aenter__(self) -> Endpoint:
         return self
