@@ -7,6 +7,7 @@ import json
 import os
 
 import pytest
+import torch
 
 from dgt.experiment.ddp_config import ARMS, DDPConfig
 from dgt.experiment.ddp_report import censored_text, render, spread_text, table
@@ -288,3 +289,24 @@ def test_run_ddp_runs_every_arm_per_seed_and_keeps_each_run(tmp_path, monkeypatc
     calls.clear()
     ddp_runner.run_ddp(DDPConfig(arms=["gloo"], seed=3, network=net, plots=False, out_dir=str(tmp_path / "c")))
     assert calls == [("gloo", 3, False, 0)]
+
+
+def test_powersgd_arms_get_the_whole_gradient_in_one_ddp_bucket(monkeypatch):
+    """torch's PowerSGD hooks issue chained all-reduces from completion callbacks: with DDP's two default buckets the
+    ranks can issue them in different orders (Gloo aborted the ResNet run). Their arms get a bucket cap above the
+    gradient's size (an explicit cap also sets DDP's first-bucket cap to it); every other arm keeps torch's defaults."""
+    from dgt.experiment import ddp_worker
+    from dgt.experiment.workloads import build_workload
+
+    monkeypatch.setattr(ddp_worker, "WORKAROUNDS", [])
+    model = build_workload("resnet").model
+    mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    for arm in ("gloo", "fp16", "dgt-hook", "dgt-backend"):
+        assert ddp_worker.ddp_options(arm, model) == {}
+    assert ddp_worker.WORKAROUNDS == []
+    for arm in ddp_worker.POWERSGD_ARMS:
+        cap = ddp_worker.ddp_options(arm, model)["bucket_cap_mb"]
+        assert cap >= 25 and cap > mib
+    assert len(ddp_worker.WORKAROUNDS) == 3 and "one bucket" in ddp_worker.WORKAROUNDS[0]
+    big = torch.nn.Linear(4096, 2048)  # 32 MiB of float32: the cap grows past torch's 25 MiB default
+    assert ddp_worker.ddp_options("powersgd", big)["bucket_cap_mb"] == 33

@@ -46,6 +46,26 @@ def wire_bytes(ifname: str | None) -> dict[str, int] | None:
     return None
 
 
+POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd")
+
+
+def ddp_options(arm: str, model: Any) -> dict[str, Any]:
+    """DDP's keyword arguments for ``arm``: none (torch's defaults) except for the PowerSGD arms, whose gradient is
+    made one DDP bucket. torch's PowerSGD hooks issue their second and third all-reduce of a bucket from the
+    completion callback of the one before, on Gloo's thread, while the backward pass issues the next bucket's first
+    all-reduce on its own: with two buckets (DDP's default 1 MiB first bucket) the ranks can issue them in different
+    orders, and Gloo aborts the process ("Received data size doesn't match expected size"; seen with the ResNet at
+    its first compressed step). One bucket (``bucket_cap_mb`` above the gradient's size, which also lifts the small
+    first bucket) leaves nothing to reorder. Recorded in ``WORKAROUNDS``."""
+    if arm not in POWERSGD_ARMS:
+        return {}
+    mib = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20
+    cap = max(25, int(mib) + 1)
+    WORKAROUNDS.append(f"DDP(bucket_cap_mb={cap}): the gradient ({mib:.1f} MiB) is one bucket, so the PowerSGD "
+                       "hook's chained all-reduces cannot be issued in different orders on different ranks")
+    return {"bucket_cap_mb": cap}
+
+
 def attach_arm(arm: str, ddp: Any) -> Any:
     """Register the arm's hook on ``ddp``; returns the hook's state (None: none)."""
     if arm in ("gloo", "dgt-backend"):
@@ -55,7 +75,7 @@ def attach_arm(arm: str, ddp: Any) -> Any:
 
         ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         return None
-    if arm in ("powersgd", "fp16-powersgd", "batched-powersgd"):
+    if arm in POWERSGD_ARMS:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
@@ -153,7 +173,7 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
     store = dist.distributed_c10d._get_default_store()
     wl = build_workload(spec.model, spec.dataset, spec.data_dir, spec.seed, spec.width, spec.lr, spec.momentum)
     data, model = wl.data, wl.model  # the family's model, data, optimizer, loss and metric (workloads.py)
-    ddp = DDP(model)
+    ddp = DDP(model, **ddp_options(spec.arm, model))
     state = attach_arm(spec.arm, ddp)
     opt = wl.make_optimizer(ddp.parameters())
     sampler = ShardSampler(len(data.y_train), rank, world, spec.batch, spec.seed)
