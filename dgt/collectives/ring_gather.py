@@ -128,7 +128,7 @@ class SparseGather:
         g = coll.group
         W, r = g.world, g.rank
         nxt, prv, own = (r + 1) % W, (r - 1) % W, (r + 1) % W
-        op = coll.call_code
+        op = coll.code_of(stats)
         tx_mask = bufs[0]
         rx_masks, rx_packs = bufs[2::2], bufs[3::2]
         landed: list[torch.Tensor | None] = [None] * (W - 1)  # per step: where its values landed (in the thread)
