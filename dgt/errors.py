@@ -143,19 +143,18 @@ def _codec_name(c: int) -> str:
     return CODEC_IDS[c] if 0 < c < len(CODEC_IDS) else f"codec id {c}"
 
 
-def _plan_name(c: int) -> str:
-    return ("reduce on stream lanes" if c & 1 else "reduce in rounds") + (", sparse all-gather" if c & 2 else "")
-
-
 def op_mismatch(a: int, b: int, round: int) -> str:
     """The reason every rank gives when two call codes differ, the same whichever rank saw it (names sorted, no rank
-    named): the ops when they differ, else the codecs, else the plans."""
+    named): the ops when they differ, else the codecs, else the plans (the reduce phase on stream lanes on some
+    ranks and in rounds on others: :func:`path_mismatch`, the reason the session-link watch of a stream exchange
+    gives for the same disagreement; or the all-gather's sparse messages)."""
     ca, cb = (a >> 2) & 15, (b >> 2) & 15
     pa, pb = a >> PLAN_SHIFT, b >> PLAN_SHIFT
     if (a & 3) == (b & 3) and ca == cb and pa != pb:
-        names = sorted(_plan_name(c) for c in {pa, pb})
-        return (f"the ranks planned a collective call differently ({' / '.join(names)}) in round {round}: their "
-                f"tensors or settings (dtype, device, stream_hops, sparse_gather) differ")
+        if (pa ^ pb) & 1:
+            return path_mismatch(round)
+        return (f"the ranks called a collective with different all-gather plans in round {round} (sparse messages on "
+                f"some ranks, dense on others): different sparse_gather settings")
     if (a & 3) != (b & 3) or ca == cb:
         names = sorted(_op_name(c & 3) for c in {a & 3, b & 3})
         return f"the ranks called a collective with different ops ({' / '.join(names)}) in round {round}"
