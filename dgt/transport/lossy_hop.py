@@ -180,7 +180,7 @@ class _HopSum:
     @property
     def important(self) -> np.ndarray:
         """The blocks that came on the stream lane (once the first message is in)."""
-        return self.mask != 0
+        return np.asarray(self.mask != 0, dtype=bool)
 
     def post(self) -> None:
         """(Worker thread.) Both messages are in."""
@@ -245,7 +245,7 @@ def _prepare(ep: HopEndpoint, spec: LossyHopSpec) -> _Hop:
         seen.append(time.perf_counter())
         return buf.rx_pack[: packed_numel(lay_c, rx[:nb_c] != 0)]
 
-    receipt = ep.hop_receipt(spec.recv_from, key, rnd, lay_c, 4, lambda: memoryview(rx[nb_c:]), buf.dgrams)
+    receipt = ep.hop_receipt(spec.recv_from, key, rnd, lay_c, 4, lambda: rx[nb_c:].data, buf.dgrams)
     early = _HopSum(spec.mine_src, spec.mine, lay_c, buf.rx_pack, rx[:nb_c], torch.get_num_threads() > 1)
 
     def datagrams_in() -> DatagramRecv:  # in the worker thread, once both messages are in
@@ -299,7 +299,7 @@ async def _land(ep: HopEndpoint, spec: LossyHopSpec, h: _Hop, done: list[HopResu
     """After the exchange: account what was sent, land and close the round, check it, and make the sum."""
     prv, key, rnd, lay_c = spec.recv_from, spec.keys[0], spec.round, spec.recv_layout
     st = ep.hop_round_sent(h.hs)
-    ep.land_hop_round(prv, key, rnd, memoryview(h.rx[lay_c.nblocks:]), h.seen[1], h.seen[0])
+    ep.land_hop_round(prv, key, rnd, h.rx[lay_c.nblocks:].data, h.seen[1], h.seen[0])
     res = await ep.recv_round(prv, key, rnd, out=spec.land)  # closed just now: returned at once
     if spec.op and res.codec != spec.op:
         raise RankMismatch(op_mismatch(res.codec, spec.op, rnd))
