@@ -27,6 +27,7 @@ comes back as one :class:`LossyHopResult`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -62,7 +63,8 @@ class HopEndpoint(Protocol):
                        cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend: ...
 
     def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
-                    control: Any, buf: Any) -> Any: ...
+                    control: Callable[[], memoryview],
+                    buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]: ...
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]: ...
