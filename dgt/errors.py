@@ -119,16 +119,20 @@ class InputRejected(DgtError, ValueError):
 
 OPS = ("", "sum", "mean")  # a collective's op as its call code's low two bits (0: none given)
 CODEC_IDS = ("", "dense", "dgt", "qsgd", "olandraj", "slimdp", "gossip-quant", "dcd", "ecd", "naive-gossip", "lgc")
-"""Codec names by their id in a call code's upper six bits (0: a codec not listed, unchecked). Append only: an id
-names the same codec in every release, so ranks of two releases still compare it."""
+"""Codec names by their id in a call code's bits 2-5 (0: a codec not listed, unchecked). Append only: an id names
+the same codec in every release, so ranks of two releases still compare it. At most 16 (bits 6-7: the call's plan)."""
+assert len(CODEC_IDS) <= 16
+PLAN_SHIFT = 6
+"""A call's plan code (:attr:`dgt.collectives.plan.CallPlan.code`, two bits) sits in the call code's bits 6-7."""
 
 
-def call_code(op: str, codec: str = "") -> int:
-    """The frame header's codec byte for a collective call: its op in bits 0-1, its codec's id in bits 2-7. Every
-    receiver compares it with its own, so ranks that called with another op or codec raise :class:`RankMismatch`
-    on the first message instead of reducing payloads they read differently (or waiting for ones on another path)."""
+def call_code(op: str, codec: str = "", plan: int = 0) -> int:
+    """The frame header's codec byte for a collective call: its op in bits 0-1, its codec's id in bits 2-5, the code
+    of the call's plan (which path it takes) in bits 6-7. Every receiver compares it with its own, so ranks that
+    called with another op or codec, or planned the call differently, raise :class:`RankMismatch` on the first
+    message instead of reducing payloads they read differently (or waiting for ones on another path)."""
     cid = CODEC_IDS.index(codec) if codec in CODEC_IDS else 0
-    return OPS.index(op) | cid << 2
+    return OPS.index(op) | cid << 2 | (plan & 3) << PLAN_SHIFT
 
 
 def _op_name(c: int) -> str:
@@ -141,11 +145,20 @@ def _codec_name(c: int) -> str:
 
 def op_mismatch(a: int, b: int, round: int) -> str:
     """The reason every rank gives when two call codes differ, the same whichever rank saw it (names sorted, no rank
-    named): the ops when they differ, else the codecs."""
-    if (a & 3) != (b & 3) or (a >> 2) == (b >> 2):
+    named): the ops when they differ, else the codecs, else the plans (the reduce phase on stream lanes on some
+    ranks and in rounds on others: :func:`path_mismatch`, the reason the session-link watch of a stream exchange
+    gives for the same disagreement; or the all-gather's sparse messages)."""
+    ca, cb = (a >> 2) & 15, (b >> 2) & 15
+    pa, pb = a >> PLAN_SHIFT, b >> PLAN_SHIFT
+    if (a & 3) == (b & 3) and ca == cb and pa != pb:
+        if (pa ^ pb) & 1:
+            return path_mismatch(round)
+        return (f"the ranks called a collective with different all-gather plans in round {round} (sparse messages on "
+                f"some ranks, dense on others): different sparse_gather settings")
+    if (a & 3) != (b & 3) or ca == cb:
         names = sorted(_op_name(c & 3) for c in {a & 3, b & 3})
         return f"the ranks called a collective with different ops ({' / '.join(names)}) in round {round}"
-    names = sorted(_codec_name(c) for c in {a >> 2, b >> 2})
+    names = sorted(_codec_name(c) for c in {ca, cb})
     return f"the ranks called a collective with different codecs ({' / '.join(names)}) in round {round}"
 
 

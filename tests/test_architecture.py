@@ -21,8 +21,8 @@ OLD_MAX_FUNCTION_LINES = 80  # the cap before issue 44: what the functions still
 # at the time); remove its entry once it is split (test_the_function_allow_list_is_still_needed). "module:function".
 FUNCTION_ALLOW: set[str] = {
     "bench/allreduce.py:_rank", "bench/ddp.py:_rank", "bench/lgc.py:reconstruction_report", "bench/lgc.py:train",
-    "bench/transport.py:_dgt", "channels/duplex.py:duplex_py", "collectives/ps.py:allreduce",
-    "collectives/ring_lossy.py:_hop", "experiment/plots.py:write_plots", "experiment/worker.py:_train",
+    "bench/transport.py:_dgt", "channels/duplex.py:duplex_py",
+    "experiment/plots.py:write_plots", "experiment/worker.py:_train",
     "netem/crosstraffic.py:run_sink", "netem/runner.py:run",
 }
 
@@ -303,6 +303,34 @@ def test_no_getattr_probes_of_codecs_or_transports_above_the_transport():
 def test_no_reads_of_another_objects_private_fields_above_the_transport():
     found = {rel: reads for rel, src in _sources() if rel.startswith(ABOVE) and (reads := private_reads(src))}
     assert not found, f"private fields of another object (give it a public accessor): {found}"
+
+
+def below_the_transport(sources: list[tuple[str, str]], prefix: str = "collectives/") -> dict[str, set[str]]:
+    """Module -> the ``dgt.protocol`` / ``dgt.channels`` modules it imports, for the modules under ``prefix`` (every
+    import counted, as in :func:`import_graph`)."""
+    graph = import_graph(sources)
+    mine = {_module_of(rel) for rel, _ in sources if rel.startswith(prefix)}
+    low = ("dgt.protocol", "dgt.channels")
+    return {m: hits for m in sorted(mine)
+            if (hits := {d for d in graph.get(m, ()) if any(d == p or d.startswith(p + ".") for p in low)})}
+
+
+def test_the_below_the_transport_check_catches_what_it_is_for():
+    srcs = [("collectives/a.py", "from dgt.protocol.packed_blocks import pack_blocks\n"),
+            ("collectives/b.py", "if TYPE_CHECKING:\n    from dgt.channels import hop_datagrams\n"),
+            ("collectives/c.py", "from dgt.transport.lossy_hop import LossyHopSpec\n"),
+            ("transport/d.py", "import dgt.protocol.receiver\n"),
+            ("protocol/__init__.py", ""), ("protocol/packed_blocks.py", ""), ("channels/__init__.py", ""),
+            ("channels/hop_datagrams.py", ""), ("transport/lossy_hop.py", ""), ("protocol/receiver.py", "")]
+    assert below_the_transport(srcs) == {"dgt.collectives.a": {"dgt.protocol.packed_blocks"},
+                                         "dgt.collectives.b": {"dgt.channels.hop_datagrams"}}
+
+
+def test_no_collective_imports_protocol_or_channels():
+    """The collectives compose phases through the transport's contract (issue 44): the protocol's and the
+    channels' objects are the transport's business (``TYPE_CHECKING`` and function-local imports included)."""
+    found = below_the_transport(_sources())
+    assert not found, f"collectives importing dgt.protocol / dgt.channels (go through dgt.transport): {found}"
 
 
 def test_no_import_cycles():

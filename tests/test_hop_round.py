@@ -60,7 +60,7 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
 
     HopRoundMixin.hop_round_sent = hop_round_sent
 
-    import dgt.collectives.ring_lossy as ring_lossy
+    import dgt.transport.lossy_hop as ring_lossy
 
     halves = [0]  # hops whose sum was made in two halves (the stream lane's part beside the datagram reads)
     add = ring_lossy.add_blocks

@@ -1,6 +1,6 @@
 """The datagrams of a lossy ring hop, sent and read in the stream exchange's worker thread (no trio).
 
-A split ring hop (:mod:`dgt.collectives.ring_lossy`) carries its important blocks on the stream lane and the rest
+A split ring hop (:mod:`dgt.transport.lossy_hop`) carries its important blocks on the stream lane and the rest
 as one DGT round of datagrams. Driven from trio, that round cost more than its bytes: the link's reader for its
 opening and closing frames, the UDP ingress, the datagram scheduler and their wake-ups, ~9 ms of the ~20 ms a
 4-rank 25 MB call spends on the trio thread (issue 26, docs/history/transport-journal.md). Here the worker thread

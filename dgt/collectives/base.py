@@ -18,7 +18,7 @@ from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
 from dgt.errors import CodecMismatch, DgtError, InputRejected, PeerClosed, PeerTimeout, RankMismatch, call_code
 from dgt.layout import BucketLayout
-from dgt.transport.streams import Hop, HopResult, streamable
+from dgt.transport.streams import Hop, HopResult
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -252,12 +252,12 @@ class Collective:
             raise InputRejected(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         return out.detach().view(-1)
 
-    def on_streams(self, *tensors: torch.Tensor) -> bool:
-        """Whether this call can run as one ordered exchange on stream lanes (dgt.transport.streams): a lossless
-        codec, stream hops switched on, and contiguous float32 CPU tensors (received bytes are added on arrival)."""
-        cfg = self.group.endpoint.cfg
-        return (cfg.stream_hops != "off" and not self.codec.capabilities.lossy_tolerant
-                and all(streamable(t, add=True) for t in tensors))
+    def code_of(self, stats: CollectiveStats) -> int:
+        """The call code of the call ``stats`` belong to (the header's codec byte of its every message): this
+        collective's op and codec, and the code of the call's plan (``stats.plan``, dgt.collectives.plan), so ranks
+        that planned the call differently see it on the first message (RankMismatch)."""
+        plan = stats.plan
+        return self.call_code if plan is None else call_code(self.op, self.codec.name, plan.code)
 
     @staticmethod
     def count_exchange(stats: CollectiveStats, hops: list[Hop], done: list[HopResult], ch: Chunking,

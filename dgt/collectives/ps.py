@@ -19,16 +19,17 @@ exchange on stream lanes, like the ring (:meth:`ParameterServer._stream_allreduc
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from functools import partial
 
 import torch
 
 from dgt.codecs.base import Codec, Received
 from dgt.collectives.base import Collective, any_layout, tells_peers
+from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.parts import (
     FAMILY_MASK,
-    MAX_STEPS,
     as_received,
     check_world,
     decode_parts,
@@ -38,9 +39,24 @@ from dgt.collectives.parts import (
     state_key,
     transport_key,
 )
+from dgt.collectives.plan import CallPlan, plan_call
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import CodecMismatch, one_error, open_nursery
 from dgt.transport.streams import Hop
+
+
+@dataclass
+class _Call:
+    """One call on the round path, as its shards' tasks share it: the cut, the input, the result, and the call's
+    keys, statistics and call code."""
+
+    ch: Chunking
+    flat: torch.Tensor
+    out: torch.Tensor
+    bucket_id: int
+    rnd: int
+    stats: CollectiveStats
+    op: int
 
 
 class ParameterServer(Collective):
@@ -78,78 +94,92 @@ class ParameterServer(Collective):
         g = self.group
         if g.world > 1:
             await self.connect()  # workers-server (sharded: every rank serves a shard), first call only
-        if g.world > 1 and self._streams_fit(bucket, out):
+        plan = plan_call(self, bucket, out=out, servers=self.servers, sharded=self.server == "sharded")
+        if plan.schedule == "ps-streams":
             # no await before this point: the exchange's ticket follows the order collectives were called in
-            return await self._stream_allreduce(bucket, bucket_id, segments or [bucket.numel()], out)
+            return await self._stream_allreduce(bucket, bucket_id, segments or [bucket.numel()], out, plan)
         if out is not None:
             res = await self.allreduce(bucket, bucket_id, segments)
             self.working_copy(res.tensor, out)
             return CollectiveResult(out.view_as(bucket), res.stats)
         flat = bucket.detach().reshape(-1).clone()
-        stats = CollectiveStats()
+        stats = CollectiveStats(plan=plan)
         if g.world == 1:
             return CollectiveResult(self.finish(flat).view_as(bucket), stats)
         rnd = g.next_round("ps", bucket_id)
-        segs = segments or [flat.numel()]
-        block = self.codec.capabilities.block
-        ch = self.chunking(segs, block, len(self.servers))
+        ch = self.chunking(segments or [flat.numel()], self.codec.capabilities.block, len(self.servers))
         out = flat.clone()
-        op = self.call_code  # in every frame this call sends, compared by every receiver
         self._announce_round_path(bucket_id, rnd)
-
-        async def serve_shard(shard: int, owner: int) -> None:
-            piece = ch.chunk(flat, shard)
-            if piece.numel() == 0:
-                return
-            sg = ch.segments[shard]
-            parts = self.codec.encode(piece, self.state(state_key("push", bucket_id, shard), piece, sg))
-            if owner != g.rank:  # worker: push, then pull
-                with self.phase(stats, "push"):
-                    await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats, op=op)
-                with self.phase(stats, "pull"):
-                    like = like_parts(parts, sg, self.codec, piece)
-                    got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
-                                           device=piece.device, exact=self.codec.capabilities.summable, op=op)
-                    pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
-                    ch.chunk(out, shard).copy_(decode_parts(self.codec, got, pull_state, piece, owner, rnd))
-                return
-            # server of this shard: gather every worker's parts, decode, reduce
-            with self.phase(stats, "gather"):
-                received: dict[int, list[Received]] = {g.rank: [as_received(p) for p in parts]}
-
-                async def gather(w: int) -> None:
-                    like = like_parts(parts, sg, self.codec, piece)
-                    received[w] = await recv_parts(g.endpoint, w, bucket_id, "push", shard, rnd, like, stats,
-                                                   device=piece.device, exact=self.codec.capabilities.summable, op=op)
-
-                async with open_nursery() as nursery:
-                    for w in range(g.world):
-                        if w != g.rank:
-                            nursery.start_soon(gather, w)
-            with self.phase(stats, "reduce"):
-                decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
-                for w in range(g.world):
-                    st = self.state(state_key("push-rx", bucket_id, shard, w), piece, sg)
-                    decoded.append(decode_parts(self.codec, received[w], st, piece, w, rnd).to(piece.dtype))
-                    if self.normalize == "contributors":
-                        counts += received[w][0].element_mask().to(device=piece.device, dtype=torch.float32)
-                total = self.codec.aggregate(decoded)
-                reduced = self.finish(total, counts.clamp(min=1) if self.normalize == "contributors" else None)
-            with self.phase(stats, "pull"):
-                pull = self.codec.encode(reduced, self.state(state_key("pull", bucket_id, shard), reduced, sg))
-                own_rx = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
-                mine = self.codec.decode([as_received(p) for p in pull], own_rx, piece)
-                ch.chunk(out, shard).copy_(mine)
-                async with open_nursery() as nursery:
-                    for w in range(g.world):
-                        if w != g.rank:
-                            nursery.start_soon(partial(send_parts, g.endpoint, w, bucket_id, "pull", shard, rnd,
-                                                       pull, stats, not self.lossy_pull, op=op))
-
+        call = _Call(ch, flat, out, bucket_id, rnd, stats, self.code_of(stats))
         async with open_nursery() as nursery:
             for shard, owner in enumerate(self.servers):
-                nursery.start_soon(serve_shard, shard, owner)
+                nursery.start_soon(self._serve_shard, call, shard, owner)
         return CollectiveResult(out.view_as(bucket), stats)  # averaged by the server already: op is applied there
+
+    async def _serve_shard(self, call: _Call, shard: int, owner: int) -> None:
+        """Shard ``shard`` of the round path: a worker pushes it to ``owner`` and pulls the aggregate; its owner
+        gathers every worker's, reduces and sends the result back."""
+        g = self.group
+        ch, flat, bucket_id, rnd, stats, op = call.ch, call.flat, call.bucket_id, call.rnd, call.stats, call.op
+        piece = ch.chunk(flat, shard)
+        if piece.numel() == 0:
+            return
+        sg = ch.segments[shard]
+        parts = self.codec.encode(piece, self.state(state_key("push", bucket_id, shard), piece, sg))
+        if owner != g.rank:  # worker: push, then pull
+            with self.phase(stats, "push"):
+                await send_parts(g.endpoint, owner, bucket_id, "push", shard, rnd, parts, stats, op=op)
+            with self.phase(stats, "pull"):
+                like = like_parts(parts, sg, self.codec, piece)
+                got = await recv_parts(g.endpoint, owner, bucket_id, "pull", shard, rnd, like, stats,
+                                       device=piece.device, exact=self.codec.capabilities.summable, op=op)
+                pull_state = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
+                ch.chunk(call.out, shard).copy_(decode_parts(self.codec, got, pull_state, piece, owner, rnd))
+            return
+        with self.phase(stats, "gather"):
+            received = await self._gather(call, shard, piece, parts)
+        with self.phase(stats, "reduce"):
+            reduced = self._reduce(call, shard, piece, received)
+        with self.phase(stats, "pull"):
+            pull = self.codec.encode(reduced, self.state(state_key("pull", bucket_id, shard), reduced, sg))
+            own_rx = self.state(state_key("pull-rx", bucket_id, shard), piece, sg)
+            mine = self.codec.decode([as_received(p) for p in pull], own_rx, piece)
+            ch.chunk(call.out, shard).copy_(mine)
+            async with open_nursery() as nursery:
+                for w in range(g.world):
+                    if w != g.rank:
+                        nursery.start_soon(partial(send_parts, g.endpoint, w, bucket_id, "pull", shard, rnd,
+                                                   pull, stats, not self.lossy_pull, op=op))
+
+    async def _gather(self, call: _Call, shard: int, piece: torch.Tensor, parts: list) -> dict[int, list[Received]]:
+        """The server of ``shard``: every worker's parts (its own as they are)."""
+        g = self.group
+        sg = call.ch.segments[shard]
+        received: dict[int, list[Received]] = {g.rank: [as_received(p) for p in parts]}
+
+        async def gather(w: int) -> None:
+            like = like_parts(parts, sg, self.codec, piece)
+            received[w] = await recv_parts(g.endpoint, w, call.bucket_id, "push", shard, call.rnd, like, call.stats,
+                                           device=piece.device, exact=self.codec.capabilities.summable, op=call.op)
+
+        async with open_nursery() as nursery:
+            for w in range(g.world):
+                if w != g.rank:
+                    nursery.start_soon(gather, w)
+        return received
+
+    def _reduce(self, call: _Call, shard: int, piece: torch.Tensor,
+                received: dict[int, list[Received]]) -> torch.Tensor:
+        """The server of ``shard``: every worker's parts decoded and reduced (``op`` and ``normalize`` applied)."""
+        sg = call.ch.segments[shard]
+        decoded, counts = [], torch.zeros(piece.numel(), dtype=torch.float32, device=piece.device)
+        for w in range(self.group.world):
+            st = self.state(state_key("push-rx", call.bucket_id, shard, w), piece, sg)
+            decoded.append(decode_parts(self.codec, received[w], st, piece, w, call.rnd).to(piece.dtype))
+            if self.normalize == "contributors":
+                counts += received[w][0].element_mask().to(device=piece.device, dtype=torch.float32)
+        total = self.codec.aggregate(decoded)
+        return self.finish(total, counts.clamp(min=1) if self.normalize == "contributors" else None)
 
     def _announce_round_path(self, bucket_id: int, rnd: int) -> None:
         """A central server on the round path receives first, so a worker that runs the call on stream lanes (its
@@ -167,17 +197,8 @@ class ParameterServer(Collective):
             return [r for r in range(g.world) if r != g.rank]
         return [s for s in self.servers if s != g.rank]
 
-    def _streams_fit(self, bucket: torch.Tensor, out: torch.Tensor | None) -> bool:
-        """A lossless in-place codec (dense) in the bucket's own dtype, contiguous on the CPU, stream hops on, and steps
-        that fit a key."""
-        caps = self.codec.capabilities
-        same_dtype = (caps.wire_dtype or bucket.dtype) == bucket.dtype
-        return (caps.in_place and not caps.lossy_tolerant and same_dtype and self.group.world <= MAX_STEPS
-                and (self.server != "sharded" or len(self.servers) == self.group.world)
-                and self.on_streams(bucket) and (out is None or self.on_streams(out)))
-
     async def _stream_allreduce(self, bucket: torch.Tensor, bucket_id: int, segments: list[int],
-                                out: torch.Tensor | None) -> CollectiveResult:
+                                out: torch.Tensor | None, plan: CallPlan) -> CollectiveResult:
         """The whole push and pull as one exchange on stream lanes (dgt.transport.streams); pushes are added on
         arrival, straight into the owner's part of the result.
 
@@ -191,7 +212,8 @@ class ParameterServer(Collective):
         res = self.result_buffer(bucket, out)
         rnd = g.next_round("ps", bucket_id)
         push, pull = transport_key(bucket_id, "push"), transport_key(bucket_id, "pull")
-        op = self.call_code
+        stats = CollectiveStats(plan=plan)
+        op = self.code_of(stats)  # in every message this call sends, compared by every receiver
         hops: list[Hop] = []
         ch = self.chunking(segments, self.codec.capabilities.block, W if self.server == "sharded" else 1)
         if self.server == "sharded":
@@ -211,7 +233,6 @@ class ParameterServer(Collective):
         else:
             hops = [Hop(push, rnd, send_to=self.server, payload=src, op=op),
                     Hop(pull, rnd, recv_from=self.server, land=res, op=op)]
-        stats = CollectiveStats()
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, ch, res)

@@ -28,11 +28,12 @@ from dgt.collectives.parts import (
     state_key,
     transport_key,
 )
+from dgt.collectives.plan import plan_call
 from dgt.collectives.ring_gather import SparseGather
-from dgt.collectives.ring_lossy import LossyHops, lossy_on_streams
+from dgt.collectives.ring_lossy import LossyHops
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error, open_nursery
-from dgt.transport.streams import Hop, streamable
+from dgt.transport.streams import Hop
 
 
 class RingAllReduce(Collective):
@@ -61,13 +62,15 @@ class RingAllReduce(Collective):
         in-place all-reduce); by default a new tensor."""
         self.check_input(bucket)
         g = self.group
-        W, r = g.world, g.rank
+        W = g.world
         stats = CollectiveStats()
         if W == 1:
+            stats.plan = plan_call(self, bucket)
             return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
         await self.connect()  # the two neighbours, on the first call; then it does not yield
-        direct = self._direct(bucket)
-        if direct:
+        ch = self.chunking(segments or [bucket.numel()], self.codec.capabilities.block, W)
+        plan = stats.plan = plan_call(self, bucket, chunks=ch, out=out, sparse_gather=self.sparse_gather)
+        if plan.direct:
             # no copy of the input first. Every chunk of the result is written by a reduce-scatter add (input chunk +
             # received) or lands from the all-gather, so the input is only read, in the hops. A lossy round's drop
             # report comes after this call returns, but the transport sends such a round from its own copy
@@ -77,21 +80,28 @@ class RingAllReduce(Collective):
         else:
             src = flat = self.working_copy(bucket, out)
         rnd = g.next_round("ring", bucket_id)
-        ch = self.chunking(segments or [flat.numel()], self.codec.capabilities.block, W)
-        if direct and self.on_streams(src, flat):
-            # no await before this point: the exchange's ticket follows the order collectives were called in
+        # no await from here to the first exchange: its ticket follows the order collectives were called in
+        if plan.schedule == "ring-streams":
             await self._stream_steps(ch, src, flat, bucket_id, rnd, stats)
-            return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
+        elif plan.schedule == "ring-lossy-streams":
+            await self._lossy_steps(ch, src, flat, bucket_id, rnd, stats)
+        else:
+            await self._round_steps(ch, src, flat, bucket_id, rnd, stats)
+        return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
+
+    async def _round_steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
+                           stats: CollectiveStats) -> None:
+        """The ``ring-rounds`` schedule: every hop a round on the session link (the all-gather of a lossy direct
+        codec one exchange on stream lanes, by the plan)."""
+        g = self.group
+        W, r = g.world, g.rank
+        direct = stats.plan.direct
         own = (r + 1) % W  # after W-1 reduce-scatter steps this rank holds the full sum of chunk r+1
         rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)] if direct else None
-        if direct and lossy_on_streams(self, ch, flat):
-            assert rs_land is not None
-            await self._lossy_steps(ch, src, flat, bucket_id, rnd, stats, rs_land)
-            return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
         ag_land = [ch.chunk(flat, (own - s - 1) % W) for s in range(W - 1)] if direct else None
         # a lossy direct codec: the all-gather (lossless) runs as one exchange on the stream lanes, whose place in
         # the call order is taken now, before the first await (the reduce-scatter rounds come first)
-        ag = [g.endpoint.reserve_exchange()] if direct and self._ag_on_streams(flat) else None
+        ag = [g.endpoint.reserve_exchange()] if stats.plan.gather in ("streams", "sparse-streams") else None
         try:
             if direct:
                 # post every step's landing now: a neighbour running ahead must not find its round without a buffer
@@ -109,20 +119,19 @@ class RingAllReduce(Collective):
                 self._post([None] * len(ag_land), bucket_id, "ag", rnd)
                 self._post([None] * len(rs_land), bucket_id, "rs", rnd + 1)
             raise
-        return CollectiveResult(self.finish(flat, inplace=True).view_as(bucket), stats)
 
     async def _lossy_steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
-                           stats: CollectiveStats, rs_land: list[torch.Tensor]) -> None:
-        """A lossy direct codec with stream hops on (dgt.collectives.ring_lossy): each reduce-scatter hop sends
-        its important blocks on the stream lane and the rest as a DGT round; the all-gather is one stream exchange.
-        Every exchange's place in the call order is reserved here, before the first await."""
-        W = self.group.world
+                           stats: CollectiveStats) -> None:
+        """The ``ring-lossy-streams`` schedule (dgt.collectives.ring_lossy): each reduce-scatter hop is one
+        ``lossy_hop`` call of the transport (its important blocks on the stream lane, the rest a DGT round); the
+        all-gather is one stream exchange. Every exchange's place in the call order is reserved here, before the
+        first await."""
+        W, r = self.group.world, self.group.rank
         ep = self.group.endpoint
+        rs_land = [self._scratch_for(ch.chunk(flat, (r - s - 1) % W), s) for s in range(W - 1)]
         tickets: list[int | None] = [ep.reserve_exchange() for _ in range(W - 1)]
         ag: list[int | None] = [ep.reserve_exchange()]
         try:
-            # the hop reads the round's mask, and starts its deadline once the stream lane's blocks are in
-            self._post(rs_land, bucket_id, "rs", rnd, zero_lost=False, hold=True)
             with self.phase(stats, "reduce_scatter"):
                 await self._lossy.reduce_scatter(ch, src, flat, bucket_id, rnd, stats, rs_land, tickets)
             await self._stream_gather(ch, flat, bucket_id, rnd, stats, ag)
@@ -130,9 +139,6 @@ class RingAllReduce(Collective):
             for t in [*tickets, *ag]:
                 if t is not None:  # never ran: later exchanges must not wait for it
                     ep.forfeit_exchange(t)
-            self._post([None] * len(rs_land), bucket_id, "rs", rnd)  # nothing lands in them after this call
-            for s in range(W - 1):  # and no round of this call waits for a stream lane any more
-                ep.important_in((self.group.rank - 1) % W, transport_key(bucket_id, "rs", s, 0), rnd)
             raise
 
     async def _steps(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
@@ -178,14 +184,15 @@ class RingAllReduce(Collective):
         g = self.group
         W, r = g.world, g.rank
         nxt, prv, own = (r + 1) % W, (r - 1) % W, (r + 1) % W
+        op = self.code_of(stats)
         hops = []
         for s in range(W - 1):
             a, c = (r - s) % W, (r - s - 1) % W
             hops.append(Hop(transport_key(bucket_id, "rs", s, 0), rnd, nxt, ch.chunk(src if s == 0 else flat, a), prv,
-                            ch.chunk(flat, c), add_src=ch.chunk(src, c), op=self.call_code))
+                            ch.chunk(flat, c), add_src=ch.chunk(src, c), op=op))
         for s in range(W - 1):
             hops.append(Hop(transport_key(bucket_id, "ag", s, 0), rnd, nxt, ch.chunk(flat, (own - s) % W), prv,
-                            ch.chunk(flat, (own - s - 1) % W), op=self.call_code))
+                            ch.chunk(flat, (own - s - 1) % W), op=op))
         t0 = time.monotonic()
         done = await g.endpoint.exchange(hops, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, ch, flat)
@@ -200,7 +207,7 @@ class RingAllReduce(Collective):
         (dgt.collectives.ring_gather). The sender of
         each reduce-scatter round keeps its own copy for error feedback, so ``flat`` may be overwritten here."""
         ticket, ag[0] = ag[0], None  # the exchange (or the gather, failing before it) gives the ticket back
-        if self.sparse_gather:
+        if stats.plan.gather == "sparse-streams":
             with self.phase(stats, "all_gather"):
                 await self._gather.gather(self, ch, flat, bucket_id, rnd, stats, ticket)
             return
@@ -212,11 +219,6 @@ class RingAllReduce(Collective):
         with self.phase(stats, "all_gather"):
             done = await g.endpoint.exchange(hops, ticket=ticket, family=FAMILY_MASK)
         self.count_exchange(stats, hops, done, ch, flat)
-
-    def _ag_on_streams(self, flat: torch.Tensor) -> bool:
-        """Whether a lossy ring's all-gather can run on stream lanes (stream hops on, a contiguous CPU bucket)."""
-        return self.group.endpoint.cfg.stream_hops != "off" and self.codec.capabilities.lossy_tolerant and \
-            streamable(flat)
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,
                    step: int, rnd: int, stats: CollectiveStats, state_key: tuple, reliable: bool = False,
@@ -238,14 +240,14 @@ class RingAllReduce(Collective):
 
         async def recv() -> None:
             got.extend(await recv_parts(ep, (g.rank - 1) % g.world, bucket_id, phase, step, rnd, like, stats, into,
-                                        device=mine.device, exact=True, op=self.call_code))
+                                        device=mine.device, exact=True, op=self.code_of(stats)))
 
         async with open_nursery() as nursery:
             if parts:
                 # the next hop needs what this one receives, not the drop report of what it sent: do not wait a
                 # round trip per hop for it (error feedback folds it in when it comes)
                 nursery.start_soon(partial(send_parts, ep, (g.rank + 1) % g.world, bucket_id, phase, step, rnd, parts,
-                                           stats, reliable, wait_report=False, op=self.call_code))
+                                           stats, reliable, wait_report=False, op=self.code_of(stats)))
             if like:
                 nursery.start_soon(recv)
         if not like:
@@ -262,14 +264,15 @@ class RingAllReduce(Collective):
         g = self.group
         ep = g.endpoint
         key = transport_key(bucket_id, phase, step, 0)
+        op = self.code_of(stats)
         pending = None
         if out.numel():
-            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out, op=self.call_code)
+            pending = ep.post_send((g.rank + 1) % g.world, key, rnd, out, op=op)
             stats.add_sent(0, out.numel() * out.element_size())
         if land is not None:
             res = await ep.recv_round((g.rank - 1) % g.world, key, rnd, out=land)
             stats.add_round(res.stats)
-            check_op(self.call_code, res.codec, rnd)
+            check_op(op, res.codec, rnd)
         if pending is not None:
             await pending.wait()  # the chunk may be overwritten (all-gather landing) once this returns
         return land
@@ -277,12 +280,6 @@ class RingAllReduce(Collective):
     def peers(self) -> list[int]:
         g = self.group
         return sorted({(g.rank - 1) % g.world, (g.rank + 1) % g.world} - {g.rank})
-
-    def _direct(self, flat: torch.Tensor) -> bool:
-        """Whether chunks arrive as one part in the bucket's own dtype (dense fp32, DGT), so they can land in place
-        instead of being decoded from a fresh buffer."""
-        caps = self.codec.capabilities
-        return caps.in_place and (caps.wire_dtype or flat.dtype) == flat.dtype and flat.device.type == "cpu"
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0,
               zero_lost: bool = True, hold: bool = False) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -15,6 +16,7 @@ class CollectiveStats:
     unimportant_received: int = 0  # unimportant blocks that arrived before their round closed
     bytes_unsent: int = 0  # payload bytes this rank's send budget kept back (error feedback carries them)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
+    plan: Any = None  # the call's path: a dgt.collectives.plan.CallPlan (None: a collective without one)
 
     def add_round(self, stats) -> None:
         for lane, ls in stats.lanes.items():
@@ -23,6 +25,16 @@ class CollectiveStats:
         self.dropped += stats.dropped
         self.unsent += getattr(stats, "unsent", 0)
         self.unimportant_received += getattr(stats, "unimportant_received", 0)
+
+    def add_lossy_hop(self, res: Any) -> None:
+        """What one lossy ring hop (a ``dgt.transport.lossy_hop.LossyHopResult``) received and sent."""
+        self.add_round(res.round)
+        for lane, n in res.sent.items():
+            self.add_sent(lane, n)
+        self.bytes_unsent += res.unsent_bytes
+        self.bytes_received[0] = self.bytes_received.get(0, 0) + res.received
+        # the round counts the blocks it never announced as unsent: those on the stream lane were not
+        self.unsent -= min(res.important, self.unsent)
 
     def add_sent(self, lane: int, nbytes: int) -> None:
         self.bytes_sent[lane] = self.bytes_sent.get(lane, 0) + nbytes
@@ -41,7 +53,10 @@ class CollectiveStats:
             self.phases[k] = self.phases.get(k, 0.0) + v
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if self.plan is not None:
+            d["plan"] = self.plan.to_dict()
+        return d
 
 
 @dataclass

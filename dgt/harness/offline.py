@@ -10,21 +10,19 @@ fails with that error instead of passing unnoticed.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, NoReturn
 
 from dgt.errors import PeerClosed
 from dgt.transport.config import PeerAddress, TransportConfig
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
-    from dgt.channels.hop_datagrams import DatagramRecv
     from dgt.errors import RankMismatch
     from dgt.layout import BucketLayout
     from dgt.transport.contract import Transport
-    from dgt.transport.hop_round import HopRoundSend
+    from dgt.transport.lossy_hop import LossyHopResult, LossyHopSpec
     from dgt.transport.outbound import PendingSend
     from dgt.transport.stats import RoundResult, SendStats
     from dgt.transport.streams import Hop, HopResult
@@ -78,20 +76,8 @@ class OfflineTransport:
     def hop_ready(self, peer: int) -> bool:
         return False  # no hop socket: a lossy ring takes the session-link path (and meets _offline there)
 
-    def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                       cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend:
-        self._offline("plan_hop_round")
-
-    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
-        self._offline("hop_round_sent")
-
-    def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
-                    control: Callable[[], memoryview], buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]:
-        self._offline("hop_receipt")
-
-    def land_hop_round(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
-                       control_at: float) -> None:
-        self._offline("land_hop_round")
+    async def lossy_hop(self, spec: LossyHopSpec) -> LossyHopResult:
+        self._offline("lossy_hop")
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]:

@@ -1,6 +1,6 @@
 """A set of blocks of a flat bucket packed back to back, in an order both ends derive from the block mask alone.
 
-A lossy ring hop on stream lanes (dgt.collectives.ring_lossy) sends its important blocks as one message: the sender
+A lossy ring hop on stream lanes (dgt.transport.lossy_hop) sends its important blocks as one message: the sender
 packs them out of the round's data, the receiver learns which blocks they are from a mask message that precedes
 them, and unpacks them into the round's landing buffer. Neither end sends offsets: the order is a function of the
 mask and the layout (:func:`packed_numel` gives the message size).

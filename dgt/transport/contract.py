@@ -5,31 +5,39 @@ protocol, not against :class:`dgt.transport.endpoint.Endpoint`; the endpoint sat
 mypy in dgt.collectives.group and by tests/test_architecture.py at run time). Anything a collective needs from the
 transport and this protocol does not name is a new seam: add it here first.
 
-The four ways a bucket can leave, from the most general to the fastest:
+The five ways a bucket can leave, from the most general to the fastest:
 
 - ``send_round`` / ``recv_round``: a round of blocks with per-block classes (lossy lanes, deadlines, error feedback);
-- ``post_send`` / ``post_recv``: a lossless round queued on the session link without awaiting (BULK frames), landed
-  in place;
+- ``post_send`` / ``post_recv`` (``important_in`` for a round posted with ``hold``): a lossless round queued on the
+  session link without awaiting (BULK frames), landed in place;
 - ``exchange``: an ordered sequence of :class:`~dgt.transport.streams.Hop` on the stream lanes, run off the trio
-  loop (the lossless ring), its place in the call order reservable with ``reserve_exchange``;
+  loop (the lossless ring, the lossy ring's all-gather), its place in the call order reservable with
+  ``reserve_exchange`` (given back with ``forfeit_exchange`` when it will never run);
+- ``lossy_hop``: one reduce-scatter hop of a lossy ring, whole, in one call and its return
+  (:class:`~dgt.transport.lossy_hop.LossyHopSpec` in, :class:`~dgt.transport.lossy_hop.LossyHopResult` out:
+  planning, the send budget, the mask message, the exchange, landing, the drop report and the sum happen inside);
+  ``hop_ready`` says whether a peer can be reached that way (the call's plan asks it);
 - ``send_tensor`` / ``recv_tensor``: small tagged lossless messages with shape and dtype (LGC's variable-length
   transfers, model broadcasts).
+
+Beside them: the session (``rank``, ``cfg``, ``address``, ``peers``, ``connect``, ``aclose``) and the failure and
+agreement notices (``abort_peers``, ``failure_of``, ``call_failed``, ``enter_round``, ``refuse_round``, ``aborted``).
+The hop-round plumbing ``lossy_hop`` is made of (``plan_hop_round``, ``hop_receipt``, ``hop_round_sent``,
+``land_hop_round``) is the endpoint's, not the collectives' (:class:`dgt.transport.lossy_hop.HopEndpoint`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    import numpy as np
     import torch
 
-    from dgt.channels.hop_datagrams import DatagramRecv
     from dgt.errors import RankMismatch
     from dgt.layout import BucketLayout
     from dgt.transport.config import PeerAddress, TransportConfig
-    from dgt.transport.hop_round import HopRoundSend
+    from dgt.transport.lossy_hop import LossyHopResult, LossyHopSpec
     from dgt.transport.outbound import PendingSend
     from dgt.transport.stats import RoundResult, SendStats
     from dgt.transport.streams import Hop, HopResult
@@ -91,27 +99,14 @@ class Transport(Protocol):
         ...
 
     def hop_ready(self, peer: int) -> bool:
-        """Whether a lossy ring hop's round to and from ``peer`` can take the hop socket (dgt.transport.hop_round)."""
+        """Whether ``lossy_hop`` can reach ``peer`` (both ends have a hop socket): a query the call's plan asks."""
         ...
 
-    def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                       cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend:
-        """A lossy ring hop's round to ``peer``, planned (nothing sent): its frames, packed important blocks and
-        datagrams for the exchange."""
-        ...
-
-    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
-        """After the exchange: what the hop's worker sent, accounted."""
-        ...
-
-    def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
-                    control: Callable[[], memoryview], buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]:
-        """For the exchange's worker thread: where the round from ``peer`` lands its datagrams."""
-        ...
-
-    def land_hop_round(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
-                       control_at: float) -> None:
-        """The round the exchange carried, fed to the receiver and closed (``recv_round`` then returns it)."""
+    async def lossy_hop(self, spec: LossyHopSpec) -> LossyHopResult:
+        """One reduce-scatter hop of a lossy ring, whole (dgt.transport.lossy_hop): the encoded chunk out to
+        ``spec.send_to`` (important blocks on the stream lane, the rest a DGT round on the hop socket) while the
+        chunk from ``spec.recv_from`` lands and is summed into ``spec.mine``; returns the sum's block scores, the
+        arrival mask and the statistics."""
         ...
 
     async def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:

@@ -44,6 +44,7 @@ from dgt.transport.handshake import HandshakeMixin
 from dgt.transport.hop_round import HopRoundMixin
 from dgt.transport.inbound import InboundMixin
 from dgt.transport.links import LinkMixin, Refusals
+from dgt.transport.lossy_hop import LossyHopResult, LossyHopSpec, lossy_hop
 from dgt.transport.outbound import BYTES_BUCKET, PendingSend
 from dgt.transport.records import Link, SendTrack
 from dgt.transport.stats import LaneStats, PendingRounds, RoundResult, TransportStats
@@ -372,3 +373,8 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             info["hop"] = {"dscp": get_dscp(hop.sock), "priority": get_priority(hop.sock), "gso": hop.gso,
                            "gro": hop.gro, "rcvbuf": hop.rcvbuf, "port": hop.port}
         return info
+
+    async def lossy_hop(self, spec: LossyHopSpec) -> LossyHopResult:
+        """One reduce-scatter hop of a lossy ring, whole (:func:`dgt.transport.lossy_hop.lossy_hop`, on this
+        endpoint's hop-round plumbing)."""
+        return await lossy_hop(self, spec)
