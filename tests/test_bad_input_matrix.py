@@ -88,11 +88,12 @@ def _mismatch_cases():
     for codec in ("dense", "dgt:p=0.3"):  # the odd one out is the central server (it only receives first)
         for what in REASONS:
             yield pytest.param("ps", codec, what, "auto", 3, 0, id=f"ps-server-{codec}-{what}")
-    # codecs that are not summable (gather-then-reduce): sizes are seen when a peer's message does not decode into
-    # this rank's tensor; a dtype difference is not seen (docs/collectives.md): each rank decodes into its own dtype
+    # codecs that are not summable (gather-then-reduce; the ring refuses them at construction): sizes and dtypes are
+    # seen when a peer's message does not decode into this rank's tensor (each message names its bucket's dtype).
+    # Before: a float32/float64 pair returned on every rank, each rank's answer in its own dtype
     for kind in ("ps", "ps-sharded", "gossip"):
         for codec in ("qsgd", "olandraj"):
-            for what in ("numel", "op", "codec"):
+            for what in REASONS:
                 if kind == "gossip" and what == "op":
                     continue
                 yield pytest.param(kind, codec, what, "auto", 3, 1, id=f"{kind}-{codec}-{what}-auto-w3")
