@@ -18,7 +18,11 @@ import torch
 import torch.distributed as dist
 import trio
 
+from dgt.codecs.base import BucketState
+from dgt.codecs.lowrank import LowRankCodec, reduce_in_process, set_shapes
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+from dgt.collectives.lowrank import LowRankAllReduce
+from dgt.collectives.model_server import ModelServer
 from dgt.errors import DgtError, InputRejected, RankMismatch
 from dgt.harness.groups import local_groups
 from dgt.harness.offline import OfflineTransport
@@ -30,6 +34,8 @@ COLLECTIVES = ["ring", "ps", "ps-sharded", "gossip"]
 
 
 def _build(kind, g, codec, op="sum"):
+    if kind == "lowrank":  # another codec than lowrank: that rank calls the plain ring (it was configured so)
+        return LowRankAllReduce(g, codec, op=op) if codec.startswith("lowrank") else RingAllReduce(g, codec, op=op)
     if kind == "ring":
         return RingAllReduce(g, codec, op=op)
     if kind == "gossip":
@@ -37,9 +43,18 @@ def _build(kind, g, codec, op="sum"):
     return ParameterServer(g, codec, op=op, server="sharded" if kind == "ps-sharded" else 0)
 
 
+def _shapes(x):
+    """The tensors a low-rank call's bucket holds: a 50 x 100 matrix (sent as factors) and the rest 1-D (dense)."""
+    n = x.numel()
+    return [(50, 100), (n - 5000,)] if n >= 5000 else [tuple(x.shape)]
+
+
 async def _call(kind, coll, x, out=None):
     if kind == "gossip":
         return await coll.mix(x)
+    if isinstance(coll, LowRankAllReduce):
+        assert out is None  # the low-rank all-reduce has no out
+        return await coll.allreduce(x, 0, _shapes(x))
     return await coll.allreduce(x) if out is None else await coll.allreduce(x, out=out)
 
 
@@ -99,16 +114,34 @@ def _mismatch_cases():
                 yield pytest.param(kind, codec, what, "auto", 3, 1, id=f"{kind}-{codec}-{what}-auto-w3")
 
 
-@pytest.mark.parametrize("kind,codec,what,streams,world,odd", list(_mismatch_cases()))
+    # the low-rank all-reduce (three rings: P factors, Q factors and 1-D tensors, [residual]); its op and codec ride in
+    # every frame of the three; "another codec": that rank calls the plain dense ring on the same tensor
+    for world in (2, 3):
+        for what in REASONS:
+            yield pytest.param("lowrank", "lowrank", what, "auto", world, 1, id=f"lowrank-{what}-auto-w{world}")
+
+
+def _small_mismatch_cases():
+    """A bucket of fewer than W blocks (empty chunks: a rank's first hop may send nothing). Before: a float32 /
+    float64 pair on the dense ring at 3 ranks (and the low-rank all-reduce, whose P factors are that small) waited
+    peer_timeout for a stream lane and raised PeerTimeout / PeerClosed instead of RankMismatch."""
+    for kind in ("ring", "ps", "ps-sharded"):
+        for codec in ("dense", "dgt:p=0.3"):
+            yield pytest.param(kind, codec, "dtype", "auto", 3, 1, 50, id=f"{kind}-{codec}-dtype-auto-w3-n50")
+
+
+@pytest.mark.parametrize("kind,codec,what,streams,world,odd,n",
+                         [pytest.param(*c.values, 5000, id=c.id) for c in _mismatch_cases()]
+                         + list(_small_mismatch_cases()))
 async def test_ranks_that_disagree_raise_the_same_rank_mismatch_within_peer_timeout(kind, codec, what, streams,
-                                                                                    world, odd):
+                                                                                    world, odd, n):
     async def fn(r, g):
         me = r == odd
         other = "dense" if codec != "dense" else "dgt:p=0.3"
         coll = _build(kind, g, other if (what == "codec" and me) else codec,
                       op="mean" if (what == "op" and me) else "sum")
         dtype = torch.float64 if (what == "dtype" and me) else torch.float32
-        x = torch.ones(5000 + (what == "numel" and me), dtype=dtype)
+        x = torch.ones(n + (what == "numel" and me), dtype=dtype)
         await _call(kind, coll, x)
         return "returned"
 

@@ -26,7 +26,7 @@ from dgt.collectives.group import Group
 from dgt.collectives.parts import MAX_BUCKETS
 from dgt.collectives.ring import RingAllReduce
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected
+from dgt.errors import CodecMismatch, InputRejected, call_code
 
 PHASES = 3  # transport bucket ids per low-rank bucket: P, Q + dense, residual
 
@@ -52,6 +52,13 @@ class LowRankAllReduce:
                                 f"TransportConfig(error_feedback=False)")
         self._dense = RingAllReduce(group, "dense", op="sum")
         self._residual = RingAllReduce(group, DroppableCodec(c.block), op="sum") if c.residual_p > 0 else None
+        # every frame of the three rings carries this call's op and codec (lowrank / lowrank+dgt), not the inner
+        # rings' own (sum, dense): a rank that called with another op, codec or collective raises RankMismatch on
+        # every rank from the first message, as with the other collectives
+        code = call_code(op, c.name)
+        for ring in (self._dense, self._residual):
+            if ring is not None:
+                ring.call_code = code
 
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0,
                         shapes: Sequence[Sequence[int]] | None = None) -> CollectiveResult:
