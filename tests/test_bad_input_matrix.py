@@ -58,9 +58,9 @@ async def _call(kind, coll, x, out=None):
     return await coll.allreduce(x) if out is None else await coll.allreduce(x, out=out)
 
 
-async def _on_every_rank(world, streams, fn):
+async def _on_every_rank(world, streams, fn, **config):
     """``fn(rank, group)`` on every rank of a fresh in-process group at once; per rank (outcome, seconds)."""
-    cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams, cpu_gate=0.0)
+    cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams, cpu_gate=0.0, **config)
     out = [None] * world
     with trio.fail_after(BOUND):
         async with local_groups(world, dist.HashStore(), config=cfg, timeout=BOUND, prefix="m") as groups:
@@ -119,6 +119,13 @@ def _mismatch_cases():
     for world in (2, 3):
         for what in REASONS:
             yield pytest.param("lowrank", "lowrank", what, "auto", world, 1, id=f"lowrank-{what}-auto-w{world}")
+    # the model server (Slim-DP's server that holds the model; no op: it applies lr * the sum): the numel and dtype
+    # of the model, and the push codec; the odd one out a worker, or the server itself
+    for codec in ("dense", "qsgd", "slimdp:alpha=0.3,eps=0.15,q=3"):
+        for what in ("numel", "dtype", "codec"):
+            for odd in (1, 0):
+                yield pytest.param("model-server", codec, what, "auto", 2, odd,
+                                   id=f"model-server-{codec.split(':')[0]}-{what}-odd{odd}")
 
 
 def _small_mismatch_cases():
@@ -137,15 +144,20 @@ async def test_ranks_that_disagree_raise_the_same_rank_mismatch_within_peer_time
                                                                                     world, odd, n):
     async def fn(r, g):
         me = r == odd
-        other = "dense" if codec != "dense" else "dgt:p=0.3"
-        coll = _build(kind, g, other if (what == "codec" and me) else codec,
-                      op="mean" if (what == "op" and me) else "sum")
+        other = "dense" if codec != "dense" else ("qsgd" if kind == "model-server" else "dgt:p=0.3")
+        mine = other if (what == "codec" and me) else codec
         dtype = torch.float64 if (what == "dtype" and me) else torch.float32
         x = torch.ones(n + (what == "numel" and me), dtype=dtype)
+        if kind == "model-server":
+            ms = ModelServer(g, mine, model=x, lr=0.1)
+            await ms.step(torch.full_like(x, 0.5), x.clone())
+            return "returned"
+        coll = _build(kind, g, mine, op="mean" if (what == "op" and me) else "sum")
         await _call(kind, coll, x)
         return "returned"
 
-    res = await _on_every_rank(world, streams, fn)
+    # Slim-DP's explorer blocks are records the algorithm drops: it refuses the transport's error feedback
+    res = await _on_every_rank(world, streams, fn, error_feedback=not codec.startswith("slimdp"))
     reasons = set()
     for r, (outcome, took) in enumerate(res):
         assert isinstance(outcome, RankMismatch), (r, outcome)
@@ -212,6 +224,65 @@ async def test_every_layout_is_reduced_correctly_on_every_collective_and_codec(k
             assert got.data_ptr() == x.data_ptr()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+async def test_every_layout_is_reduced_correctly_by_the_low_rank_all_reduce(layout):
+    """The low-rank all-reduce (no ``out``) of each layout, its tensor declared with its own shape (a matrix where it
+    has >= 2 dimensions: sent as rank-1 factors), equals the codec's in-process reduction of contiguous copies, in
+    the caller's shape and dtype, on every rank."""
+    world = 2
+    xs = [_tensor(layout, r).contiguous() for r in range(world)]
+    codecs = [LowRankCodec() for _ in range(world)]
+    states = [BucketState(x.numel(), x.dtype) for x in xs]
+    for st in states:
+        set_shapes(st, [tuple(xs[0].shape)])
+    ref = reduce_in_process(codecs, states, xs)[0].view(xs[0].shape)
+
+    async def fn(r, g):
+        x = _tensor(layout, r)
+        before = x.stride()
+        res = await LowRankAllReduce(g, "lowrank", op="sum").allreduce(x, 0, [tuple(x.shape)])
+        return x, before, res.tensor
+
+    for r, (outcome, _) in enumerate(await _on_every_rank(world, "auto", fn)):
+        assert not isinstance(outcome, BaseException), (r, outcome)
+        x, before, got = outcome
+        assert got.shape == ref.shape and got.dtype == ref.dtype, (r, got.shape, got.dtype)
+        torch.testing.assert_close(got, ref)
+        assert x.stride() == before
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("codec", ["dense", "qsgd"])
+async def test_every_layout_is_served_correctly_by_the_model_server(codec, layout):
+    """The model server's step (delta and local model of each layout; the model the same layout on every rank): the
+    result is the server's model after one step, ``w - lr * sum(decoded deltas)``, in the shape of ``local``, the
+    same on every rank; the caller's tensors keep their layout. Dense: exact; QSGD: within a quantisation level
+    of each delta (its scale / 127 per element)."""
+    world, lr = 2, 0.1
+    w0 = _tensor(layout, 5)
+    ref = w0 - lr * sum(_tensor(layout, r) for r in range(world))
+
+    async def fn(r, g):
+        delta, local = _tensor(layout, r), _tensor(layout, 5)
+        before = (delta.stride(), local.stride())
+        ms = ModelServer(g, codec, model=_tensor(layout, 5), lr=lr)
+        res = await ms.step(delta, local)
+        return (delta.stride(), local.stride()), before, res.tensor
+
+    results = await _on_every_rank(world, "auto", fn)
+    for r, (outcome, _) in enumerate(results):
+        assert not isinstance(outcome, BaseException), (r, outcome)
+        after, before, got = outcome
+        assert after == before
+        assert got.shape == ref.shape and got.dtype == ref.dtype, (r, got.shape, got.dtype)
+        if codec == "dense":
+            torch.testing.assert_close(got, ref)
+        elif ref.numel():  # one level of each rank's delta at most: max|delta| / 127 per rank
+            tol = lr * sum(float(_tensor(layout, r).abs().max()) for r in range(world)) / 127
+            assert float((got - ref).abs().max()) <= tol * (1 + 1e-5) + 1e-6, (r, float((got - ref).abs().max()))
+        torch.testing.assert_close(got, results[0][0][2])  # every rank holds the server's model
+
+
 def _refused():
     dense = torch.ones(8)
     return [
@@ -234,6 +305,57 @@ async def test_what_cannot_be_reduced_is_refused_with_input_rejected_before_any_
         with pytest.raises(InputRejected, match=words):
             with trio.fail_after(5):
                 await _call(kind, coll, x, out=out)
+
+
+def _refused_elsewhere(kind):
+    """(name, what the call gets, words of the refusal) for the low-rank all-reduce (bucket) and the model server
+    (delta and local model of a float32 model of 8 elements)."""
+    dense = torch.ones(8)
+    cases = [("sparse", dense.to_sparse(), "dense \\(strided\\)"), ("list", [1.0] * 8, "torch.Tensor"),
+             ("int", torch.ones(8, dtype=torch.int32), "cannot reduce|like the model")]
+    if kind == "model-server":
+        cases += [("size", torch.ones(7), "float32 tensor of 8 elements like the model"),
+                  ("dtype", torch.ones(8, dtype=torch.float64), "float32 tensor of 8 elements like the model")]
+    else:
+        cases += [("shapes", dense, "hold 6 elements, the bucket has 8")]
+    return cases
+
+
+@pytest.mark.parametrize("kind", ["lowrank", "model-server"])
+async def test_what_the_low_rank_all_reduce_and_the_model_server_cannot_take_is_refused_before_any_traffic(kind):
+    g = Group(OfflineTransport(), 0, 2, 1)  # no endpoint: any traffic would fail with another error
+    for name, x, words in _refused_elsewhere(kind):
+        with pytest.raises(InputRejected, match=words):
+            with trio.fail_after(5):
+                if kind == "lowrank":
+                    await LowRankAllReduce(g, "lowrank").allreduce(x, 0, [(2, 3)] if name == "shapes" else None)
+                else:
+                    ms = ModelServer(g, "dense", model=torch.zeros(8), lr=0.1, server=1)
+                    await ms.step(x, torch.zeros(8) if name != "dtype" else x)
+
+
+@pytest.mark.parametrize("kind", ["lowrank", "model-server"])
+@pytest.mark.parametrize("odd", [0, 1])
+async def test_one_rank_refusing_fails_the_low_rank_all_reduce_and_the_model_server_on_every_rank(kind, odd):
+    """As for the other collectives: the refusing rank raises InputRejected, the other RankMismatch naming it, at
+    once (it is told, control REFUSED), not after peer_timeout. Model server: the odd one out is the server (0) or
+    the worker (1)."""
+
+    async def fn(r, g):
+        x = torch.ones(5000, dtype=torch.int32) if r == odd else torch.ones(5000)
+        if kind == "lowrank":
+            await LowRankAllReduce(g, "lowrank").allreduce(x, 0, [(50, 100)])
+        else:
+            await ModelServer(g, "dense", model=torch.ones(5000), lr=0.1).step(x, torch.ones(5000))
+        return "returned"
+
+    for r, (outcome, took) in enumerate(await _on_every_rank(2, "auto", fn)):
+        if r == odd:
+            assert isinstance(outcome, InputRejected), (r, outcome)
+        else:
+            assert isinstance(outcome, RankMismatch), (r, outcome)
+            assert f"rank {odd} refused its input" in str(outcome), (r, outcome)
+        assert took < PEER_TIMEOUT, (r, took, outcome)
 
 
 # -- a refusal at the receiver reaches the sender -------------------------------------------------------------------

@@ -22,6 +22,7 @@ import torch
 from dgt.codecs.base import Codec
 from dgt.codecs.lowrank import DroppableCodec, LowRankCodec, set_shapes
 from dgt.codecs.registry import make_codec
+from dgt.collectives.base import _refuse, plain_input
 from dgt.collectives.group import Group
 from dgt.collectives.parts import MAX_BUCKETS
 from dgt.collectives.ring import RingAllReduce
@@ -68,12 +69,20 @@ class LowRankAllReduce:
             raise InputRejected(f"bucket id {bucket_id} outside 0..{MAX_BUCKETS // PHASES - 1} (the low-rank "
                                 f"all-reduce takes {PHASES} transport bucket ids per bucket)")
         c = self.codec
-        c.check_input(bucket)
-        st = c.state_for(bucket_id, bucket)
-        if shapes is not None:
-            set_shapes(st, shapes)
-        stats = CollectiveStats()
         base = PHASES * bucket_id
+        try:
+            bucket = plain_input(bucket)  # any layout: a contiguous working copy of a non-contiguous one
+            c.check_input(bucket)
+            st = c.state_for(bucket_id, bucket)
+            if shapes is not None:
+                set_shapes(st, shapes)
+        except InputRejected as exc:
+            # refused before any traffic: the peers' first ring of this call (P, or Q when no tensor is a matrix)
+            # fails at once with RankMismatch, as with the other collectives; every rank refusing leaves it usable
+            for ring_bucket in (base, base + 1):
+                await _refuse(self._dense, exc, "ring", ring_bucket, self.group.round_of("ring", ring_bucket))
+            raise
+        stats = CollectiveStats()
         p = c.begin(bucket, st)
         p_sum = await self._reduce(self._dense, p, base, stats)
         qd = c.middle(p_sum, st)
