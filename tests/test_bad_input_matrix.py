@@ -396,6 +396,57 @@ async def test_a_round_the_receiver_refuses_fails_the_senders_send_round(what, l
     assert "expects" in seen["send"].detail
 
 
+@pytest.mark.parametrize("lossy", [False, True], ids=["lossless", "lossy"])
+async def test_a_refusal_in_the_middle_of_a_multi_round_call_fails_both_ends_and_the_pair_stays_usable(lossy):
+    """A refusal after traffic has started: a call of three rounds (three buckets, as a collective's parts or a DDP
+    step's buckets), the first landing whole, the receiver's landing for the second of another size (refused when
+    that round arrives). The receiver raises RankMismatch, the sender's second send_round the same one (it is told,
+    control STALE, instead of returning as if the round had been taken), within the bound; nothing waits for the
+    third round's timeout. The connection itself stays usable: a later round on another key lands bit-exact."""
+    from dgt.errors import shape_mismatch
+    from dgt.harness.endpoints import connected_pair
+    from dgt.layout import BucketLayout
+
+    cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops="off")
+    xs = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    lay = BucketLayout([4096], cfg.block)
+    cls = torch.tensor([0, 1, 1, 1], dtype=torch.int8) if lossy else 0
+    sent, got = {}, {}
+    t0 = time.monotonic()
+    with trio.fail_after(BOUND):
+        async with connected_pair(0x46, cfg) as (a, b):
+
+            async def send():
+                for i in range(3):
+                    try:
+                        await a.send_round(1, 10 + i, 7, xs[i], lay, cls)
+                        sent[i] = "returned"
+                    except DgtError as exc:
+                        sent[i] = exc
+                        return
+
+            async with trio.open_nursery() as n:
+                n.start_soon(send)
+                first = await b.recv_round(0, 10, 7, out=torch.empty(4096), timeout=PEER_TIMEOUT)
+                with pytest.raises(RankMismatch) as info:
+                    await b.recv_round(0, 11, 7, out=torch.empty(4095), timeout=PEER_TIMEOUT)
+            took = time.monotonic() - t0
+            # the same pair afterwards: a round on a key of its own lands whole
+            async with trio.open_nursery() as n:
+                n.start_soon(a.send_round, 1, 20, 7, xs[3], lay, 0)
+                later = await b.recv_round(0, 20, 7, out=torch.empty(4096), timeout=PEER_TIMEOUT)
+    if not lossy:
+        assert torch.equal(first.data, xs[0])  # the first round landed whole before the refusal
+    else:
+        assert torch.equal(first.data[:1024], xs[0][:1024])  # its reliable block at least
+    assert str(info.value) == shape_mismatch(7)
+    assert sent[0] == "returned"
+    assert isinstance(sent[1], RankMismatch) and str(sent[1]) == str(info.value), sent
+    assert 2 not in sent  # the call stopped at the refused round: its third round was never sent
+    assert took < PEER_TIMEOUT, took
+    assert torch.equal(later.data, xs[3])
+
+
 # -- one rank refuses its input, or every rank does ------------------------------------------------------------------
 
 
