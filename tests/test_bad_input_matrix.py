@@ -411,7 +411,7 @@ async def test_a_refusal_in_the_middle_of_a_multi_round_call_fails_both_ends_and
     xs = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(4)]
     lay = BucketLayout([4096], cfg.block)
     cls = torch.tensor([0, 1, 1, 1], dtype=torch.int8) if lossy else 0
-    sent, got = {}, {}
+    sent = {}
     t0 = time.monotonic()
     with trio.fail_after(BOUND):
         async with connected_pair(0x46, cfg) as (a, b):
@@ -445,6 +445,25 @@ async def test_a_refusal_in_the_middle_of_a_multi_round_call_fails_both_ends_and
     assert 2 not in sent  # the call stopped at the refused round: its third round was never sent
     assert took < PEER_TIMEOUT, took
     assert torch.equal(later.data, xs[3])
+
+
+async def test_a_call_whose_later_part_is_refused_fails_every_rank_with_dgt_errors():
+    """A call of several parts (Gossip.exchange_parts, as DCD/ECD nodes drive it) whose second part has a class
+    array of the wrong length. Before: an IndexError on the refusing rank (counting the part's bytes) half way
+    through the call, its neighbour left waiting. Now every part is checked before the first one's frames leave:
+    InputRejected on that rank, RankMismatch naming it on the neighbour, at once."""
+    from dgt.codecs.base import Part
+
+    async def fn(r, g):
+        ok = Part(torch.ones(4096), 0, 1024)
+        bad = Part(torch.ones(4096), torch.tensor([0, 1], dtype=torch.int8) if r == 1 else 0, 1024)
+        await Gossip(g, "dense").exchange_parts([ok, bad])
+        return "returned"
+
+    res = await _on_every_rank(2, "auto", fn)
+    assert isinstance(res[1][0], InputRejected) and "lane classes have shape (2,)" in str(res[1][0]), res[1]
+    assert isinstance(res[0][0], RankMismatch) and "rank 1 refused its input" in str(res[0][0]), res[0]
+    assert all(took < PEER_TIMEOUT for _, took in res), res
 
 
 # -- one rank refuses its input, or every rank does ------------------------------------------------------------------
