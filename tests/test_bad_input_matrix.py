@@ -84,7 +84,7 @@ REASONS = {  # what each disagreement may be reported as (the path differs when 
     "numel": ("different sizes or dtypes",),
     "dtype": ("different sizes or dtypes", "take different paths"),
     "op": ("different ops (mean / sum)",),
-    "codec": ("different codecs (dense / ", "take different paths"),
+    "codec": ("different codecs (", "take different paths"),
 }
 
 
@@ -119,9 +119,11 @@ def _mismatch_cases():
     for world in (2, 3):
         for what in REASONS:
             yield pytest.param("lowrank", "lowrank", what, "auto", world, 1, id=f"lowrank-{what}-auto-w{world}")
+    for what in REASONS:  # with the residual on the droppable lane (a third, lossy ring); another codec: lowrank
+        yield pytest.param("lowrank", "lowrank:residual_p=0.5", what, "auto", 2, 1, id=f"lowrank+dgt-{what}-auto-w2")
     # the model server (Slim-DP's server that holds the model; no op: it applies lr * the sum): the numel and dtype
     # of the model, and the push codec; the odd one out a worker, or the server itself
-    for codec in ("dense", "qsgd", "slimdp:alpha=0.3,eps=0.15,q=3"):
+    for codec in ("dense", "qsgd", "olandraj", "slimdp:alpha=0.3,eps=0.15,q=3"):
         for what in ("numel", "dtype", "codec"):
             for odd in (1, 0):
                 yield pytest.param("model-server", codec, what, "auto", 2, odd,
@@ -145,6 +147,8 @@ async def test_ranks_that_disagree_raise_the_same_rank_mismatch_within_peer_time
     async def fn(r, g):
         me = r == odd
         other = "dense" if codec != "dense" else ("qsgd" if kind == "model-server" else "dgt:p=0.3")
+        if codec.startswith("lowrank:"):
+            other = "lowrank"
         mine = other if (what == "codec" and me) else codec
         dtype = torch.float64 if (what == "dtype" and me) else torch.float32
         x = torch.ones(n + (what == "numel" and me), dtype=dtype)
@@ -156,8 +160,9 @@ async def test_ranks_that_disagree_raise_the_same_rank_mismatch_within_peer_time
         await _call(kind, coll, x)
         return "returned"
 
-    # Slim-DP's explorer blocks are records the algorithm drops: it refuses the transport's error feedback
-    res = await _on_every_rank(world, streams, fn, error_feedback=not codec.startswith("slimdp"))
+    # Slim-DP's explorer blocks and the low-rank residual's are records the algorithm drops: both refuse the
+    # transport's error feedback
+    res = await _on_every_rank(world, streams, fn, error_feedback=not codec.startswith(("slimdp", "lowrank:")))
     reasons = set()
     for r, (outcome, took) in enumerate(res):
         assert isinstance(outcome, RankMismatch), (r, outcome)
