@@ -312,6 +312,16 @@ async def test_what_cannot_be_reduced_is_refused_with_input_rejected_before_any_
                 await _call(kind, coll, x, out=out)
 
 
+@pytest.mark.parametrize("codec", ["qsgd", "olandraj"])
+def test_the_ring_refuses_a_codec_that_is_not_summable_when_it_is_made(codec):
+    """QSGD and Oland-Raj gather, then reduce: the ring (which adds payloads on the way) refuses them at construction
+    (CodecMismatch, a DgtError), so the agreement matrix runs them on the parameter servers and gossip only."""
+    from dgt.errors import CodecMismatch
+
+    with pytest.raises(CodecMismatch, match="not summable"):
+        RingAllReduce(Group(OfflineTransport(), 0, 2, 1), codec)
+
+
 def _refused_elsewhere(kind):
     """(name, what the call gets, words of the refusal) for the low-rank all-reduce (bucket) and the model server
     (delta and local model of a float32 model of 8 elements)."""
