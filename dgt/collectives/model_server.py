@@ -84,6 +84,12 @@ class ModelServer(Collective):
     ``mode=pull, rank=<world>`` (a stream distinct from every worker's). ``model``: the initial model, the same on
     every rank (the server keeps a copy; everyone takes numel, dtype and device from it). ``lr``: the server's step.
     ``server_trains``: the server rank is also a worker (its own push never crosses the network).
+
+    Every rank must make it with the same model size and dtype and the same push codec: a rank that differs raises
+    the same :class:`~dgt.errors.RankMismatch` as every other rank, from the first message (the push codec rides in
+    every frame's call code, part sizes and dtypes are compared on arrival). ``delta`` and ``local`` of any layout;
+    one that is not a dense tensor of the model's size and dtype is refused with
+    :class:`~dgt.errors.InputRejected` before any traffic, and the call's peers are told (docs/collectives.md).
     """
 
     name = "model server"
