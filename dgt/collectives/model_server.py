@@ -168,18 +168,8 @@ class ModelServer(Collective):
         g = self.group
         stats = ModelServerStats()
         trains = not self.is_server or self.server_trains
-        try:
-            if trains and (local is None or (delta is None and not self.average)):
-                raise InputRejected("a training rank passes its delta and its local model")
-            if trains:
-                local = self._check_input(local, "local")
-                delta = local if self.average else self._check_input(delta, "delta")
-        except InputRejected as exc:  # the call's peers took a round for it: they fail now, not at peer_timeout
-            before = g.round_of("model-server", self.bucket_id)
-            await _refuse(self, exc, "model-server", self.bucket_id, before)
-            raise
-        if self.average and trains:
-            delta = local  # model averaging pushes the parameters themselves
+        if trains:
+            delta, local = await self._inputs(delta, local)
         if self.every > 1:
             delta, only_accumulates = self._accumulate(delta, trains)
             if only_accumulates:
@@ -222,6 +212,21 @@ class ModelServer(Collective):
                 else:
                     out = self.w.clone()
         return CollectiveResult(out, stats)
+
+    async def _inputs(self, delta: torch.Tensor | None, local: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training rank's (delta, local) as this server reads them (model averaging pushes ``local`` itself);
+        refused (:class:`InputRejected`) before any traffic, told to the call's peers, which took a round for it and
+        fail now instead of at peer_timeout."""
+        try:
+            if local is None or (delta is None and not self.average):
+                raise InputRejected("a training rank passes its delta and its local model")
+            local = self._check_input(local, "local")
+            return (local if self.average else self._check_input(delta, "delta")), local
+        except InputRejected as exc:
+            before = self.group.round_of("model-server", self.bucket_id)
+            await _refuse(self, exc, "model-server", self.bucket_id, before)
+            raise
 
     def _check_input(self, t: torch.Tensor | None, what: str) -> torch.Tensor:
         """``t`` (``delta`` or ``local``) as this server reads it, any layout (:func:`plain_input`), or
