@@ -118,7 +118,8 @@ class InputRejected(DgtError, ValueError):
 
 
 OPS = ("", "sum", "mean")  # a collective's op as its call code's low two bits (0: none given)
-CODEC_IDS = ("", "dense", "dgt", "qsgd", "olandraj", "slimdp", "gossip-quant", "dcd", "ecd", "naive-gossip", "lgc")
+CODEC_IDS = ("", "dense", "dgt", "qsgd", "olandraj", "slimdp", "gossip-quant", "dcd", "ecd", "naive-gossip", "lgc",
+             "lowrank", "lowrank+dgt")
 """Codec names by their id in a call code's bits 2-5 (0: a codec not listed, unchecked). Append only: an id names
 the same codec in every release, so ranks of two releases still compare it. At most 16 (bits 6-7: the call's plan)."""
 assert len(CODEC_IDS) <= 16

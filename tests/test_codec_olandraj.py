@@ -130,3 +130,21 @@ def test_decoder_rejects_foreign_or_mismatched_messages() -> None:
     parts[0].data = bad
     with pytest.raises(ValueError):
         OlandRajCodec().decode(received_from_parts(parts), _state(100), x)
+
+
+def test_a_message_names_its_buckets_dtype_and_decodes_only_into_it() -> None:
+    """The header's dtype field names the bucket's dtype: a rank whose tensor has another dtype refuses the message
+    (the collectives report it as the ranks' RankMismatch) instead of decoding it into its own dtype; a message that
+    names none (0, as older senders wrote the field) is decoded as before."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(7))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        parts = OlandRajCodec().encode(x.to(dtype), _state(x.numel()))
+        y = OlandRajCodec().decode(received_from_parts(parts), _state(x.numel()), x.to(dtype))
+        assert y.dtype == dtype
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        with pytest.raises(ValueError, match=f"encoded from a {dtype} bucket, this rank decodes into {other}"):
+            OlandRajCodec().decode(received_from_parts(parts), _state(x.numel()), x.to(other))
+    parts = OlandRajCodec().encode(x, _state(x.numel()))
+    parts[0].data[6:8] = 0  # the dtype field (little-endian u16 at byte 6): unnamed
+    y = OlandRajCodec().decode(received_from_parts(parts), _state(x.numel()), x.double())
+    assert y.dtype == torch.float64

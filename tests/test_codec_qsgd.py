@@ -35,7 +35,7 @@ def test_bytes_are_exactly_codes_plus_scales(bits: int, n: int) -> None:
     parts = c.encode(x, _state(x))
     assert [p.name for p in parts] == ["codes", "scales"]
     assert all(p.lane_class == RELIABLE for p in parts)
-    assert parts[0].nbytes == math.ceil(n * bits / 8)
+    assert parts[0].nbytes == math.ceil(n * bits / 8) + 1  # the codes, then the byte naming the bucket's dtype
     assert parts[1].nbytes == 4 * math.ceil(n / 512)
     assert wire_bytes(parts) == c.expected_bytes(n) == c.last_stats["bytes"]
 
@@ -43,7 +43,7 @@ def test_bytes_are_exactly_codes_plus_scales(bits: int, n: int) -> None:
 def test_eight_bit_ratio_matches_the_paper_setting() -> None:
     x = torch.randn(512 * 1000)
     parts = QSGDCodec().encode(x, _state(x))
-    assert wire_bytes(parts) * 8 / x.numel() == pytest.approx(8.0625)
+    assert wire_bytes(parts) * 8 / x.numel() == pytest.approx(8.0625 + 8 / x.numel())  # + the dtype byte
     assert 4 * x.numel() / wire_bytes(parts) == pytest.approx(3.969, abs=1e-3)
 
 
@@ -107,3 +107,18 @@ def test_half_precision_input() -> None:
     y = c.decode(received_from_parts(c.encode(x, _state(x))), _state(x), x)
     assert y.dtype == torch.float16
     assert float((y.float() - x.float()).abs().max()) < float(x.float().abs().max()) / 127 + 2e-3
+
+
+def test_a_message_names_its_buckets_dtype_and_decodes_only_into_it() -> None:
+    """The byte after the codes names the bucket's dtype: a rank whose tensor has another dtype refuses the message
+    (the collectives report it as the ranks' RankMismatch) instead of decoding it into its own dtype."""
+    x = torch.randn(3000, generator=torch.Generator().manual_seed(6))
+    for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64):
+        xd = x.to(dtype)
+        parts = QSGDCodec().encode(xd, _state(xd))
+        assert QSGDCodec().decode(received_from_parts(parts), _state(xd), xd).dtype == dtype
+        other = torch.float64 if dtype != torch.float64 else torch.float32
+        with pytest.raises(ValueError, match=f"encoded from a {dtype} bucket, this rank decodes into {other}"):
+            QSGDCodec().decode(received_from_parts(parts), _state(xd), x.to(other))
+    with pytest.raises(ValueError, match="does not hold 2999 entries"):  # a message for another size
+        QSGDCodec().decode(received_from_parts(QSGDCodec().encode(x, _state(x))), _state(x[1:]), x[1:])

@@ -65,8 +65,9 @@ def test_every_codec_over_the_transport_tiny(tmp_path):
     assert runs["dense"]["bytes_per_step"] == 2 * (k - 1) * 4 * n
     # DGT hands at most dense's bytes to the transport (blocks on UDP; its congestion control may abandon some)
     assert 0.5 * runs["dense"]["bytes_per_step"] < runs["dgt"]["bytes_per_step"] <= runs["dense"]["bytes_per_step"]
-    # QSGD 8 bit, bucket 512: one byte per entry + one fp32 scale per 512 entries, on the push and the (lossy) pull
-    assert runs["qsgd"]["bytes_per_step"] == 2 * (k - 1) * (n + 4 * -(-n // 512))
+    # QSGD 8 bit, bucket 512: one byte per entry + one fp32 scale per 512 entries + the message's dtype byte, on the
+    # push and the (lossy) pull
+    assert runs["qsgd"]["bytes_per_step"] == 2 * (k - 1) * (n + 1 + 4 * -(-n // 512))
     assert 0.4 < runs["slimdp"]["bytes_vs_dense"] < 0.5  # (alpha + eps) = 0.45 of the values both ways, + headers
     assert runs["dcd"]["payload_reduction"] == pytest.approx(4.0, rel=0.01)
     assert 1.0 < runs["ecd"]["payload_reduction"] < 32.0

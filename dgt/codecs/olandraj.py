@@ -17,8 +17,11 @@ Decode: ``w = w_min + (w_max - w_min) (i + 0.5) / 2^N`` (deterministic bin centr
 with DCD/ECD, which need an unbiased compressor).
 
 Every layer is one self-describing uint8 :class:`Part` (``layer<l>``): a 20-byte header (magic 0x4F, version, N,
-flags, chunk u16, reserved u16, numel u32, w_min f32, w_max f32, little-endian), then the Huffman message (codebook,
-sync points, stream) or the packed indices. All reliable (a Huffman stream cannot lose a block).
+flags, chunk u16, dtype u16, numel u32, w_min f32, w_max f32, little-endian), then the Huffman message (codebook,
+sync points, stream) or the packed indices. All reliable (a Huffman stream cannot lose a block). ``dtype`` names the
+bucket's dtype (:data:`dgt.codecs.quantize.DTYPE_TAGS`; 0, as older senders wrote the field, names none): a message
+encoded from another dtype than the tensor it decodes into is refused, like one for another size (``ValueError``:
+the collectives report the ranks' disagreement as a ``RankMismatch``).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import torch
 from dgt.codecs import huffman
 from dgt.codecs.base import RELIABLE, BucketState, Capabilities, Codec, Part, Received
 from dgt.codecs.bucketinfo import get_segments
-from dgt.codecs.quantize import generator, pack_bits, unpack_bits
+from dgt.codecs.quantize import check_dtype_tag, dtype_tag, generator, pack_bits, unpack_bits
 from dgt.codecs.registry import register
 
 MAGIC = 0x4F
@@ -139,7 +142,7 @@ class OlandRajCodec(Codec):
                 nbits, h = self.choose_bits(w, w_min, w_max, gen)
             chunk = self.chunk or huffman.auto_chunk(n)
             flags = (FLAG_HUFFMAN if self.huffman else 0) | (FLAG_CONSTANT if constant else 0)
-            head = HEADER.pack(MAGIC, VERSION, nbits, flags, chunk, 0, n, w_min, w_max)
+            head = HEADER.pack(MAGIC, VERSION, nbits, flags, chunk, dtype_tag(x.dtype), n, w_min, w_max)
             head_t = torch.frombuffer(bytearray(head), dtype=torch.uint8).to(x.device)
             if constant:
                 body = torch.zeros(0, dtype=torch.uint8, device=x.device)
@@ -175,11 +178,12 @@ class OlandRajCodec(Codec):
         off = 0
         for rec in parts:
             data = rec.data
-            magic, version, nbits, flags, chunk, _, n, w_min, w_max = HEADER.unpack(
+            magic, version, nbits, flags, chunk, tag, n, w_min, w_max = HEADER.unpack(
                 bytes(data[:HEADER_BYTES].cpu().numpy().tobytes())
             )
             if magic != MAGIC or version != VERSION:
                 raise ValueError("not an Oland-Raj layer message")
+            check_dtype_tag(tag, like, "Oland-Raj message")  # the sender's bucket had another dtype
             if off + n > out.numel():
                 raise ValueError("Oland-Raj message holds more entries than the tensor it decodes into")
             dst = out[off : off + n]

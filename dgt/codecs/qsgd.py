@@ -5,9 +5,12 @@ L2 norm as in the QSGD paper) and, per entry, a sign-magnitude level in ``0..s``
 b = 8) chosen by unbiased stochastic rounding: ``E[decode(encode(x))] = x``. The code ``s + sign * level`` (in
 ``0..2^b - 2``) is packed at ``b`` bits.
 
-Parts: ``codes`` (uint8, ceil(N b / 8) bytes) and ``scales`` (fp32, ceil(N / bucket) values), both reliable. There is
-no other header: ``bits``/``bucket`` are codec options known to both ends and N comes from ``like``. fp32 at b = 8:
-8 + 32/512 = 8.0625 bits per entry, a 3.97x reduction.
+Parts: ``codes`` (uint8, ceil(N b / 8) bytes, then one byte naming the bucket's dtype:
+:data:`dgt.codecs.quantize.DTYPE_TAGS`) and ``scales`` (fp32, ceil(N / bucket) values), both reliable. There is no
+other header: ``bits``/``bucket`` are codec options known to both ends and N comes from ``like``; a message whose
+length does not hold N entries, or that names another dtype than ``like``'s, is refused (``ValueError``: the
+collectives report the ranks' disagreement as a ``RankMismatch``). fp32 at b = 8: 8 + 32/512 = 8.0625 bits per
+entry plus 8 bits per message, a 3.97x reduction.
 
 Summable: no (the scales differ per rank), so a ring must decode, add and re-encode per hop or the collective
 gathers; a parameter server decodes each push and sums. Randomness: one generator per (seed, rank, encode count), so
@@ -21,6 +24,8 @@ import torch
 from dgt.codecs.base import RELIABLE, BucketState, Capabilities, Codec, Part, Received
 from dgt.codecs.bucketinfo import element_mask_or_none
 from dgt.codecs.quantize import (
+    check_dtype_tag,
+    dtype_tag,
     generator,
     nbuckets,
     pack_bits,
@@ -55,8 +60,8 @@ class QSGDCodec(Codec):
         self.last_stats: dict[str, float] = {}
 
     def expected_bytes(self, n: int) -> int:
-        """ceil(n * bits / 8) code bytes + 4 bytes per bucket."""
-        return -(-n * self.bits // 8) + 4 * nbuckets(n, self.bucket)
+        """ceil(n * bits / 8) code bytes, the dtype byte, and 4 bytes per bucket."""
+        return -(-n * self.bits // 8) + 1 + 4 * nbuckets(n, self.bucket)
 
     def encode(self, bucket: torch.Tensor, state: BucketState) -> list[Part]:
         x = bucket.reshape(-1)
@@ -64,8 +69,10 @@ class QSGDCodec(Codec):
         codes, scales = qsgd_quantize(x, self.bits, self.bucket, gen, self.norm)
         state.step += 1
         # a codes block of 64 * bits bytes is exactly 512 entries: a lost block maps onto whole entries
+        tag = torch.tensor([dtype_tag(x.dtype)], dtype=torch.uint8, device=x.device)
+        packed = torch.cat([pack_bits(codes, self.bits), tag])  # the codes, then the byte naming the bucket's dtype
         parts = [
-            Part(pack_bits(codes, self.bits), RELIABLE, block_elems=64 * self.bits * 16, name="codes"),
+            Part(packed, RELIABLE, block_elems=64 * self.bits * 16, name="codes"),
             Part(scales, RELIABLE, block_elems=1024, name="scales"),
         ]
         nbytes = sum(p.nbytes for p in parts)
@@ -75,11 +82,13 @@ class QSGDCodec(Codec):
     def decode(self, parts: list[Received], state: BucketState, like: torch.Tensor) -> torch.Tensor:
         """Dequantize; entries whose code bytes or bucket scale were lost decode as zero."""
         n = like.numel()
-        if parts[0].data.numel() != packed_nbytes(n, self.bits) or parts[1].data.numel() != nbuckets(n, self.bucket):
+        nbytes = packed_nbytes(n, self.bits)
+        if parts[0].data.numel() != nbytes + 1 or parts[1].data.numel() != nbuckets(n, self.bucket):
             # a message for another size (the sender's bucket differs: the collectives report the ranks' mismatch)
-            raise ValueError(f"QSGD message of {parts[0].data.numel()} code bytes and {parts[1].data.numel()} scales "
-                             f"does not hold {n} entries")
-        codes = unpack_bits(parts[0].data, self.bits, n, narrow=True)
+            raise ValueError(f"QSGD message of {parts[0].data.numel() - 1} code bytes and {parts[1].data.numel()} "
+                             f"scales does not hold {n} entries")
+        check_dtype_tag(int(parts[0].data[nbytes]), like, "QSGD message")  # the sender's bucket had another dtype
+        codes = unpack_bits(parts[0].data[:nbytes], self.bits, n, narrow=True)
         out = qsgd_dequantize(codes, parts[1].data.to(torch.float32), self.bits, self.bucket, n)
         codes_ok = element_mask_or_none(parts[0])
         scales_ok = element_mask_or_none(parts[1])

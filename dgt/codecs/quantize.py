@@ -176,6 +176,26 @@ def bucket_views(x: torch.Tensor, bucket: int) -> list[torch.Tensor]:
     return out
 
 
+# the bucket dtypes a gather-then-reduce codec's message names (QSGD's last code byte, Oland-Raj's layer header), so
+# a receiver whose own bucket has another dtype sees the ranks' disagreement instead of decoding into its own dtype;
+# append only: a tag names the same dtype in every release (0: a message that names none)
+DTYPE_TAGS = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def dtype_tag(dtype: torch.dtype) -> int:
+    """The tag (1..) a message carries for a bucket of ``dtype``; 0 for a dtype without one."""
+    return DTYPE_TAGS.index(dtype) + 1 if dtype in DTYPE_TAGS else 0
+
+
+def check_dtype_tag(tag: int, like: torch.Tensor, what: str) -> None:
+    """ValueError when a message encoded from another dtype than ``like``'s (tag 0: unnamed, not checked). The
+    collectives turn a peer's message that does not decode into this rank's tensor into a RankMismatch."""
+    mine = dtype_tag(like.dtype)
+    if tag and mine and tag != mine:
+        theirs = DTYPE_TAGS[tag - 1] if tag <= len(DTYPE_TAGS) else f"dtype tag {tag}"
+        raise ValueError(f"{what} was encoded from a {theirs} bucket, this rank decodes into {like.dtype}")
+
+
 def nbuckets(n: int, bucket: int) -> int:
     if n == 0:
         return 0

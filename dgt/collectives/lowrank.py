@@ -22,11 +22,12 @@ import torch
 from dgt.codecs.base import Codec
 from dgt.codecs.lowrank import DroppableCodec, LowRankCodec, set_shapes
 from dgt.codecs.registry import make_codec
+from dgt.collectives.base import _refuse, plain_input
 from dgt.collectives.group import Group
 from dgt.collectives.parts import MAX_BUCKETS
 from dgt.collectives.ring import RingAllReduce
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import CodecMismatch, InputRejected
+from dgt.errors import CodecMismatch, InputRejected, call_code
 
 PHASES = 3  # transport bucket ids per low-rank bucket: P, Q + dense, residual
 
@@ -52,6 +53,13 @@ class LowRankAllReduce:
                                 f"TransportConfig(error_feedback=False)")
         self._dense = RingAllReduce(group, "dense", op="sum")
         self._residual = RingAllReduce(group, DroppableCodec(c.block), op="sum") if c.residual_p > 0 else None
+        # every frame of the three rings carries this call's op and codec (lowrank / lowrank+dgt), not the inner
+        # rings' own (sum, dense): a rank that called with another op, codec or collective raises RankMismatch on
+        # every rank from the first message, as with the other collectives
+        code = call_code(op, c.name)
+        for ring in (self._dense, self._residual):
+            if ring is not None:
+                ring.call_code = code
 
     async def allreduce(self, bucket: torch.Tensor, bucket_id: int = 0,
                         shapes: Sequence[Sequence[int]] | None = None) -> CollectiveResult:
@@ -61,12 +69,20 @@ class LowRankAllReduce:
             raise InputRejected(f"bucket id {bucket_id} outside 0..{MAX_BUCKETS // PHASES - 1} (the low-rank "
                                 f"all-reduce takes {PHASES} transport bucket ids per bucket)")
         c = self.codec
-        c.check_input(bucket)
-        st = c.state_for(bucket_id, bucket)
-        if shapes is not None:
-            set_shapes(st, shapes)
-        stats = CollectiveStats()
         base = PHASES * bucket_id
+        try:
+            bucket = plain_input(bucket)  # any layout: a contiguous working copy of a non-contiguous one
+            c.check_input(bucket)
+            st = c.state_for(bucket_id, bucket)
+            if shapes is not None:
+                set_shapes(st, shapes)
+        except InputRejected as exc:
+            # refused before any traffic: the peers' first ring of this call (P, or Q when no tensor is a matrix)
+            # fails at once with RankMismatch, as with the other collectives; every rank refusing leaves it usable
+            for ring_bucket in (base, base + 1):
+                await _refuse(self._dense, exc, "ring", ring_bucket, self.group.round_of("ring", ring_bucket))
+            raise
+        stats = CollectiveStats()
         p = c.begin(bucket, st)
         p_sum = await self._reduce(self._dense, p, base, stats)
         qd = c.middle(p_sum, st)

@@ -28,11 +28,11 @@ import torch
 from dgt.codecs.base import BucketState, Codec, Part, Received
 from dgt.codecs.bucketinfo import set_segments
 from dgt.codecs.registry import make_codec, parse_spec
-from dgt.collectives.base import Collective
+from dgt.collectives.base import Collective, _refuse, plain_input, tells_peers
 from dgt.collectives.group import Group
-from dgt.collectives.parts import as_received, send_parts, transport_key
+from dgt.collectives.parts import as_received, check_op, decode_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import one_error, open_nursery
+from dgt.errors import DgtError, InputRejected, RankMismatch, one_error, open_nursery, shape_mismatch
 from dgt.wire import HEADER_SIZE
 
 
@@ -84,6 +84,12 @@ class ModelServer(Collective):
     ``mode=pull, rank=<world>`` (a stream distinct from every worker's). ``model``: the initial model, the same on
     every rank (the server keeps a copy; everyone takes numel, dtype and device from it). ``lr``: the server's step.
     ``server_trains``: the server rank is also a worker (its own push never crosses the network).
+
+    Every rank must make it with the same model size and dtype and the same push codec: a rank that differs raises
+    the same :class:`~dgt.errors.RankMismatch` as every other rank, from the first message (the push codec rides in
+    every frame's call code, part sizes and dtypes are compared on arrival). ``delta`` and ``local`` of any layout;
+    one that is not a dense tensor of the model's size and dtype is refused with
+    :class:`~dgt.errors.InputRejected` before any traffic, and the call's peers are told (docs/collectives.md).
     """
 
     name = "model server"
@@ -146,6 +152,7 @@ class ModelServer(Collective):
         return st
 
     # -- one round ------------------------------------------------------------------------------------------------
+    @tells_peers
     @one_error
     async def step(self, delta: torch.Tensor | None, local: torch.Tensor | None) -> CollectiveResult:
         """Push ``delta`` (this rank's accumulated gradient), pull, and return ``local`` merged with the pull.
@@ -161,10 +168,8 @@ class ModelServer(Collective):
         g = self.group
         stats = ModelServerStats()
         trains = not self.is_server or self.server_trains
-        if trains and (local is None or (delta is None and not self.average)):
-            raise ValueError("a training rank passes its delta and its local model")
-        if self.average and trains:
-            delta = local  # model averaging pushes the parameters themselves
+        if trains:
+            delta, local = await self._inputs(delta, local)
         if self.every > 1:
             delta, only_accumulates = self._accumulate(delta, trains)
             if only_accumulates:
@@ -208,6 +213,33 @@ class ModelServer(Collective):
                     out = self.w.clone()
         return CollectiveResult(out, stats)
 
+    async def _inputs(self, delta: torch.Tensor | None, local: torch.Tensor | None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A training rank's (delta, local) as this server reads them (model averaging pushes ``local`` itself);
+        refused (:class:`InputRejected`) before any traffic, told to the call's peers, which took a round for it and
+        fail now instead of at peer_timeout."""
+        try:
+            if local is None or (delta is None and not self.average):
+                raise InputRejected("a training rank passes its delta and its local model")
+            local = self._check_input(local, "local")
+            return (local if self.average else self._check_input(delta, "delta")), local
+        except InputRejected as exc:
+            before = self.group.round_of("model-server", self.bucket_id)
+            await _refuse(self, exc, "model-server", self.bucket_id, before)
+            raise
+
+    def _check_input(self, t: torch.Tensor | None, what: str) -> torch.Tensor:
+        """``t`` (``delta`` or ``local``) as this server reads it, any layout (:func:`plain_input`), or
+        :class:`InputRejected` before any traffic: what is not a dense tensor, or one of another size or dtype than
+        the model this server was made with (every rank's model is the same: a rank whose model differs is the
+        ranks' disagreement, seen on the first message)."""
+        t = plain_input(t, what)
+        if t.numel() != self.numel or t.dtype != self.dtype:
+            raise InputRejected(f"{what} must be a {self.dtype} tensor of {self.numel} elements like the model, not "
+                                f"{t.dtype} x {t.numel()}")
+        self.codec.check_input(t)
+        return t
+
     def _accumulate(self, delta: torch.Tensor | None, trains: bool) -> tuple[torch.Tensor | None, bool]:
         """``every=p``: this call's ``delta`` into the pending sum; (the delta to push, whether this call only
         accumulates: every call but each p-th)."""
@@ -224,7 +256,9 @@ class ModelServer(Collective):
     def _update(self, received: dict[int, list[Received]]) -> None:
         """The server's model from every worker's decoded push: their mean (``average``) or one SGD step."""
         like = self.w
-        decoded = [self.codec.decode(received[w], self.push_rx_states[w], like).to(like.dtype) for w in self.workers]
+        rnd = self.group.round_of("model-server", self.bucket_id)
+        decoded = [decode_parts(self.codec, received[w], self.push_rx_states[w], like, w, rnd).to(like.dtype)
+                   for w in self.workers]
         if self.average:  # the same reduction as simulate.train_model_averaging
             self.w = torch.stack(decoded).mean(0)
         else:
@@ -234,9 +268,17 @@ class ModelServer(Collective):
     def _merge(self, got: list[Received], local: torch.Tensor) -> torch.Tensor:
         flat = local.detach().reshape(-1)
         if self.pull_codec.capabilities.merges:
-            out = self.pull_codec.merge(got, self.pull_rx_state, flat)
+            try:
+                out = self.pull_codec.merge(got, self.pull_rx_state, flat)
+            except (ValueError, RuntimeError, IndexError) as exc:  # a pull that does not merge into this replica
+                if isinstance(exc, DgtError):
+                    raise
+                rnd = self.group.round_of("model-server", self.bucket_id)
+                raise RankMismatch(shape_mismatch(rnd), detail=f"the server's pull does not merge into {flat.numel()} "
+                                   f"x {flat.dtype}: {exc}") from exc
         else:  # dense: the pulled model replaces the replica
-            out = self.pull_codec.decode(got, self.pull_rx_state, flat).to(flat.dtype)
+            rnd = self.group.round_of("model-server", self.bucket_id)
+            out = decode_parts(self.pull_codec, got, self.pull_rx_state, flat, self.server, rnd).to(flat.dtype)
             if self.w is not None and out.untyped_storage().data_ptr() == self.w.untyped_storage().data_ptr():
                 out = out.clone()  # the server's own replica must not alias w
         return out.view_as(local)
@@ -245,7 +287,9 @@ class ModelServer(Collective):
     async def _send(self, peer: int, phase: str, rnd: int, parts: list[Part], stats: CollectiveStats) -> None:
         # droppable parts wait for the receiver's drop report: once the last pull returns, every worker has closed
         # its rounds, so ranks may close their endpoints right after the last step
-        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, parts, stats)
+        # the call code (the push codec and op) in every frame: a peer that called with another codec raises
+        # RankMismatch on the first message, and so does every rank (tells_peers)
+        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, parts, stats, op=self.call_code)
 
     async def _recv(self, peer: int, phase: str, rnd: int, codec: Codec, stats: ModelServerStats) -> list[Received]:
         """The parts ``peer`` sent, in the codec's block geometry, on this collective's device."""
@@ -254,13 +298,20 @@ class ModelServer(Collective):
         results: list = []
         if codec.capabilities.header_part:  # header first: it says how many parts follow and how they are cut
             results.append(await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, 0), rnd))
-            geometry = codec.wire_parts(results[0].data, like)
+            check_op(self.call_code, results[0].codec, rnd)
+            try:
+                geometry = codec.wire_parts(results[0].data, like)
+            except (ValueError, RuntimeError, IndexError) as exc:  # a header for another model
+                if isinstance(exc, DgtError):
+                    raise
+                raise RankMismatch(shape_mismatch(rnd), detail=f"rank {peer}'s header part: {exc}") from exc
         else:
             geometry = self._template(codec)
         results += [None] * (len(geometry) - len(results))
 
         async def one(i: int) -> None:
             results[i] = await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, i), rnd)
+            check_op(self.call_code, results[i].codec, rnd)  # on arrival: another codec's other parts never come
 
         async with open_nursery() as nursery:
             for i in range(len(geometry)):
@@ -272,8 +323,9 @@ class ModelServer(Collective):
             n = res.data.numel()
             if codec.capabilities.variable_length:  # self-describing reliable parts (Oland-Raj's Huffman)
                 part = Part(res.data, part.lane_class, part.block_elems, part.name, [n])
-            elif n != part.data.numel():
-                raise ValueError(f"part {part.name!r} from rank {peer}: {n} elements, expected {part.data.numel()}")
+            elif n != part.data.numel() or res.data.dtype != part.data.dtype:  # the peer's model differs from ours
+                raise RankMismatch(shape_mismatch(rnd), detail=f"part {part.name!r} from rank {peer}: {n} x "
+                                   f"{res.data.dtype}, this rank expects {part.data.numel()} x {part.data.dtype}")
             clayout = part.layout
             mask = clayout.whole_blocks(res.mask, res.layout)
             lost = clayout.block_len[~mask]

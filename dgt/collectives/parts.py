@@ -6,8 +6,9 @@ import torch
 
 from dgt.codecs.base import Part, Received
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import DgtError, RankMismatch, op_mismatch, open_nursery, shape_mismatch
+from dgt.errors import DgtError, InputRejected, RankMismatch, op_mismatch, open_nursery, shape_mismatch
 from dgt.layout import BucketLayout
+from dgt.transport.checks import check_classes
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
 # the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
@@ -64,8 +65,8 @@ def wire_layout(part: Part, block: int) -> BucketLayout:
     if part.block_elems == block:
         return part.layout
     if isinstance(part.lane_class, torch.Tensor):
-        raise ValueError(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
-                         f"the transport cuts {block}-element blocks")
+        raise InputRejected(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
+                            f"the transport cuts {block}-element blocks")
     return BucketLayout.of(part.segments or [part.data.numel()], block)
 
 
@@ -84,6 +85,9 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
         if isinstance(cls, torch.Tensor):
             cls = cls.detach().to("cpu")
         order = None if part.order is None else part.order.detach().to("cpu")
+        # every part's classes checked before any part's first frame leaves: a call refused for its last part has
+        # sent nothing of its first (InputRejected, told to the peers), never an IndexError half way through
+        check_classes(cls, order, layout)
         jobs.append((ep, peer, transport_key(bucket, phase, step, i), rnd, host(part.data), layout, cls,
                      order, wait_report, op))
         _count_sent(stats, part, layout, cls)

@@ -110,6 +110,11 @@ class RingAllReduce(Collective):
                     # all-gather targets are chunks this rank no longer reads once it sent them; with a lossy codec a
                     # drop report may still read them (error feedback), so those are posted after reduce-scatter
                     self._post(ag_land, bucket_id, "ag", rnd)
+            if ch.chunk(src, r).numel() == 0:
+                # this rank's first hop sends nothing (a bucket of fewer than W blocks), and it may block on its own
+                # receive before its first send: tell the next rank this call runs on rounds, which a rank whose
+                # tensor took the stream path (another dtype) would otherwise wait peer_timeout to learn (issue 45)
+                g.endpoint.announce_on_link((r + 1) % W, transport_key(bucket_id, "rs"), rnd)
             await self._steps(ch, src, flat, bucket_id, rnd, stats, direct, rs_land, ag_land, ag)
         except BaseException:
             if ag and ag[0] is not None:  # its exchange never ran: later exchanges must not wait for it
