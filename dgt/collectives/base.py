@@ -16,7 +16,16 @@ from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import CodecMismatch, DgtError, InputRejected, PeerClosed, PeerTimeout, RankMismatch, call_code
+from dgt.errors import (
+    PLAN_SHIFT,
+    CodecMismatch,
+    DgtError,
+    InputRejected,
+    PeerClosed,
+    PeerTimeout,
+    RankMismatch,
+    call_code,
+)
 from dgt.layout import BucketLayout
 from dgt.transport.streams import Hop, HopResult
 
@@ -257,7 +266,10 @@ class Collective:
         collective's op and codec, and the code of the call's plan (``stats.plan``, dgt.collectives.plan), so ranks
         that planned the call differently see it on the first message (RankMismatch)."""
         plan = stats.plan
-        return self.call_code if plan is None else call_code(self.op, self.codec.name, plan.code)
+        if plan is None:
+            return self.call_code
+        # from ``call_code``, which an owner may have set (the low-rank all-reduce's inner rings carry its op and codec)
+        return (self.call_code & ~(3 << PLAN_SHIFT)) | (plan.code & 3) << PLAN_SHIFT
 
     @staticmethod
     def count_exchange(stats: CollectiveStats, hops: list[Hop], done: list[HopResult], ch: Chunking,
