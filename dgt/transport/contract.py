@@ -140,6 +140,11 @@ class Transport(Protocol):
         """This rank refused its input to that round: tell ``peers`` (control REFUSED, scoped to the round)."""
         ...
 
+    def announce_on_link(self, peer: int, bucket: int, round: int) -> None:
+        """Tell ``peer`` that this rank runs ``bucket``/``round`` on the session link (a central server that receives
+        first: a peer on stream lanes for the same call then fails with RankMismatch, issue 22)."""
+        ...
+
     async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
         """The mismatch a peer reported, waiting up to ``within`` s for one (less once one of ``dead`` is gone)."""
         ...
