@@ -6,6 +6,8 @@ probe of a codec or a transport and no read of another object's private fields i
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import sys
 from pathlib import Path
 
@@ -358,8 +360,6 @@ def test_type_checker_exceptions_are_only_the_pending_splits():
 def test_the_endpoint_is_a_transport():
     """Every member of the Transport protocol the collectives are written against exists on Endpoint, methods with
     the same parameters (mypy checks the types where Group.create hands an Endpoint to a Group)."""
-    import inspect
-
     from dgt.transport import Endpoint
     from dgt.transport.contract import Transport
 
@@ -373,3 +373,110 @@ def test_the_endpoint_is_a_transport():
         if callable(want):
             got = inspect.signature(getattr(Endpoint, name)).parameters
             assert list(inspect.signature(want).parameters) == list(got), name
+
+
+# -- the endpoint as a face over parts (issue 44, point 2) ---------------------------------------------------------
+
+MAX_ENDPOINT_PUBLIC = 25
+PARTS = {"sockets": "Sockets", "links": "Links", "outbound": "Outbound", "inbound": "Inbound",
+         "exchanges": "Exchanges", "hop_rounds": "HopRounds", "handshake": "Handshake"}
+
+
+def _transport_classes() -> list[type]:
+    """Every class defined in a module of dgt.transport (imported, so that inherited bases are resolved)."""
+    out = []
+    for p in sorted((PKG / "transport").glob("*.py")):
+        mod = importlib.import_module(_module_of(p.relative_to(PKG).as_posix()))
+        out += [c for c in vars(mod).values() if inspect.isclass(c) and c.__module__ == mod.__name__]
+    return out
+
+
+def mixin_bases(cls: type) -> list[str]:
+    """The classes of ``dgt`` that ``cls`` inherits from (its whole MRO) other than exceptions and typing protocols:
+    what a mixin composition looks like. A class of dgt.transport may only inherit from ``object``, from outside
+    dgt (``typing.Generic``, ``typing.Protocol``), from a dgt exception, or implement a dgt ``Protocol``."""
+    return [f"{b.__module__}.{b.__qualname__}" for b in cls.__mro__[1:]
+            if b.__module__.split(".")[0] == "dgt" and not issubclass(b, BaseException)
+            and not getattr(b, "_is_protocol", False)]
+
+
+def test_the_mixin_check_catches_a_mixin():
+    from typing import Protocol
+
+    from dgt.errors import DgtError
+    from dgt.transport.links import Links, PeerWatcher
+
+    class Mixed(Links):  # a part composed by inheritance
+        pass
+
+    class Error(DgtError):
+        pass
+
+    class Watcher(PeerWatcher, Protocol):
+        pass
+
+    assert mixin_bases(Mixed) == ["dgt.transport.links.Links"]
+    assert mixin_bases(Error) == [] and mixin_bases(Watcher) == []
+
+
+def test_no_mixin_classes_in_the_transport():
+    found = {f"{c.__module__}.{c.__qualname__}": bases for c in _transport_classes() if (bases := mixin_bases(c))}
+    assert not found, f"classes of dgt.transport built by inheriting dgt classes (own the part instead): {found}"
+
+
+def test_the_endpoint_has_at_most_25_public_names():
+    from dgt.transport import Endpoint
+
+    public = {n for n in dir(Endpoint) if not n.startswith("_")}
+    assert len(public) <= MAX_ENDPOINT_PUBLIC, f"{len(public)} public names on Endpoint: {sorted(public)}"
+    # the lossy hop's steps are the hop-round part's (dgt.transport.lossy_hop calls it), not the endpoint's
+    assert not public & {"plan_hop_round", "hop_round_sent", "hop_receipt", "land_hop_round"}
+
+
+def test_every_part_is_built_from_parts_not_from_the_endpoint():
+    """Each part's constructor names the parts it needs (or the Session context), never the Endpoint, and no part's
+    module imports the endpoint's (so a part cannot reach back into the face)."""
+    graph = import_graph(_sources())
+    for attr, name in PARTS.items():
+        mod = "dgt.transport." + {"exchanges": "exchange", "hop_rounds": "hop_round"}.get(attr, attr)
+        cls = getattr(importlib.import_module(mod), name)
+        params = inspect.signature(cls.__init__).parameters
+        assert not any("Endpoint" in str(p.annotation) or p.name in ("endpoint", "ep") for p in params.values()), name
+        assert "dgt.transport.endpoint" not in graph[mod], f"{mod} imports the endpoint"
+
+
+async def test_the_endpoints_parts_are_reachable_and_moved_names_warn():
+    """``ep.<part>`` is each part; the methods that moved to a part still answer on the endpoint for one release,
+    with a DeprecationWarning that names the new place, and return the part's own method."""
+    import warnings
+
+    from dgt.transport import Endpoint
+    from dgt.transport.endpoint import MOVED
+
+    async with Endpoint.open(0, 1) as ep:
+        for attr, name in PARTS.items():
+            assert type(getattr(ep, attr)).__name__ == name
+        for old, (part, new) in MOVED.items():
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                got = getattr(ep, old)
+            assert got == getattr(getattr(ep, part), new)
+            assert [w.category for w in caught] == [DeprecationWarning] and f"Endpoint.{part}.{new}" in str(
+                caught[0].message)
+        with pytest.raises(AttributeError):
+            ep.no_such_name  # noqa: B018
+
+
+def test_no_private_names_imported_from_the_transport():
+    """No module of dgt imports an underscore name from a dgt.transport module, and no transport module's
+    ``__all__`` lists one (a type two modules share is public in a third, dgt.transport.records)."""
+    found = []
+    for rel, src in _sources():
+        for node in ast.walk(ast.parse(src)):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dgt.transport"):
+                found += [f"{rel}:{node.lineno} {a.name}" for a in node.names if a.name.startswith("_")]
+            if rel.startswith("transport/") and isinstance(node, ast.Assign) and any(
+                    isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets):
+                found += [f"{rel}:{node.lineno} __all__ {e.value}" for e in getattr(node.value, "elts", [])
+                          if isinstance(e, ast.Constant) and str(e.value).startswith("_")]
+    assert not found, f"private names across modules: {found}"

@@ -130,12 +130,12 @@ async def test_lossless_unawaited_rounds_travel_as_bulk_and_land_in_place():
         x = torch.randn(100_000)  # 400 kB: 7 frames of at most 64 KiB
         posted = torch.empty_like(x)
         b.post_recv(0, 4, 0, posted)
-        rx_frames = b._links[0].reader.frames
+        rx_frames = b.links.table[0].reader.frames
         sent = await a.send_round(1, 4, 0, x, wait=False)
         with trio.fail_after(10):
             res = await b.recv_round(0, 4, 0)
         assert res.bulk and res.data.data_ptr() == posted.data_ptr() and torch.equal(posted, x)
-        assert b._links[0].reader.frames - rx_frames == sent.reliable_frames == 7  # no BEGIN/END, no report
+        assert b.links.table[0].reader.frames - rx_frames == sent.reliable_frames == 7  # no BEGIN/END, no report
         assert res.mask.all() and res.stats.closed_by == "complete" and res.stats.blocks == res.layout.nblocks
         assert sent.reliable_bytes == res.stats.lanes[0].bytes == x.numel() * 4 + 7 * wire.HEADER_SIZE
         st = b.stats()
@@ -161,7 +161,7 @@ async def _both(a, b, bucket, x, **kw):
 async def test_a_peer_breaking_bulk_order_fails_the_waiter_with_a_protocol_error():
     async with _pair(TransportConfig(peer_timeout=30)) as (a, b):
         frames = bulk_frames(TOKEN, 0, 8, 0, torch.randn(3000), 4096)
-        a._links[1].writer.push_frames([frames[0], frames[2]])  # the middle frame never comes
+        a.links.table[1].writer.push_frames([frames[0], frames[2]])  # the middle frame never comes
 
         with pytest.raises(ProtocolError, match="does not continue"):
             with trio.fail_after(10):
@@ -196,7 +196,7 @@ async def test_post_send_queues_without_a_task_and_adds_a_folded_residual():
         cls[4:] = 1
         sent_lossy, res_lossy = await _both(a, b, 3, z, cls=cls, order=torch.arange(4, 8))
         assert sent_lossy.lost_blocks == 4 and not res_lossy.mask[4:].any()
-        residual = a._links[1].sender.residual(3).clone()
+        residual = a.links.table[1].sender.residual(3).clone()
         assert torch.equal(residual[4096:], z[4096:]) and (residual[:4096] == 0).all()
         # ...and the next lossless message of that bucket carries them, sent from a copy
         y = torch.randn(n)
@@ -205,4 +205,4 @@ async def test_post_send_queues_without_a_task_and_adds_a_folded_residual():
             res = await b.recv_round(0, 3, 1)
             sent = await pending.wait()
         assert sent.copied and res.bulk and torch.equal(res.data, y + residual)
-        assert a._links[1].sender.residual(3).abs().sum() == 0
+        assert a.links.table[1].sender.residual(3).abs().sum() == 0

@@ -188,7 +188,7 @@ def _dying_worker(rank, world, cfg_kwargs, codec="dense"):
             truth = sum(data(r) for r in range(world))
             return {"max_diff_from_sum": float((res.tensor - truth).abs().max()), "stats": repr(res.stats),
                     "stream_exchanges": g.endpoint.streams.exchanges,
-                    "links": {k: repr(v.error) for k, v in g.endpoint._links.items()}}
+                    "links": {k: repr(v.error) for k, v in g.endpoint.links.table.items()}}
 
     return trio.run(main)
 

@@ -205,7 +205,7 @@ async def test_endpoints_tag_every_datagram_and_the_receiver_takes_them_all(on):
         assert sum(out["sent"].datagrams.values()) > 0
         assert b.receiver.counters.reasons.get("bad-mac", 0) == 0
         assert bool(res.mask.all()) and torch.equal(res.data, x)
-        assert (b.receiver.mac is not None) == on and (a._links[1].sender.mac is not None) == on
+        assert (b.receiver.mac is not None) == on and (a.links.table[1].sender.mac is not None) == on
 
 
 async def test_endpoints_that_disagree_on_the_mac_refuse_to_connect():

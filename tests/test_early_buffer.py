@@ -84,7 +84,7 @@ def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
             guess = DatagramMac(auth.session_key(TOKEN, None))  # the key as derived without a secret
             # the endpoints' own datagram size, so the forgeries match the genuine rounds' geometry and reach the MAC
             forger = RoundSender(TOKEN, rank=0, mac=guess, peer=1, datagram_payload=cfg.payload_for("127.0.0.1"))
-            ports = dict(zip(b.udp, b.address.udp_ports))
+            ports = dict(zip(b.sockets.udp, b.address.udp_ports))
             with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
                 for rnd in range(1, 21):
                     layout = BucketLayout([8 * 1024])

@@ -39,7 +39,7 @@ async def test_leaving_the_block_ends_every_service_task_and_closes_the_sockets(
         assert a.peers == [1] and b.peers == [0]
     assert _tasks() == before
     for ep in (a, b):
-        assert ep.listener.sock.fileno() == -1 and all(ch.closed for ch in ep.udp.values())
+        assert ep.sockets.listener.sock.fileno() == -1 and all(ch.closed for ch in ep.sockets.udp.values())
 
 
 async def test_a_group_opened_with_a_block_leaves_nothing_behind():
@@ -56,8 +56,9 @@ class _Broken(Endpoint):
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self.trip = trio.Event()
+        self.links.liveness = self._broken_liveness  # the links part's service task, replaced on this instance
 
-    async def _liveness(self) -> None:
+    async def _broken_liveness(self) -> None:
         await self.trip.wait()
         raise RuntimeError("liveness monitor broke")
 
@@ -70,7 +71,7 @@ async def test_an_error_in_the_service_cancels_the_block_and_is_raised_from_it()
             ep.trip.set()
             await trio.sleep(30)  # cancelled by the service's error, not slept out
     assert trio.current_time() - t0 < 10
-    assert ep.listener.sock.fileno() == -1
+    assert ep.sockets.listener.sock.fileno() == -1
     assert _tasks() == before
 
 
@@ -102,7 +103,7 @@ async def test_in_a_callers_nursery_an_error_in_the_service_fails_pending_operat
         assert trio.current_time() - t0 < 10
         # the wait failed at once, not at its timeout (the links end as the service does: PeerClosed)
         assert len(got) == 1 and isinstance(got[0], (PeerClosed, RuntimeError)), got
-        assert b.listener.sock.fileno() == -1
+        assert b.sockets.listener.sock.fileno() == -1
 
 
 async def test_awaiting_open_the_old_way_says_how_to_open_an_endpoint_now():
@@ -115,5 +116,5 @@ async def test_an_endpoint_started_in_a_callers_nursery_closes_with_async_with()
     async with trio.open_nursery() as nursery:
         async with await Endpoint.start(0, TOKEN, TransportConfig(peer_timeout=5), nursery=nursery) as ep:
             assert ep.address.tcp_port > 0
-        assert ep.listener.sock.fileno() == -1
+        assert ep.sockets.listener.sock.fileno() == -1
     assert _tasks() == before

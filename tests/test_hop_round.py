@@ -30,10 +30,10 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
 
     from dgt.collectives import Group, RingAllReduce
     from dgt.transport import TransportConfig
-    from dgt.transport.hop_round import HopRoundMixin
+    from dgt.transport.hop_round import HopRounds
 
     if meddle == "tamper" and rank == 1:
-        land = HopRoundMixin._land_reads
+        land = HopRounds._land_reads
 
         def tampered(self, rx, off):
             if rx.reads:
@@ -41,7 +41,7 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
                 rx.buf[start + 60] ^= 0xFF  # in the payload of the first datagram read: its MAC no longer holds
             return land(self, rx, off)
 
-        HopRoundMixin._land_reads = tampered
+        HopRounds._land_reads = tampered
     if meddle in ("busy", "idle"):
         import time
 
@@ -51,14 +51,14 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
         hdm.runqueue_seconds = lambda: share * time.perf_counter()  # the hop's clock: queued = share * span
 
     transfers: list[float] = []  # each hop's transfer time as the worker measured it (DatagramSend.window)
-    sent = HopRoundMixin.hop_round_sent
+    sent = HopRounds.sent
 
     def hop_round_sent(self, hs, failed=False):
         if hs.datagrams is not None and hs.datagrams.window is not None:
             transfers.append(hs.datagrams.window)
         return sent(self, hs, failed)
 
-    HopRoundMixin.hop_round_sent = hop_round_sent
+    HopRounds.sent = hop_round_sent
 
     import dgt.transport.lossy_hop as ring_lossy
 
@@ -84,7 +84,7 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
                 outs.append((res.tensor, res.stats.to_dict()))
                 hop_tx.append(g.endpoint.streams.hop.counters.tx_datagrams)
                 if meddle == "stranger" and rank == 0 and flood is None:  # the links are up after the first call
-                    target = ("127.0.0.1", g.endpoint._links[1].address.hop_port)
+                    target = ("127.0.0.1", g.endpoint.links.table[1].address.hop_port)
                     junk = np.zeros(2000, np.uint8).tobytes()
 
                     def spam(junk: bytes, target: tuple[str, int]) -> None:
@@ -101,10 +101,11 @@ def _worker(rank, world, cfg_kwargs, rounds, meddle=None):
             hop = g.endpoint.streams.hop
             lane1 = next(ln for ln in st.lanes if ln.lane == 1)
             return {"outs": outs, "hop_tx": hop.counters.tx_datagrams, "hop_rx": hop.counters.rx_datagrams,
-                    "hop_strangers": hop.counters.rx_unknown_source, "lane_tx": g.endpoint.udp[1].counters.tx_datagrams,
+                    "hop_strangers": hop.counters.rx_unknown_source,
+                    "lane_tx": g.endpoint.sockets.udp[1].counters.tx_datagrams,
                     "lane1_tx_frames": lane1.tx_frames, "closed_by": st.closed_by, "rejects": st.reject_reasons,
                     "hop_port": g.endpoint.address.hop_port, "transfers": transfers,
-                    "window": g.endpoint._links[(rank + 1) % world].window.value, "halves": halves[0],
+                    "window": g.endpoint.links.table[(rank + 1) % world].window.value, "halves": halves[0],
                     "hop_tx_after": hop_tx, "gated": st.rounds_cpu_gated, "cpu_wait": st.cpu_wait,
                     "kept": _kept_back(g, world, rank)}
 
@@ -120,7 +121,7 @@ def _kept_back(g, world, rank):
 
     ch = Chunking(BucketLayout.of(SEGMENTS, g.endpoint.cfg.block), world)
     kept = torch.zeros(NUMEL)
-    sender = g.endpoint._links[(rank + 1) % world].sender
+    sender = g.endpoint.links.table[(rank + 1) % world].sender
     for s in range(world - 1):
         res = sender.residual(transport_key(0, "rs", s, 0))
         if res is not None:

@@ -127,7 +127,7 @@ def test_silent_connections_are_capped_and_accept_errors_survived():
                 socks = _silent(b.address.tcp_port, 40)
                 await trio.sleep(0.5)
                 assert b.receiver.counters.reasons.get("handshake-cap", 0) >= 20, b.receiver.counters.reasons
-                assert b._handshakes <= 8
+                assert b.handshake.pending <= 8
                 # descriptors run out: accept fails with EMFILE; the endpoint counts it and keeps serving
                 soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
                 for s in socks:
@@ -168,7 +168,7 @@ def test_a_pending_handshake_holds_a_small_buffer_and_only_control_frames():
                 before = tracemalloc.get_traced_memory()[0]
                 socks = _silent(b.address.tcp_port, 16)
                 await trio.sleep(0.5)
-                assert b._handshakes == 16
+                assert b.handshake.pending == 16
                 held = tracemalloc.get_traced_memory()[0] - before
                 assert held < 16 * 64 * 1024, held  # was >= 16 MiB
                 # a BULK header announcing a 16 MiB payload, token right, no hello: refused before any payload is read
@@ -176,7 +176,7 @@ def test_a_pending_handshake_holds_a_small_buffer_and_only_control_frames():
                 socks.append(s)
                 s.sendall(wire.encode_header(wire.FrameType.BULK, token=TOKEN, rank=0, length=16 << 20))
                 await trio.sleep(0.3)
-                assert b._handshakes == 16 and b.receiver.counters.reasons.get("handshake", 0) >= 1
+                assert b.handshake.pending == 16 and b.receiver.counters.reasons.get("handshake", 0) >= 1
                 assert tracemalloc.get_traced_memory()[0] - before < 16 * 64 * 1024
             finally:
                 tracemalloc.stop()
@@ -235,7 +235,7 @@ def test_a_member_without_a_live_session_link_cannot_open_a_stream_lane():
             port = b.address.tcp_port
             for direction in (0, 1):
                 with pytest.raises(ProtocolError, match="no live session link"):
-                    await a._hello(1, "127.0.0.1", port, 3, "a stream lane", stream=True, direction=direction)
+                    await a.handshake._hello(1, "127.0.0.1", port, 3, "a stream lane", stream=True, direction=direction)
             assert not b.streams.lanes and not b.streams._halves
             async with trio.open_nursery() as n:
                 n.start_soon(a.connect, {1: b.address})
@@ -255,14 +255,14 @@ def test_other_accept_errors_are_counted_and_survived_too():
 
     async def main():
         async with _pair() as (a, b):
-            real, fails = b.listener.accept, [errno.ENFILE, errno.ENOBUFS, errno.ECONNABORTED]
+            real, fails = b.sockets.listener.accept, [errno.ENFILE, errno.ENOBUFS, errno.ECONNABORTED]
 
             async def accept():
                 if fails:
                     raise OSError(fails.pop(0), "injected")
                 return await real()
 
-            b.listener.accept = accept  # the loop calls it anew for each connection
+            b.sockets.listener.accept = accept  # the loop calls it anew for each connection
             before = b.receiver.counters.reasons.get("handshake", 0)
             with socket.create_connection(("127.0.0.1", b.address.tcp_port), timeout=5) as s:
                 s.sendall(b"not a hello" * 10)  # wakes the accept under way; the next ones fail as injected

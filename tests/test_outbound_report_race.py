@@ -14,7 +14,7 @@ import trio
 
 from dgt.channels.slot import Slot
 from dgt.errors import PeerClosed, open_nursery
-from dgt.transport.outbound import OutboundMixin
+from dgt.transport.outbound import Outbound
 from dgt.transport.records import SendTrack
 
 
@@ -36,7 +36,7 @@ def test_a_report_then_a_goodbye_in_one_batch_is_a_finished_send():
 
         async with trio.open_nursery() as n:
             n.start_soon(peer)
-            await OutboundMixin._jobs_until_report(OutboundMixin, track)
+            await Outbound._jobs_until_report(Outbound, track)
         assert await track.report.wait() == "report"
 
     trio.run(main)
@@ -55,6 +55,6 @@ def test_a_goodbye_without_a_report_still_fails_the_send():
         with pytest.raises(PeerClosed, match="closed its endpoint"):
             async with open_nursery() as n:  # dgt's: the error itself on every trio, as a collective raises it
                 n.start_soon(peer)
-                await OutboundMixin._jobs_until_report(OutboundMixin, track)
+                await Outbound._jobs_until_report(Outbound, track)
 
     trio.run(main)

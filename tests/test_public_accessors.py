@@ -17,14 +17,14 @@ async def test_the_endpoint_says_what_it_waits_for_and_which_sockets_it_paces():
     cfg = TransportConfig(peer_timeout=5, pace_rate=50e6, pace_shared=True)
     async with connected_pair(7, cfg) as (a, b):
         assert a.stats().pace_shared_peers == 1 and b.stats().pace_shared_peers == 1
-        socks = a.link_sockets()
+        socks = a.links.link_sockets()
         assert len(socks) == 1 and all(isinstance(s, socket.socket) for s in socks)
         assert pace_tcp(a, 1_000_000) == 1
         assert socks[0].getsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE) == 1_000_000
         assert transport_state(b) == {"recv_waiters": [], "sending": [], "results": []}  # nothing under way
         await a.send_round(1, 5, 0, torch.ones(1000), wait=True)  # returns once b's drop report is in
         assert transport_state(b) == {"recv_waiters": [], "sending": [], "results": [[0, 5, 0]]}  # not collected
-        pending = b.pending_rounds()
+        pending = b.inbound.pending_rounds()
         assert pending.results == [(0, 5, 0)] and pending.open_rounds == [] and pending.sending == []
         res = await b.recv_round(0, 5, 0)
         assert torch.equal(res.data, torch.ones(1000))

@@ -23,7 +23,7 @@ def test_a_round_a_live_peer_never_sends_ends_in_peer_timeout_after_round_timeou
         # the peer stays live (pings): only the receive's own bound ends it
         async with _pair(round_timeout=0.5) as (a, b):
             with trio.fail_after(GUARD):
-                for recv in (lambda: b.recv_round(0, 7, 0), lambda: b.recv_bytes(0, tag=3),
+                for recv in (lambda: b.recv_round(0, 7, 0), lambda: b.inbound.recv_bytes(0, tag=3),
                              lambda: b.recv_round(0, 7, 1, timeout=0.3)):
                     t0 = trio.current_time()
                     with pytest.raises(PeerTimeout, match="nothing within"):

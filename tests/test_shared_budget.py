@@ -78,7 +78,7 @@ async def _round(cfg: TransportConfig, token: int) -> tuple[object, object, list
     cls[layout.nblocks // 2 :] = 1
     order = torch.arange(layout.nblocks // 2, layout.nblocks)
     async with connected_pair(token, cfg, cfg) as (a, b):
-        pacer = a._links[1].pacer
+        pacer = a.links.table[1].pacer
         charged: list[int] = []
         charge = pacer.charge_reliable
         pacer.charge_reliable = lambda n, now: (charged.append(n), charge(n, now))[1]

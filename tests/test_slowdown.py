@@ -114,7 +114,7 @@ def test_a_hop_rounds_window_is_its_stream_time_not_its_reports_round_trip():
 
     from dgt.protocol.pacing import Pacer
     from dgt.protocol.report import Timing
-    from dgt.transport.outbound import OutboundMixin
+    from dgt.transport.outbound import Outbound
     from dgt.transport.records import SendTrack
 
     learnt: list[float | None] = []
@@ -126,7 +126,7 @@ def test_a_hop_rounds_window_is_its_stream_time_not_its_reports_round_trip():
         track.jobs.append(SimpleNamespace(sends=[(now - 0.049, 1, 4096)], rows=np.zeros((1, 4096), np.uint8), odd=[]))
         info = SimpleNamespace(lost_mask=None, missing_blocks=0, bucket=3,
                                timing=Timing(1, 100.0, 100.0, 0.010, 4096, 100.01))
-        OutboundMixin._account_report(SimpleNamespace(_tx_lost={}), link, track, info)  # type: ignore[arg-type]
+        Outbound.account_report(SimpleNamespace(tx_lost={}), link, track, info)  # type: ignore[arg-type]
         learnt.append(link.window.value)
         assert link.window.budget(10e6) == int(10e6 * max(link.window.value, link.window.floor))
 

@@ -117,7 +117,7 @@ def _worker(rank, world, dtype, sparse, calls, meddle=None):
             kept = torch.zeros(NUMEL)
             if dtype == torch.float32:  # the stream reduce-scatter's error feedback (dgt.collectives.ring_lossy)
                 ch = Chunking(BucketLayout.of(SEGMENTS, g.endpoint.cfg.block), world)
-                sender = g.endpoint._links[(rank + 1) % world].sender
+                sender = g.endpoint.links.table[(rank + 1) % world].sender
                 for s in range(world - 1):
                     res = sender.residual(transport_key(0, "rs", s, 0))
                     if res is not None:

@@ -58,7 +58,7 @@ async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode, hop_threa
         extra = a.stats().lanes[0].tx_bytes - before - (48 + 4 * n)
         assert 0 <= extra < 1024, extra  # the message, plus the stream lane's authenticated hello (and perhaps a ping)
         assert a.streams.exchanges == b.streams.exchanges == 1
-        info = a.socket_info()["stream"]
+        info = a.links.socket_info()["stream"]
         assert info[1]["dscp"] == info[1]["rx_dscp"] == parse_dscp(a.cfg.lanes[0].dscp)
         # one connection per direction: rank 0 sends on what rank 1 receives on, and the other way round
         la, lb = a.streams.lanes[1], b.streams.lanes[0]
@@ -74,9 +74,9 @@ async def test_a_second_connection_for_a_direction_is_refused():
                    lambda: b.exchange([Hop(1, 0, 0, torch.ones(10), 0, torch.empty(10))]))
         for direction in (0, 1):
             with pytest.raises(ProtocolError, match="already has a stream lane"):
-                await a._dial_stream(1, direction)
+                await a.handshake.dial_stream(1, direction)
         with pytest.raises(ProtocolError, match="not the lower rank"):
-            await b._dial_stream(0, 0)
+            await b.handshake.dial_stream(0, 0)
 
 
 async def test_exchanges_called_concurrently_run_one_at_a_time_in_call_order():

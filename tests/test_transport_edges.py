@@ -47,10 +47,10 @@ async def test_a_round_reported_before_the_peer_said_goodbye_is_complete():
     from types import SimpleNamespace
 
     from dgt.channels.slot import Slot
-    from dgt.transport.outbound import OutboundMixin
+    from dgt.transport.outbound import Outbound
     from dgt.transport.records import SendTrack
 
-    out = OutboundMixin.__new__(OutboundMixin)
+    out = Outbound.__new__(Outbound)
     for reported in (True, False):
         job = SimpleNamespace(done=Slot())
         track = SendTrack(jobs=[job])

@@ -54,7 +54,7 @@ CHILD = textwrap.dedent(
                 await trio.to_thread.run_sync(sys.stdin.readline)
                 await ep.aclose()
             else:  # "stall": open a round, send half its important frames, then wait to be killed or stopped
-                link = ep._links[0]
+                link = ep.links.table[0]
                 plan = link.sender.plan(4, 0, x, layout, 0)
                 link.writer.push_frames(plan.reliable[: len(plan.reliable) // 2])
                 print("stalled", flush=True)

@@ -193,7 +193,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
             times, cpu, rows = [], [], []
             for i in range(repeats):
                 if role == "send":
-                    if await ep.recv_bytes(peer, timeout=60) != b"go":
+                    if await ep.inbound.recv_bytes(peer, timeout=60) != b"go":
                         raise RuntimeError("bad go message")
                     times.append(time.monotonic())
                     c0 = time.process_time()
@@ -210,7 +210,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
 
                         n.start_soon(recv)
                         await trio.sleep(0.02)  # recv_round is registered (and out with it) before "go"
-                        await ep.send_bytes(peer, b"go")
+                        await ep.outbound.send_bytes(peer, b"go")
                         c0 = time.process_time()
                     times.append(box["t"])
                     cpu.append(box["cpu"] - c0)
@@ -225,8 +225,8 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
             # the receiver stays until the sender's last round has returned: closing at once would fail the
             # datagrams the sender still holds of that round, uncounted, instead of abandoning them (counted)
             if role == "send":
-                await ep.send_bytes(peer, b"done")
-            elif await ep.recv_bytes(peer, timeout=60) != b"done":
+                await ep.outbound.send_bytes(peer, b"done")
+            elif await ep.inbound.recv_bytes(peer, timeout=60) != b"done":
                 raise RuntimeError("bad done message")
             return {"t": times, "cpu": cpu, "rows": rows, "stats": ep.stats().to_dict(),
                     "unimportant_bytes": unimportant_bytes}

@@ -18,7 +18,7 @@ which trio never reads):
 Nothing is interpreted here beyond the 12 header bytes that name a round, so that a late datagram of an earlier
 round does not count as this one's. The trio side feeds the reads, with their arrival times, to the sans-IO
 receiver, which checks, authenticates (MAC), lands and closes the round like any other
-(:meth:`dgt.transport.hop_round.HopRoundMixin.land_hop_round`). Memory is bounded by the buffer the caller sized
+(:meth:`dgt.transport.hop_round.HopRounds.land`). Memory is bounded by the buffer the caller sized
 from the round's geometry, whatever a header or a peer says: reads stop when it is full.
 """
 

@@ -269,7 +269,7 @@ class Collective:
         if plan is None:
             return self.call_code
         # from ``call_code``, which an owner may have set (the low-rank all-reduce's inner rings carry its op and codec)
-        return (self.call_code & ~(3 << PLAN_SHIFT)) | (plan.code & 3) << PLAN_SHIFT
+        return (self.call_code & ~(3 << PLAN_SHIFT)) | (int(plan.code) & 3) << PLAN_SHIFT
 
     @staticmethod
     def count_exchange(stats: CollectiveStats, hops: list[Hop], done: list[HopResult], ch: Chunking,

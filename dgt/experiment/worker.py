@@ -50,7 +50,7 @@ def pace_tcp(endpoint: Any, rate: float) -> int:
     kernel pace TCP itself). The transport paces its UDP lanes to the same rate from a budget the TCP bytes come
     off too (TransportConfig.pace_rate, pace_shared), so both together stay within ``rate``. Returns how many
     sockets were paced."""
-    socks = endpoint.link_sockets()
+    socks = endpoint.links.link_sockets()
     for sock in socks:
         sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(rate))
     return len(socks)
@@ -58,8 +58,8 @@ def pace_tcp(endpoint: Any, rate: float) -> int:
 
 def transport_state(endpoint: Any) -> dict[str, Any]:
     """What a stuck all-reduce waits for (rounds awaited, rounds in flight, rounds open at the receiver), for the
-    error message: ``Endpoint.pending_rounds``."""
-    return endpoint.pending_rounds(20).to_dict()
+    error message: ``Endpoint.inbound.pending_rounds``."""
+    return endpoint.inbound.pending_rounds(20).to_dict()
 
 
 def _lane_dict(d: dict) -> dict[str, int]:

@@ -104,6 +104,9 @@ class OfflineTransport:
     def call_failed(self, why: str) -> None:
         return None  # no peer to tell
 
+    def announce_on_link(self, peer: int, bucket: int, round: int) -> None:
+        return None  # no peer to tell
+
     def enter_round(self, family: str, bucket: int, rnd: int) -> None:
         return None  # no peer to have refused it
 

@@ -78,10 +78,10 @@ class BlockingEndpoint:
         return self.call(self.endpoint.recv_round, peer, bucket, round, **kw)
 
     def send_bytes(self, peer: int, data: bytes, tag: int = 0) -> None:
-        self.call(self.endpoint.send_bytes, peer, data, tag)
+        self.call(self.endpoint.outbound.send_bytes, peer, data, tag)
 
     def recv_bytes(self, peer: int, tag: int = 0, timeout: float | None = None) -> bytes:
-        return self.call(self.endpoint.recv_bytes, peer, tag, timeout)
+        return self.call(self.endpoint.inbound.recv_bytes, peer, tag, timeout)
 
     def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
         self.call(self.endpoint.send_tensor, peer, tensor, tag)
@@ -93,7 +93,7 @@ class BlockingEndpoint:
         return self._bridge.call_sync(self.endpoint.stats)
 
     def socket_info(self) -> dict[str, Any]:
-        return self._bridge.call_sync(self.endpoint.socket_info)
+        return self._bridge.call_sync(self.endpoint.links.socket_info)
 
     def close(self, timeout: float = 10.0) -> None:
         """Close the endpoint (goodbye to peers) and join the thread."""

@@ -22,8 +22,8 @@ The five ways a bucket can leave, from the most general to the fastest:
 
 Beside them: the session (``rank``, ``cfg``, ``address``, ``peers``, ``connect``, ``aclose``) and the failure and
 agreement notices (``abort_peers``, ``failure_of``, ``call_failed``, ``enter_round``, ``refuse_round``, ``aborted``).
-The hop-round plumbing ``lossy_hop`` is made of (``plan_hop_round``, ``hop_receipt``, ``hop_round_sent``,
-``land_hop_round``) is the endpoint's, not the collectives' (:class:`dgt.transport.lossy_hop.HopEndpoint`).
+The hop-round plumbing ``lossy_hop`` is made of (plan, receipt, sent, land) is the endpoint's hop-round part's
+(:class:`dgt.transport.hop_round.HopRounds`), not the collectives' (:class:`dgt.transport.lossy_hop.HopEndpoint`).
 """
 
 from __future__ import annotations
@@ -133,6 +133,11 @@ class Transport(Protocol):
 
     def refuse_round(self, family: str, bucket: int, rnd: int, why: str, peers: Iterable[int]) -> None:
         """This rank refused its input to that round: tell ``peers`` (control REFUSED, scoped to the round)."""
+        ...
+
+    def announce_on_link(self, peer: int, bucket: int, round: int) -> None:
+        """Tell ``peer`` that this rank runs ``bucket``/``round`` on the session link (a central server that receives
+        first: a peer on stream lanes for the same call then fails with RankMismatch, issue 22)."""
         ...
 
     async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:

@@ -6,54 +6,65 @@ accept, one reader and one writer per connection, one ingress per UDP lane, the 
 timer and the liveness monitor. Every frame-level decision is made by dgt.protocol; this module moves bytes,
 feeds ``trio.current_time()`` and routes the events.
 
-:class:`Endpoint` is the face: it owns the sockets and the shared state, starts the service tasks and reports stats;
-its behaviour is composed from mixins by ownership (issue #24): dgt.transport.handshake (dialling, accepting, the
-link registry), dgt.transport.links (each link's reader and control dispatch, liveness, failure, the session abort
-and the stream exchange it ends), dgt.transport.inbound (UDP ingress, landing buffers, results, the receive APIs)
-and dgt.transport.outbound (the send APIs, drop reports, pacing feedback).
+:class:`Endpoint` is a small face (issue 44) over parts that own their state, each built here with the parts it
+needs and a :class:`~dgt.transport.session.Session` (rank, config, the sans-IO receivers, the counters), never the
+endpoint: ``sockets`` (dgt.transport.sockets: the listener, the UDP lanes, the hop socket), ``links``
+(dgt.transport.links: the link registry, control messages, liveness, failure, the session abort and the refusals),
+``outbound`` (dgt.transport.outbound: the send APIs, the datagram scheduler, drop reports, pacing feedback),
+``inbound`` (dgt.transport.inbound: the links' readers, UDP ingress, landing buffers, results, the receive APIs,
+the deadline timer), ``exchanges`` (dgt.transport.exchange: stream exchanges), ``hop_rounds``
+(dgt.transport.hop_round: the lossy ring hops' rounds) and ``handshake`` (dgt.transport.handshake: dialling,
+accepting, registering links). The face starts the service tasks, reports stats, and offers the
+:class:`~dgt.transport.contract.Transport` protocol by delegating to the part that owns each call.
 """
 
 from __future__ import annotations
 
-import socket
-from collections import OrderedDict
-from collections.abc import AsyncIterator, Awaitable, Callable, Generator
+import warnings
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator, Iterable, Mapping
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any, Generic, NoReturn, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NoReturn, TypeVar
 
-import numpy as np
 import torch
 import trio
 
-from dgt.channels.lanes import LaneSpec
-from dgt.channels.ports import bind_in_range
 from dgt.channels.slot import Slot
-from dgt.channels.sockopts import get_dscp, get_priority
-from dgt.channels.tcp import TcpListener
-from dgt.channels.udp import UdpChannel, merged
-from dgt.channels.udp_scheduler import DatagramScheduler
+from dgt.channels.tcp import TcpChannel
+from dgt.channels.udp import merged
 from dgt.errors import PeerClosed, RankMismatch, open_nursery
+from dgt.layout import BucketLayout
 from dgt.protocol.bulk import BulkReceiver
 from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.receiver import RoundReceiver
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress, TransportConfig
-from dgt.transport.deadline_timer import DeadlineTimer
-from dgt.transport.handshake import HandshakeMixin
-from dgt.transport.hop_round import HopRoundMixin
-from dgt.transport.inbound import InboundMixin
-from dgt.transport.links import LinkMixin, Refusals
+from dgt.transport.exchange import Exchanges
+from dgt.transport.handshake import Handshake
+from dgt.transport.hop_round import HopRounds
+from dgt.transport.inbound import Inbound
+from dgt.transport.links import Links
 from dgt.transport.lossy_hop import LossyHopResult, LossyHopSpec, lossy_hop
-from dgt.transport.outbound import BYTES_BUCKET, PendingSend
+from dgt.transport.outbound import BYTES_BUCKET, Outbound, PendingSend
 from dgt.transport.records import Link, SendTrack
-from dgt.transport.stats import LaneStats, PendingRounds, RoundResult, TransportStats
-from dgt.transport.stream_watch import StreamWatch
-from dgt.transport.streams import StreamHub
+from dgt.transport.session import Session
+from dgt.transport.sockets import Sockets
+from dgt.transport.stats import LaneStats, RoundResult, SendStats, TransportStats
+from dgt.transport.streams import Hop, HopResult, StreamHub
 
 __all__ = ["BYTES_BUCKET", "Endpoint", "OpenBlock", "PendingSend", "Link", "SendTrack"]
 
 T = TypeVar("T")
+
+MOVED = {
+    "send_bytes": ("outbound", "send_bytes"),
+    "recv_bytes": ("inbound", "recv_bytes"),
+    "pending_rounds": ("inbound", "pending_rounds"),
+    "link_sockets": ("links", "link_sockets"),
+    "socket_info": ("links", "socket_info"),
+}
+"""Endpoint methods that moved to the part owning them (issue 44): name -> (part, its method). ``ep.<name>`` still
+works for one release, with a DeprecationWarning naming the new place (docs/api.md)."""
 
 
 class OpenBlock(Generic[T]):
@@ -75,7 +86,7 @@ class OpenBlock(Generic[T]):
                         "to run it in a nursery of yours until `await ep.aclose()`")
 
 
-class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
+class Endpoint:
     """A rank's DGT session. Open with ``async with Endpoint.open(...)`` (or :meth:`start` in a nursery of the
     caller's), join peers with :meth:`connect`, then send and receive rounds concurrently from any number of tasks;
     :meth:`aclose` says goodbye and releases every socket."""
@@ -86,79 +97,37 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self.cfg = cfg or TransportConfig()
         self.host = host
         c = self.cfg
-        self.receiver = RoundReceiver(
-            self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), allocator=self._allocate
-        )
-        hop = self._bind_sockets(host)  # lossy ring hops' datagrams (dgt.channels.hop_datagrams); trio never reads it
-        self._links: dict[int, Link] = {}
-        self._link_ready: dict[int, Slot] = {}
-        self._sources: dict[tuple[str, int], int] = {}
-        self._recv_waiters: dict[tuple[int, int, int], Slot] = {}
-        self._results: OrderedDict[tuple[int, int, int], RoundResult] = OrderedDict()
-        self.bulk = BulkReceiver(c.limits.max_open_rounds, self.receiver.max_open_bytes, self._allocate)
-        self._out: OrderedDict[tuple[int, int, int], torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
-        self._opened: OrderedDict[tuple[int, int, int], float] = OrderedDict()
-        self._sending: dict[tuple[int, int, int], SendTrack] = {}
-        self._bytes_tx: dict[tuple[int, int], int] = {}
-        self._bytes_rx: dict[tuple[int, int], int] = {}
-        self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
-        self._rx_dropped_hook: dict[int, int] = dict.fromkeys(self.udp, 0)
-        self._tx_abandoned: dict[int, int] = dict.fromkeys(self.udp, 0)
-        self._tx_unsent: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks the send budget kept back
-        self._tx_lost: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks sent that the peers reported missing
-        self._stats = TransportStats(self.rank, [])
-        self._lane_delivered: dict[int, list[int]] = {}
-        self.scheduler = DatagramScheduler(self.udp, self._round_closed, self._pacer_of)
-        self.deadlines = DeadlineTimer(self.receiver, self._handle)
-        self._nursery: trio.Nursery | None = None
-        self._stop = trio.Event()
-        self._stopped = trio.Event()
-        self._closing = False
-        self._fatal: BaseException | None = None
-        self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
-        self._mac = DatagramMac(self._key) if c.datagram_mac else None  # datagram MAC (issue 22), same key
-        self.receiver.mac = self._mac
-        self._handshakes = 0  # accepted connections whose handshake is under way (capped)
-        self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
-        self._aborted = trio.Event()
-        self._link_change = trio.Event()
-        self._lost_sent = False  # call_failed told the peers already
-        self._lost: dict[int, PeerClosed] = {}  # peers that said their collective failed on a lost peer (LOST)
-        self._stream_watch = StreamWatch()  # messages awaited on stream lanes (i22: a peer on the round path)
-        self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
-        self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
+        key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
+        mac = DatagramMac(key) if c.datagram_mac else None  # datagram MAC (issue 22), same key
+        # the receivers' landing buffers are the inbound part's (it installs its allocator)
+        self.receiver = RoundReceiver(self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), mac=mac)
+        self.bulk = BulkReceiver(c.limits.max_open_rounds, self.receiver.max_open_bytes, lambda *_: None)
+        self.session = Session(self.rank, self.token, c, self.receiver, self.bulk)
+        self.sockets = Sockets(self.rank, host, c)
         # the lossy ring hops' CPU gate, fed on this (the trio) thread with the readings the hops' worker returns
         self.cpu_gate = CpuGate(c.cpu_gate) if c.cpu_gate else None
-        self._refusals = Refusals()  # peers' and this rank's refusals of one call's input (control REFUSED)
+        # the hub dials stream lanes through the handshake and asks the links whether a peer's link is up; both are
+        # built after it (they use it), so it reaches them through this face's wiring, the one place that knows
+        # every part
         self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
-                                 hop_threads=c.hop_thread_count(), hop=hop,
+                                 hop_threads=c.hop_thread_count(), hop=self.sockets.hop,
                                  cpu_wait=self.cpu_gate is not None)
+        self.links = Links(self.session, self.sockets, self.streams)
+        self.outbound = Outbound(self.session, self.links, self.sockets.udp)
+        self.inbound = Inbound(self.session, self.links, self.outbound, list(self.sockets.udp))
+        self.exchanges = Exchanges(self.session, self.links, self.inbound, self.streams, self.cpu_gate)
+        self.hop_rounds = HopRounds(self.session, self.links, self.inbound, self.outbound, self.streams,
+                                    self.cpu_gate)
+        self.handshake = Handshake(self.session, self.sockets, self.links, self.inbound, self.streams, key, mac)
+        self._stop = trio.Event()
+        self._stopped = trio.Event()
 
-    def _bind_sockets(self, host: str) -> UdpChannel | None:
-        """The TCP listener and one UDP socket per unreliable lane (``listener``, ``udp``), each on a port of the
-        configured range; returns the hop socket (None: stream hops off, no UDP lane, or no port left for it)."""
-        c = self.cfg
-        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
-        self.udp = {}
+    async def _dial_stream(self, rank: int, direction: int) -> TcpChannel:
+        return await self.handshake.dial_stream(rank, direction)
 
-        def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
-            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
-
-        hop: UdpChannel | None = None
-        try:
-            for lane in range(1, len(c.lanes)):
-                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
-            if self.udp and c.stream_hops != "off":
-                try:
-                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
-                except OSError:  # no port left in the range: lossy hops run their rounds on the session link
-                    hop = None
-        except BaseException:
-            self._close_sockets()
-            raise
-        return hop
+    def _link_error(self, rank: int) -> BaseException | None:
+        return self.links.link_error(rank)
 
     @classmethod
     async def start(cls, rank: int, token: int, cfg: TransportConfig | None = None, host: str = "127.0.0.1", *,
@@ -201,57 +170,50 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
 
     @property
     def address(self) -> PeerAddress:
-        hop = self.streams.hop
-        return PeerAddress(self.host, self.listener.port, tuple(ch.port for ch in self.udp.values()), self.rank,
-                           0 if hop is None else hop.port)
+        """Where peers reach this rank (what the rendezvous publishes)."""
+        return self.sockets.address
 
     @property
     def peers(self) -> list[int]:
         """Ranks with a live connection."""
-        return [r for r, ln in self._links.items() if ln.error is None]
+        return self.links.peers
 
     async def _service(self, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         try:
             async with open_nursery() as n:
-                self._nursery = n
-                n.start_soon(self._guard, self._accept_loop)
-                for lane, chan in self.udp.items():
-                    n.start_soon(self._guard, self._udp_ingress, lane, chan)
-                n.start_soon(self._guard, self.scheduler.run)
-                n.start_soon(self._guard, self.deadlines.run)
-                n.start_soon(self._guard, self._liveness)
+                self.session.nursery = n
+                n.start_soon(self._guard, self.handshake.accept_loop)
+                for lane, chan in self.sockets.udp.items():
+                    n.start_soon(self._guard, self.inbound.udp_ingress, lane, chan)
+                n.start_soon(self._guard, self.outbound.scheduler.run)
+                n.start_soon(self._guard, self.inbound.deadlines.run)
+                n.start_soon(self._guard, self.links.liveness)
                 task_status.started()
                 await self._stop.wait()
                 n.cancel_scope.cancel()
         finally:
-            self._teardown(self._fatal or PeerClosed(f"rank {self.rank}: the endpoint was closed"))
+            self._teardown(self.session.fatal or PeerClosed(f"rank {self.rank}: the endpoint was closed"))
             self._stopped.set()
-        if self._fatal is not None:  # after the teardown failed every pending operation with it: the owner's turn
-            raise self._fatal
-
-    def _spawn(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
-        """Start ``fn(*args)`` among the endpoint's service tasks (a link's reader, an accepted handshake)."""
-        if self._nursery is None:
-            raise PeerClosed(f"rank {self.rank}: the endpoint is not running")
-        self._nursery.start_soon(fn, *args)
+        if self.session.fatal is not None:  # the teardown failed every pending operation with it: the owner's turn
+            raise self.session.fatal
 
     async def _guard(self, fn: Callable[..., Awaitable[object]], *args: object) -> None:
         """Run a service task; an unexpected error ends the endpoint and fails every pending operation with it."""
         try:
             await fn(*args)
         except Exception as exc:
-            if self._fatal is None and not self._closing:
-                self._fatal = exc
+            if self.session.fatal is None and not self.session.closing:
+                self.session.fatal = exc
             self._stop.set()
 
     async def aclose(self) -> None:
         """Say goodbye to every peer (after the frames already queued for it), then close all sockets. Pending
         operations fail with PeerClosed."""
-        if self._closing:
+        if self.session.closing:
             await self._stopped.wait()
             return
-        self._closing = True
-        links = [ln for ln in self._links.values() if ln.error is None]
+        self.session.closing = True
+        links = [ln for ln in self.links.table.values() if ln.error is None]
         with trio.move_on_after(min(2.0, self.cfg.peer_timeout)):
             slots = [Slot() for _ in links]
             for ln, s in zip(links, slots):
@@ -265,39 +227,23 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         await self._stopped.wait()
 
     def _teardown(self, error: BaseException) -> None:
-        self._closing = True
-        for rank in list(self._links):
-            self._fail_peer(rank, error)
-        for slot in list(self._link_ready.values()):
-            slot.fail(error)
-        for slot in list(self._recv_waiters.values()):
-            slot.fail(error)
-        for track in list(self._sending.values()):
-            track.report.fail(error)
-        self.scheduler.fail_all(error)
+        self.session.closing = True
+        self.links.close(error)
+        self.inbound.close(error)
+        self.outbound.close(error)
         self.streams.close(error)
-        self._close_sockets()
-
-    def _close_sockets(self) -> None:
-        self.listener.close()
-        for ch in self.udp.values():
-            ch.close()
-
-    def _check_open(self) -> None:
-        if self._fatal is not None:
-            raise self._fatal.with_traceback(None)
-        if self._closing:
-            raise PeerClosed(f"rank {self.rank}: the endpoint is closed")
+        self.sockets.close()
 
     def stats(self) -> TransportStats:
         """A snapshot of the endpoint's counters (per lane both directions, rounds, losses, deadline waits)."""
-        st = self._stats
+        st = self.session.stats
+        out, links = self.outbound, list(self.links.table.values())
         rc = self.receiver.counters
         gate = self.cpu_gate
         lanes = []
         l0 = self.cfg.lanes[0]
         tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)
-        for link in self._links.values():
+        for link in self.links.table.values():
             tcp.tx_bytes += link.chan.tx_bytes
             tcp.tx_calls += link.chan.tx_calls
             tcp.tx_frames += link.writer.frames
@@ -310,22 +256,22 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             tcp.rx_bytes += chan.rx_bytes
             tcp.rx_calls += chan.rx_calls
         lanes.append(tcp)
-        for lane, ch in self.udp.items():
+        for lane, ch in self.sockets.udp.items():
             spec, cc = self.cfg.lanes[lane], ch.counters
             if lane == 1 and self.streams.hop is not None:  # the hop socket's datagrams are lane 1's too
                 cc = merged(cc, self.streams.hop.counters)
             lanes.append(LaneStats(
                 lane, spec.name, spec.kind, spec.dscp, spec.so_priority,
                 tx_bytes=cc.tx_bytes, tx_frames=cc.tx_datagrams, tx_calls=cc.tx_calls, tx_gso_calls=cc.tx_gso_calls,
-                tx_abandoned=self._tx_abandoned.get(lane, 0), tx_unsent_blocks=self._tx_unsent.get(lane, 0),
-                tx_lost_blocks=self._tx_lost.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
+                tx_abandoned=out.tx_abandoned.get(lane, 0), tx_unsent_blocks=out.tx_unsent.get(lane, 0),
+                tx_lost_blocks=out.tx_lost.get(lane, 0), tx_errors=cc.tx_errors, rx_bytes=cc.rx_bytes,
                 rx_frames=cc.rx_datagrams, rx_calls=cc.rx_calls, rx_gro_reads=cc.rx_gro_reads,
-                rx_dropped_hook=self._rx_dropped_hook.get(lane, 0), rx_unknown_source=cc.rx_unknown_source,
+                rx_dropped_hook=self.inbound.rx_dropped_hook.get(lane, 0), rx_unknown_source=cc.rx_unknown_source,
                 rx_truncated=cc.rx_truncated, rx_kernel_drops=ch.kernel_drops(), gso=ch.gso, gro=ch.gro,
                 rcvbuf=ch.rcvbuf, sndbuf=ch.sndbuf,
             ))  # fmt: skip
         for ls in lanes:
-            blocks, nbytes = self._lane_delivered.get(ls.lane, (0, 0))
+            blocks, nbytes = self.inbound.lane_delivered.get(ls.lane, (0, 0))
             ls.delivered_blocks, ls.delivered_bytes = blocks, nbytes
             ls.goodput = nbytes / st.receive_seconds if st.receive_seconds > 0 else 0.0
         return TransportStats(
@@ -333,48 +279,110 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             late_frames=rc.late, rejected=rc.rejected, reject_reasons=dict(rc.reasons), closed_by=dict(st.closed_by),
             deadline_wait_total=st.deadline_wait_total, deadline_wait_max=st.deadline_wait_max,
             receive_seconds=st.receive_seconds, results_evicted=st.results_evicted, rounds_copied=st.rounds_copied,
-            pace_rates={r: ln.pacer.rate for r, ln in self._links.items() if ln.pacer is not None},
+            pace_rates={r: ln.pacer.rate for r, ln in self.links.table.items() if ln.pacer is not None},
             rounds_cpu_gated=0 if gate is None else gate.gated, cpu_wait=None if gate is None else gate.value,
-            pace_shared_peers=sum(ln.pacer is not None and ln.pacer.shared is not None for ln in self._links.values()),
+            pace_shared_peers=sum(ln.pacer is not None and ln.pacer.shared is not None for ln in links),
         )  # fmt: skip
 
-    def pending_rounds(self, limit: int = 20) -> PendingRounds:
-        """What this endpoint waits for (see :class:`PendingRounds`), for the error message of a stuck call."""
-        return PendingRounds(list(self._recv_waiters)[:limit], list(self._sending)[:limit],
-                             list(self._results)[:limit], self.receiver.progress(limit))
+    # -- the Transport protocol (dgt.transport.contract): each call is the owning part's ------------------------------
+    async def connect(self, peers: Mapping[int, PeerAddress | dict[str, object]], timeout: float | None = None) -> None:
+        """Connect to ``peers`` (rank -> address). Both sides of a pair call it; the lower rank dials, the higher
+        accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
+        within ``timeout`` (default: connect_timeout, else peer_timeout). (:meth:`Handshake.connect`)"""
+        await self.handshake.connect(peers, timeout)
 
-    def link_sockets(self) -> list[socket.socket]:
-        """The TCP socket of every session link open now (not the stream lanes'), e.g. to pace them."""
-        return [ln.chan.sock for ln in self._links.values() if not ln.chan.closed]
+    async def send_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor,
+                         layout: BucketLayout | None = None, cls: torch.Tensor | int = 0,
+                         order: torch.Tensor | None = None, *, wait: bool = True, timeout: float | None = None,
+                         op: int = 0) -> SendStats:
+        """One round of ``bucket`` to ``peer`` (see :meth:`Outbound.send_round`)."""
+        return await self.outbound.send_round(peer, bucket, round, flat, layout, cls, order, wait=wait,
+                                              timeout=timeout, op=op)
 
-    def socket_info(self) -> dict[str, Any]:
-        """DSCP and SO_PRIORITY read back from the kernel for every socket (listener, connections, UDP lanes)."""
-        info: dict[str, Any] = {
-            "listener": {"dscp": get_dscp(self.listener.sock), "priority": get_priority(self.listener.sock)}}
-        info["tcp"] = {
-            r: {"dscp": get_dscp(ln.chan.sock), "priority": get_priority(ln.chan.sock)}
-            for r, ln in self._links.items()
-            if not ln.chan.closed
-        }
-        info["stream"] = {
-            ln.peer: {"dscp": get_dscp(ln.tx.sock), "priority": get_priority(ln.tx.sock),
-                      "rx_dscp": get_dscp(ln.rx.sock), "rx_priority": get_priority(ln.rx.sock)}  # fmt: skip
-            for ln in self.streams.lanes.values()
-            if not (ln.tx.closed or ln.rx.closed)
-        }
-        info["udp"] = {
-            lane: {"dscp": get_dscp(ch.sock), "priority": get_priority(ch.sock), "gso": ch.gso, "gro": ch.gro,
-                   "rcvbuf": ch.rcvbuf}  # fmt: skip
-            for lane, ch in self.udp.items()
-            if not ch.closed
-        }
-        hop = self.streams.hop
-        if hop is not None and not hop.closed:  # the lossy ring hops' datagrams (marked like lane 1)
-            info["hop"] = {"dscp": get_dscp(hop.sock), "priority": get_priority(hop.sock), "gso": hop.gso,
-                           "gro": hop.gro, "rcvbuf": hop.rcvbuf, "port": hop.port}
-        return info
+    async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
+                         timeout: float | None = None) -> RoundResult:
+        """Round ``round`` of ``bucket`` from ``peer`` once it closed (see :meth:`Inbound.recv_round`)."""
+        return await self.inbound.recv_round(peer, bucket, round, out=out, timeout=timeout)
+
+    def post_send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, op: int = 0) -> PendingSend:
+        """A lossless round queued without waiting (see :meth:`Outbound.post_send`)."""
+        return self.outbound.post_send(peer, bucket, round, flat, op)
+
+    def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
+                  zero_lost: bool = True, hold: bool = False) -> None:
+        """Where a future round lands (see :meth:`Inbound.post_recv`)."""
+        self.inbound.post_recv(peer, bucket, round, out, zero_lost=zero_lost, hold=hold)
+
+    def important_in(self, peer: int, bucket: int, round: int) -> None:
+        """The important blocks of a round posted with ``hold`` are in: its deadline may start."""
+        self.inbound.important_in(peer, bucket, round)
+
+    async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
+                       ticket: int | None = None) -> list[HopResult]:
+        """Run ``hops`` in order on stream lanes (see :meth:`Exchanges.run`)."""
+        return await self.exchanges.run(hops, timeout, family, ticket)
+
+    def reserve_exchange(self) -> int:
+        """A place in the order of stream exchanges for an :meth:`exchange` started later (its ``ticket``)."""
+        return self.exchanges.reserve()
+
+    def forfeit_exchange(self, ticket: int) -> None:
+        """Give back a place from :meth:`reserve_exchange` whose exchange will never run (later ones go on)."""
+        self.exchanges.forfeit(ticket)
+
+    async def send_tensor(self, peer: int, tensor: torch.Tensor, tag: int = 0) -> None:
+        """Lossless send of a small tensor with its shape and dtype (e.g. a model broadcast)."""
+        await self.outbound.send_tensor(peer, tensor, tag)
+
+    async def recv_tensor(self, peer: int, tag: int = 0, timeout: float | None = None) -> torch.Tensor:
+        """The next tensor from ``peer`` with ``tag`` (:meth:`send_tensor`)."""
+        return await self.inbound.recv_tensor(peer, tag, timeout)
+
+    def abort_peers(self, why: str) -> None:
+        """Tell every connected peer that this rank's collective failed for ``why`` (:meth:`Links.abort_peers`)."""
+        self.links.abort_peers(why)
+
+    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
+        """The error naming why one of ``peers`` is gone, None if all are alive (:meth:`Links.failure_of`)."""
+        return self.links.failure_of(peers)
+
+    def call_failed(self, why: str) -> None:
+        """Tell every live peer that this rank's collective failed on a failed peer (:meth:`Links.call_failed`)."""
+        self.links.call_failed(why)
+
+    def enter_round(self, family: str, bucket: int, rnd: int) -> None:
+        """This rank starts round ``rnd`` of ``family``/``bucket`` (:meth:`Links.enter_round`)."""
+        self.links.enter_round(family, bucket, rnd)
+
+    def refuse_round(self, family: str, bucket: int, rnd: int, why: str, peers: Iterable[int]) -> None:
+        """This rank refused its input to that round: tell ``peers`` (:meth:`Links.refuse_round`)."""
+        self.links.refuse_round(family, bucket, rnd, why, peers)
+
+    async def aborted(self, within: float, dead: Iterable[int] | None = None) -> RankMismatch | None:
+        """The mismatch a peer reported, waiting up to ``within`` s for one (:meth:`Links.aborted`)."""
+        return await self.links.aborted(within, dead)
+
+    def announce_on_link(self, peer: int, bucket: int, round: int) -> None:
+        """Tell ``peer`` that this rank runs ``bucket``/``round`` on the session link (:meth:`Links.announce_on_link`,
+        issue 22)."""
+        self.links.announce_on_link(peer, bucket, round)
+
+    def hop_ready(self, peer: int) -> bool:
+        """Whether a lossy ring hop to and from ``peer`` can take the hop socket (:meth:`HopRounds.ready`)."""
+        return self.hop_rounds.ready(peer)
 
     async def lossy_hop(self, spec: LossyHopSpec) -> LossyHopResult:
         """One reduce-scatter hop of a lossy ring, whole (:func:`dgt.transport.lossy_hop.lossy_hop`, on this
-        endpoint's hop-round plumbing)."""
+        endpoint's hop-round part)."""
         return await lossy_hop(self, spec)
+
+    if not TYPE_CHECKING:  # hidden from mypy: typed code must use the new places
+
+        def __getattr__(self, name: str) -> Any:
+            """The methods that moved to a part (:data:`MOVED`), for one release, with a DeprecationWarning."""
+            if name in MOVED:
+                part, attr = MOVED[name]
+                warnings.warn(f"Endpoint.{name} is deprecated: use Endpoint.{part}.{attr} (it goes away in the "
+                              f"release after 0.1)", DeprecationWarning, stacklevel=2)
+                return getattr(getattr(self, part), attr)
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")

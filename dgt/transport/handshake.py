@@ -1,4 +1,5 @@
-"""Joining peers, the endpoint's session links (part of :class:`dgt.transport.endpoint.Endpoint`).
+"""Joining peers (part of :class:`dgt.transport.endpoint.Endpoint`): dialling, accepting, and registering the
+session links.
 
 The lower rank dials, the higher accepts; both prove the session key (dgt.transport.auth) before a link is
 registered. Stream lanes (dgt.transport.streams) are dialled and welcomed here too.
@@ -22,12 +23,17 @@ from dgt.channels.tcp import TcpChannel, dial
 from dgt.channels.tcp_writer import ReliableWriter
 from dgt.errors import PeerClosed, PeerTimeout, ProtocolError, one_error, open_nursery
 from dgt.protocol.congestion import LedbatRate
+from dgt.protocol.datagram_mac import DatagramMac
 from dgt.protocol.pacing import Pacer, TokenBucket
 from dgt.protocol.sender import RoundSender
 from dgt.transport import auth, control
 from dgt.transport.config import PeerAddress
+from dgt.transport.inbound import Inbound
+from dgt.transport.links import Links
 from dgt.transport.records import Link
-from dgt.transport.session import EndpointState
+from dgt.transport.session import Session
+from dgt.transport.sockets import Sockets
+from dgt.transport.streams import StreamHub
 
 HANDSHAKE_STAGING = 4096  # (i22) bytes an accepted connection stages until its peer proved the key (was 1 MiB)
 
@@ -40,15 +46,33 @@ def _control_only(h: np.void) -> object:
     return KEEP
 
 
-class HandshakeMixin(EndpointState):
-    """Connecting: dial, accept, the hello/challenge handshake and the link registry (``_links``, ``_sources``)."""
+class Handshake:
+    """Connecting: dial, accept, the hello/challenge handshake, and the links it registers (in ``links.table``,
+    their datagram sources in ``links.sources``; each link's tasks run in the endpoint's service nursery: its reader
+    is the inbound part's). ``key`` proves membership; ``mac`` (or None) signs the links' datagrams. ``pending``:
+    accepted connections whose handshake is under way (capped)."""
+
+    def __init__(self, session: Session, sockets: Sockets, links: Links, inbound: Inbound, hub: StreamHub,
+                 key: bytes, mac: DatagramMac | None) -> None:
+        self.session = session
+        self.cfg = session.cfg
+        self.rank = session.rank
+        self.token = session.token
+        self.receiver = session.receiver
+        self.sockets = sockets
+        self.links = links
+        self.inbound = inbound
+        self.hub = hub
+        self._key = key
+        self._mac = mac
+        self.pending = 0
 
     @one_error
     async def connect(self, peers: Mapping[int, PeerAddress | dict[str, object]], timeout: float | None = None) -> None:
         """Connect to ``peers`` (rank -> address). Both sides of a pair call it; the lower rank dials, the higher
         accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
         within ``timeout`` (default: connect_timeout, else peer_timeout)."""
-        self._check_open()
+        self.session.check_open()
         timeout = timeout or self.cfg.connect_timeout or self.cfg.peer_timeout
         wanted = {}
         for rank, addr in peers.items():
@@ -56,12 +80,13 @@ class HandshakeMixin(EndpointState):
             if rank == self.rank:
                 continue
             addr = addr if isinstance(addr, PeerAddress) else PeerAddress.from_dict(addr)
-            if len(addr.udp_ports) != len(self.udp):
-                raise ValueError(f"rank {rank} has {len(addr.udp_ports)} UDP lanes, this endpoint {len(self.udp)}")
+            if len(addr.udp_ports) != len(self.sockets.udp):
+                raise ValueError(f"rank {rank} has {len(addr.udp_ports)} UDP lanes, this endpoint "
+                                 f"{len(self.sockets.udp)}")
             wanted[rank] = addr
         async with open_nursery() as n:
             for rank, addr in wanted.items():
-                link = self._links.get(rank)
+                link = self.links.table.get(rank)
                 if link is not None and link.error is None:
                     continue
                 if self.rank < rank:
@@ -73,21 +98,21 @@ class HandshakeMixin(EndpointState):
         host = canonical_host(addr.host)
         # the acceptor may send its first round's datagrams right behind the welcome, and our UDP task can run before
         # the task reading the welcome: accept them (into the early buffer) from the address the store gave us
-        early = [(host, p) for p in addr.udp_ports if (host, p) not in self._sources]
+        early = [(host, p) for p in addr.udp_ports if (host, p) not in self.links.sources]
         for src in early:
-            self._sources[src] = rank
+            self.links.sources[src] = rank
         try:
             chan = await self._hello(rank, addr.host, addr.tcp_port, timeout)
         except BaseException:
             for src in early:
-                self._sources.pop(src, None)
+                self.links.sources.pop(src, None)
             raise
         self._register(rank, addr, host, chan, FrameReader(chan, self.cfg.limits, self.token))
 
-    async def _dial_stream(self, rank: int, direction: int) -> TcpChannel:
+    async def dial_stream(self, rank: int, direction: int) -> TcpChannel:
         """Open one direction of a stream lane to ``rank`` (see dgt.transport.streams): another connection, welcomed
         like the first."""
-        link = self._link(rank)
+        link = self.links.link(rank)
         timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
         return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True,
                                  direction=direction)
@@ -102,8 +127,9 @@ class HandshakeMixin(EndpointState):
                 chan = self._tcp_channel(sock, rank)
                 try:
                     dn = auth.nonce()
-                    hello = control.control(self.token, self.rank, control.HELLO, address=self.address.to_dict(),
-                                            lanes=len(self.udp), nonce=dn, mac=self._mac is not None, **fields)
+                    hello = control.control(self.token, self.rank, control.HELLO,
+                                            address=self.sockets.address.to_dict(),
+                                            lanes=len(self.sockets.udp), nonce=dn, mac=self._mac is not None, **fields)
                     await chan.send_buffers([hello])
                     peer, msg = await self._read_control(chan)
                     if msg["op"] == control.CHALLENGE and peer == rank:
@@ -152,38 +178,31 @@ class HandshakeMixin(EndpointState):
             return "authentication failed"
         return None
 
-    def _link_error(self, rank: int) -> BaseException | None:
-        """Why the session link to ``rank`` is unusable (None: it is live)."""
-        link = self._links.get(rank)
-        if link is None:
-            return self._fatal or PeerClosed(f"rank {self.rank} is not connected to rank {rank}")
-        return link.error
-
     async def _await_link(self, rank: int, timeout: float) -> None:
-        slot = self._link_ready.setdefault(rank, Slot())
+        slot = self.links.ready.setdefault(rank, Slot())
         try:
             with trio.fail_after(timeout):
                 await slot.wait()
         except trio.TooSlowError:
             raise PeerTimeout(f"rank {self.rank}: rank {rank} did not connect within {timeout:g} s") from None
 
-    async def _accept_loop(self) -> None:
+    async def accept_loop(self) -> None:
         """Accept dialers. Accept errors (EMFILE, ENFILE, ENOBUFS...) are counted (``accept:<errno>``) and
         survived with a short back-off; beyond ``max_pending_handshakes`` unfinished handshakes a new connection is
         closed at once (``handshake-cap``), so silent connections cannot exhaust memory or descriptors."""
         while True:
             try:
-                sock = await self.listener.accept()
+                sock = await self.sockets.listener.accept()
             except OSError as exc:
                 self.receiver.counters.reject(f"accept:{errno.errorcode.get(exc.errno or 0, exc.errno)}")
                 await trio.sleep(0.05)  # the listener stays readable while the limit holds: do not spin
                 continue
-            if self._handshakes >= self.cfg.max_pending_handshakes:
+            if self.pending >= self.cfg.max_pending_handshakes:
                 self.receiver.counters.reject("handshake-cap")
                 sock.close()
                 continue
-            self._handshakes += 1
-            self._spawn(self._handshake_in, sock)
+            self.pending += 1
+            self.session.spawn(self._handshake_in, sock)
 
     async def _handshake_in(self, sock: socket.socket) -> None:
         """Validate a dialer's hello (token, rank, lanes, proof of the key) within the connect timeout; welcome or
@@ -191,7 +210,7 @@ class HandshakeMixin(EndpointState):
         try:
             await self._handshake(sock)
         finally:
-            self._handshakes -= 1
+            self.pending -= 1
 
     async def _handshake(self, sock: socket.socket) -> None:
         chan = self._tcp_channel(sock, -1)
@@ -211,14 +230,14 @@ class HandshakeMixin(EndpointState):
                         return
                 if msg["op"] == control.HELLO and msg.get("stream"):
                     direction = msg.get("direction", 0)
-                    why = self.streams.refusal(rank, direction)
+                    why = self.hub.refusal(rank, direction)
                     reply = control.control(self.token, self.rank, control.REFUSE, why=why) if why else \
                         control.control(self.token, self.rank, control.WELCOME)
                     await chan.send_buffers([reply])
                     if why:
                         chan.close()
                     else:
-                        self.streams.accept(rank, chan, direction)
+                        self.hub.accept(rank, chan, direction)
                     return
                 why, addr = self._session_refusal(rank, msg)
                 if why is not None:
@@ -229,14 +248,14 @@ class HandshakeMixin(EndpointState):
                 # accept the peer's datagrams before it hears the welcome: with lazy connections its first round
                 # follows the handshake at once, and datagrams that beat _register were dropped as a stranger's
                 # (lost for good: 12 blocks of a round with a 10 s deadline)
-                early = [(host, p) for p in addr.udp_ports if (host, p) not in self._sources]
+                early = [(host, p) for p in addr.udp_ports if (host, p) not in self.links.sources]
                 for src in early:
-                    self._sources[src] = rank
+                    self.links.sources[src] = rank
                 try:
                     await chan.send_buffers([control.control(self.token, self.rank, control.WELCOME)])
                 except BaseException:
                     for src in early:
-                        self._sources.pop(src, None)
+                        self.links.sources.pop(src, None)
                     raise
         except Exception:  # wrong token, garbage, silence or a vanished dialer: not a peer of this session
             chan.close()
@@ -252,15 +271,15 @@ class HandshakeMixin(EndpointState):
         why = None
         if msg["op"] != control.HELLO:
             why = "expected hello"
-        elif rank == self.rank or (rank in self._links and self._links[rank].error is None):
+        elif rank == self.rank or (rank in self.links.table and self.links.table[rank].error is None):
             why = f"rank {rank} is already connected"
-        elif int(msg.get("lanes", -1)) != len(self.udp):
-            why = f"lane count {msg.get('lanes')} != {len(self.udp)}"
+        elif int(msg.get("lanes", -1)) != len(self.sockets.udp):
+            why = f"lane count {msg.get('lanes')} != {len(self.sockets.udp)}"
         elif bool(msg.get("mac")) != (self._mac is not None):  # (i22) else every datagram would be refused
             why = f"datagram_mac {bool(msg.get('mac'))} != {self._mac is not None}"
         addr = PeerAddress.from_dict(msg["address"])
-        if why is None and len(addr.udp_ports) != len(self.udp):
-            why = f"{len(addr.udp_ports)} UDP ports for {len(self.udp)} lanes"
+        if why is None and len(addr.udp_ports) != len(self.sockets.udp):
+            why = f"{len(addr.udp_ports)} UDP ports for {len(self.sockets.udp)} lanes"
         return why, addr
 
     def _tcp_channel(self, sock: socket.socket, rank: int) -> TcpChannel:
@@ -271,13 +290,13 @@ class HandshakeMixin(EndpointState):
 
     def _register(self, rank: int, addr: PeerAddress, host: str, chan: TcpChannel, reader: FrameReader) -> None:
         c = self.cfg
-        old = self._links.get(rank)
-        if self._closing or (old is not None and old.error is None):  # closing, or a racing second connection
+        old = self.links.table.get(rank)
+        if self.session.closing or (old is not None and old.error is None):  # closing, or a racing second connection
             chan.close()
             return
         udp_addrs = [(host, p) for p in addr.udp_ports]
         for p in addr.udp_ports:
-            self._sources[(host, p)] = rank
+            self.links.sources[(host, p)] = rank
         pacer = None
         now = trio.current_time()
         # pace_shared: the budget this peer's TCP and UDP bytes both come off (the config checked pace_rate is set)
@@ -294,6 +313,6 @@ class HandshakeMixin(EndpointState):
             mac=self._mac, peer=rank,
         )  # fmt: skip
         link = Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)
-        self._links[rank] = link
-        self._spawn(self._run_link, link)
-        self._link_ready.setdefault(rank, Slot()).set()
+        self.links.table[rank] = link
+        self.session.spawn(self.links.run, link, self.inbound.read)
+        self.links.ready.setdefault(rank, Slot()).set()

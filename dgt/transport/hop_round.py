@@ -6,7 +6,7 @@ The sans-IO classes do what they do for any round, fed in bulk: the sender plans
 pads), its ROUND_BEGIN and ROUND_END travel in the hop's first stream message, its datagrams leave from the hop
 socket in the stream exchange's worker thread (:mod:`dgt.channels.hop_datagrams`), and the receiver is fed the
 frames and every read of datagrams with its arrival time after the exchange, then closed at the time the worker
-stopped waiting (:meth:`land_hop_round`). The drop report goes back on the session link as for any round, and folds
+stopped waiting (:meth:`HopRounds.land`). The drop report goes back on the session link as for any round, and folds
 into error feedback and the congestion controller there (``_on_drop_report``), with the send calls' times the
 worker recorded.
 
@@ -30,13 +30,18 @@ from dgt.channels.udp import read_sizes
 from dgt.channels.udp_scheduler import DatagramJob
 from dgt.errors import RankMismatch, shape_mismatch
 from dgt.layout import BucketLayout
+from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.datagram_decode import decode_datagrams
 from dgt.protocol.events import Event
 from dgt.protocol.geometry import Geometry, fragment_elems
 from dgt.protocol.sender import RoundPlan
-from dgt.transport.outbound import OutboundMixin
+from dgt.transport.inbound import Inbound
+from dgt.transport.links import Links
+from dgt.transport.outbound import Outbound
 from dgt.transport.records import SendTrack
+from dgt.transport.session import Session
 from dgt.transport.stats import SendStats
+from dgt.transport.streams import StreamHub
 
 _END = wire.HEADER_SIZE + len(wire.encode_round_end(0, 0, 0, 0))
 
@@ -61,37 +66,51 @@ class HopRoundSend:
     track: SendTrack | None
 
 
-class HopRoundMixin(OutboundMixin):
-    """Lossy ring hops whose rounds travel on the stream lane and the hop socket."""
+class HopRounds:
+    """Lossy ring hops whose rounds travel on the stream lane and the hop socket: planned with the outbound part's
+    sender and budget, landed in the inbound part's receiver."""
 
-    def hop_ready(self, peer: int) -> bool:
+    def __init__(self, session: Session, links: Links, inbound: Inbound, outbound: Outbound, hub: StreamHub,
+                 cpu_gate: CpuGate | None) -> None:
+        self.session = session
+        self.cfg = session.cfg
+        self.rank = session.rank
+        self.token = session.token
+        self.receiver = session.receiver
+        self.links = links
+        self.inbound = inbound
+        self.outbound = outbound
+        self.hub = hub
+        self.cpu_gate = cpu_gate
+
+    def ready(self, peer: int) -> bool:
         """Whether rounds to and from ``peer`` can take this path: both ends have a hop socket."""
-        link = self._links.get(peer)
-        return self.streams.hop is not None and link is not None and link.address.hop_port > 0
+        link = self.links.table.get(peer)
+        return self.hub.hop is not None and link is not None and link.address.hop_port > 0
 
     def _hop_addr(self, peer: int) -> tuple[str, int]:
-        link = self._link(peer)
+        link = self.links.link(peer)
         return (link.udp_addrs[0][0], link.address.hop_port)
 
-    def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+    def plan(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                        cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend:
         """Plan round ``round`` of ``bucket`` to ``peer`` without sending anything (see the module docstring): the
         important blocks are the caller's to carry (``HopRoundSend.packed``, float32 only)."""
-        link = self._link(peer)
-        hop = self.streams.hop
+        link = self.links.link(peer)
+        hop = self.hub.hop
         if hop is None:
             raise RuntimeError(f"rank {self.rank}: a hop round to rank {peer} needs the hop socket (none here)")
         key = (peer, bucket, round)
-        if key in self._sending and not self._sending[key].detached:
+        if key in self.outbound.sending and not self.outbound.sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         now = trio.current_time()
         packed: list[torch.Tensor] = []
-        plan, _ = self._plan_round(link, bucket, round, flat.detach().reshape(-1), layout, cls, order, False, True,
-                                   op, packed.append, self.cpu_gate)
+        plan, _ = self.outbound.plan_round(link, bucket, round, flat.detach().reshape(-1), layout, cls, order, False,
+                                           True, op, packed.append, self.cpu_gate)
         stats = SendStats(peer, bucket, round, 0, plan.unimportant_blocks, 1, 0, copied=True,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)
         for lane, n in plan.unsent_lanes.items():
-            self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
+            self.outbound.tx_unsent[lane] = self.outbound.tx_unsent.get(lane, 0) + n
         if plan.unsent_blocks and self.cfg.error_feedback:
             link.dirty.add(bucket)
         control = b"".join(bytes(h) + bytes(p) for h, p in plan.reliable)
@@ -106,20 +125,20 @@ class HopRoundMixin(OutboundMixin):
                                 limit=self.cfg.round_timeout or 10.0)
         track = None
         if plan.unimportant_blocks:  # a report will come: it finds its track (none without datagrams: NO_REPORT)
-            track = self._sending[key] = SendTrack(t0=now, cls=plan.cls, detached=True)
+            track = self.outbound.sending[key] = SendTrack(t0=now, cls=plan.cls, detached=True)
         return HopRoundSend(peer, key, control, packed[0], send, stats, job, track)
 
-    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
+    def sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats:
         """After the exchange (or its failure: ``failed``, and no report will be waited for): what the worker sent,
         charged to the pacer and the stats, its send calls on trio's clock for the congestion feedback."""
         st, tx, job = hs.stats, hs.datagrams, hs.job
-        self._stats.rounds_sent += 1
-        if failed and hs.track is not None and self._sending.get(hs.key) is hs.track:
-            del self._sending[hs.key]
+        self.session.stats.rounds_sent += 1
+        if failed and hs.track is not None and self.outbound.sending.get(hs.key) is hs.track:
+            del self.outbound.sending[hs.key]
         if tx is None or job is None:
             return st
         off = trio.current_time() - time.perf_counter()
-        link = self._links.get(hs.peer)
+        link = self.links.table.get(hs.peer)
         pacer = None if link is None else link.pacer
         if pacer is not None and tx.sends:  # one charge at the last call's time: the same debt, one refill
             pacer.consume(tx.sent_bytes, tx.sends[-1][0] + off)
@@ -134,9 +153,9 @@ class HopRoundMixin(OutboundMixin):
             track.jobs.append(job)  # the congestion feedback reads the send calls from here
             info = track.report.peek()
             if info is not None and link is not None:  # the report came while the worker still ran: feed it now
-                self._account_report(link, track, info)
-        if self.streams.hop is not None:
-            c = self.streams.hop.counters
+                self.outbound.account_report(link, track, info)
+        if self.hub.hop is not None:
+            c = self.hub.hop.counters
             c.tx_datagrams += tx.sent
             c.tx_bytes += tx.sent_bytes
             c.tx_calls += len(tx.sends)
@@ -145,10 +164,10 @@ class HopRoundMixin(OutboundMixin):
         st.datagrams[1] = tx.sent
         st.datagram_bytes[1] = tx.sent_bytes
         st.abandoned[1] = job.abandoned
-        self._tx_abandoned[1] = self._tx_abandoned.get(1, 0) + job.abandoned
+        self.outbound.tx_abandoned[1] = self.outbound.tx_abandoned.get(1, 0) + job.abandoned
         return st
 
-    def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
+    def receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
                     control: Callable[[], memoryview], buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]:
         """For the worker thread, once the hop's first message is in: where the round's datagrams from ``peer``
         land. ``control()``: the received ROUND_BEGIN + ROUND_END; ``buf(nbytes)``: a uint8 buffer of at least that
@@ -176,10 +195,10 @@ class HopRoundMixin(OutboundMixin):
 
     def _payload_room(self, peer: int) -> int:
         """The datagram payload (MAC trailer included) rounds to ``peer`` use (RoundSender.geometry's)."""
-        sender = self._link(peer).sender
+        sender = self.links.link(peer).sender
         return int(sender.datagram_payload) - (0 if sender.mac is None else wire.MAC_TAG)
 
-    def land_hop_round(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
+    def land(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
                        control_at: float) -> None:
         """Feed the round the exchange carried to the receiver (see the module docstring) and close it.
         ``control_at``: ``time.perf_counter()`` when its frames were in. RankMismatch when it did not open (another
@@ -193,9 +212,7 @@ class HopRoundMixin(OutboundMixin):
         except wire.WireError:
             head = None
         if head is not None and int(head["rank"]) == peer:
-            self._opened[key] = control_at + off
-            while len(self._opened) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
-                self._opened.popitem(last=False)
+            self.inbound.note_opened(key, control_at + off)
             events += recv.receive_bytes(control, 0, control_at + off)
         else:
             recv.counters.reject("rank-mismatch")
@@ -207,7 +224,7 @@ class HopRoundMixin(OutboundMixin):
         if recv.is_open(key):
             events += recv.expire(key, (rx.closed_at or rx.imp_at) + off if rx is not None else control_at + off)
         if events:
-            self._handle(events)
+            self.inbound.handle(events)
         if not recv.is_closed(key):
             raise RankMismatch(shape_mismatch(round), detail=f"rank {self.rank}: the round of bucket {bucket} from "
                                f"rank {peer} did not open (its opening frames were refused)")
@@ -216,7 +233,7 @@ class HopRoundMixin(OutboundMixin):
         """Every pass of reads the worker made, as one batch each at its arrival time."""
         events: list[Event] = []
         first = 0
-        udp = self.streams.hop
+        udp = self.hub.hop
         if udp is not None:
             c = udp.counters
             c.rx_calls += len(rx.reads)
@@ -237,9 +254,9 @@ class HopRoundMixin(OutboundMixin):
                 udp.counters.rx_datagrams += len(sizes)
                 udp.counters.rx_bytes += end - start
             batch = decode_datagrams(rx.buf[start:end].data, sizes, self.cfg.limits, self.token)
-            if self._drop_rng is not None:  # injected loss (TransportConfig.drop_fraction), as the UDP ingress does
-                keep = self._drop_rng.random(len(sizes)) >= self.cfg.drop_fraction
-                self._rx_dropped_hook[1] = self._rx_dropped_hook.get(1, 0) + int((~keep).sum())
+            if self.inbound.drop_rng is not None:  # injected loss (TransportConfig.drop_fraction), as UDP ingress does
+                keep = self.inbound.drop_rng.random(len(sizes)) >= self.cfg.drop_fraction
+                self.inbound.rx_dropped_hook[1] = self.inbound.rx_dropped_hook.get(1, 0) + int((~keep).sum())
                 batch = wire.Batch(batch.headers[keep], batch.payload_pos[keep], batch.reason[keep], batch.buf)
             events += self.receiver.receive_datagrams(batch, 1, t + off)
         return events

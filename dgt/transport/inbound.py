@@ -1,17 +1,21 @@
-"""What arrives (part of :class:`dgt.transport.endpoint.Endpoint`): UDP ingress into the sans-IO receiver,
-landing buffers (``post_recv``), closed rounds and lossless messages delivered to waiters or buffered.
+"""What arrives (part of :class:`dgt.transport.endpoint.Endpoint`): each session link's reader, UDP ingress into the
+sans-IO receiver, landing buffers (``post_recv``), closed rounds and lossless messages delivered to waiters or
+buffered, and the deadline timer that closes rounds.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from typing import Any
 
+import numpy as np
 import torch
 import trio
 
 from dgt import wire
+from dgt.channels.framing import KEEP
 from dgt.channels.slot import Slot
 from dgt.channels.udp import UdpChannel
 from dgt.errors import PeerClosed, PeerTimeout, RankMismatch, shape_mismatch
@@ -19,15 +23,148 @@ from dgt.protocol.datagram_decode import decode_datagrams
 from dgt.protocol.events import BulkDone, DropReportIn, Event, RoundDone, RoundRefused
 from dgt.protocol.stats import RoundLaneStats, RoundStats
 from dgt.transport import control
-from dgt.transport.outbound import BYTES_BUCKET
-from dgt.transport.session import EndpointState
-from dgt.transport.stats import RoundResult
+from dgt.transport.deadline_timer import DeadlineTimer
+from dgt.transport.links import Links
+from dgt.transport.outbound import BYTES_BUCKET, Outbound
+from dgt.transport.records import Link
+from dgt.transport.session import Key, Session
+from dgt.transport.stats import PendingRounds, RoundResult
+from dgt.wire import Flags, FrameType
 
 
-class InboundMixin(EndpointState):
-    """UDP ingress, receiver feeding, early buffers, results and the receive APIs."""
+class Inbound:
+    """UDP ingress, the links' readers, receiver feeding, landing buffers, results and the receive APIs:
+    ``waiters`` (receives under way), ``results`` (closed rounds nobody awaited yet, bounded), ``landing`` (posted
+    buffers), ``opened`` (when each round opened), the receive counters, and ``deadlines`` (the receiver's timer).
+    It installs its landing buffers as the session's receivers' allocator."""
 
-    async def _udp_ingress(self, lane: int, chan: UdpChannel) -> None:
+    def __init__(self, session: Session, links: Links, outbound: Outbound, lanes: Sequence[int]) -> None:
+        self.session = session
+        self.cfg = session.cfg
+        self.rank = session.rank
+        self.token = session.token
+        self.receiver = session.receiver
+        self.bulk = session.bulk
+        self.links = links
+        self.outbound = outbound
+        c = session.cfg
+        self.waiters: dict[Key, Slot] = {}
+        self.results: OrderedDict[Key, RoundResult] = OrderedDict()
+        self.landing: OrderedDict[Key, torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
+        self.opened: OrderedDict[Key, float] = OrderedDict()
+        self._bytes_rx: dict[tuple[int, int], int] = {}
+        self.drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
+        self.rx_dropped_hook: dict[int, int] = dict.fromkeys(lanes, 0)
+        self.lane_delivered: dict[int, list[int]] = {}
+        session.receiver.allocator = self._allocate
+        session.bulk.landing = self._allocate
+        self.deadlines = DeadlineTimer(session.receiver, self.handle)
+        links.watch(self)
+
+    def peer_failed(self, rank: int, error: BaseException, closed: bool) -> None:
+        """(:class:`~dgt.transport.links.PeerWatcher`) the receives from ``rank`` fail; a closed link frees its
+        open rounds and messages."""
+        for key in [k for k in self.waiters if k[0] == rank]:
+            self.waiters.pop(key).fail(error)
+        if closed:
+            self.handle(self.receiver.abort(rank, trio.current_time()))
+            self.bulk.abort(rank)
+
+    def close(self, error: BaseException) -> None:
+        """The endpoint is closing: every receive under way fails with ``error``."""
+        for slot in list(self.waiters.values()):
+            slot.fail(error)
+
+    def note_opened(self, key: Key, at: float) -> None:
+        """Round ``key`` opened at ``at`` (trio's clock): its receive time counts from there (bounded)."""
+        self.opened[key] = at
+        while len(self.opened) > self.session.bound(len(self.links.table)):
+            self.opened.popitem(last=False)
+
+    def pending_rounds(self, limit: int = 20) -> PendingRounds:
+        """What this endpoint waits for (see :class:`PendingRounds`), for the error message of a stuck call."""
+        return PendingRounds(list(self.waiters)[:limit], list(self.outbound.sending)[:limit],
+                             list(self.results)[:limit], self.receiver.progress(limit))
+
+    def _frame_routes(self, rank: int) -> tuple[Callable[[np.void], memoryview | object | None],
+                                                Callable[[np.ndarray], np.ndarray]]:
+        """For the reader of ``rank``'s link: where a frame's payload lands (``place``: the receiver's buffer for
+        a data frame, the bulk receiver's for a BULK one, None to drop it, KEEP to read it into a frame), and which
+        staged frames go to the receiver in one vectorised pass (``batchable``)."""
+        recv = self.receiver
+
+        def place(h: np.void) -> memoryview | object | None:
+            if int(h["rank"]) != rank:
+                return None  # a peer may only speak for itself
+            ftype = int(h["ftype"])
+            if ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+                return recv.payload_target(h, 0)
+            if ftype == FrameType.BULK:
+                return self.bulk.target(rank, h, trio.current_time())
+            return KEEP
+
+        def batchable(h: np.ndarray) -> np.ndarray:
+            mask: np.ndarray = ((h["ftype"] == FrameType.DATA) & ((h["flags"] & Flags.FRAGMENT) == 0)
+                                & (h["rank"] == rank))
+            return mask
+
+        return place, batchable
+
+    async def read(self, link: Link) -> None:
+        """``link``'s reader task (:meth:`Links.run`): frames into the receivers, control messages to the links."""
+        recv = self.receiver
+        rank = link.rank
+        place, batchable = self._frame_routes(rank)
+        budget = 0  # bytes handled since the last checkpoint: yield every so often, not per frame
+        events: Sequence[Event] | None
+        waits = link.chan.waits
+        while True:
+            staged = link.reader.take_staged(batchable)
+            if staged is not None:  # many small data frames already in memory: one vectorised pass
+                batch = wire.Batch(staged.headers, staged.payload_pos, np.zeros(len(staged), np.int8), staged.buf)
+                events = recv.receive_runs(batch, 0, trio.current_time())
+                if events:
+                    self.handle(events)
+                budget += int(staged.headers["length"].astype(np.int64).sum())
+                self.deadlines.poke()  # cheap (one look at the open rounds); the next read may block
+                continue
+            if budget >= 1 << 20:
+                budget = 0
+                self.deadlines.poke()
+                if link.chan.waits == waits:  # no read waited since the last time: yield to the other tasks
+                    await trio.lowlevel.checkpoint()
+                waits = link.chan.waits
+            rf = await link.reader.next(place)
+            now = trio.current_time()
+            h = rf.header
+            ftype = int(h["ftype"])
+            events = []
+            if int(h["rank"]) != rank:
+                recv.counters.reject("rank-mismatch")
+            elif ftype == FrameType.DATA and not int(h["flags"]) & Flags.FRAGMENT:
+                events = recv.commit(h, 0, now, rf.landed)
+            elif ftype == FrameType.BULK:
+                events = self.bulk.landed(rank, h, now)
+            elif ftype == FrameType.CONTROL:
+                self.links.on_control(link, rf.frame)
+            else:
+                if ftype == FrameType.ROUND_BEGIN:
+                    key = (rank, int(h["bucket"]), int(h["round"]))
+                    self.note_opened(key, now)
+                    if self.links.stream_watch.expected(key):  # (i22) the peer runs on the round path what we run on
+                        self.links.stream_conflict(key)  # stream lanes (a lossy ring's held round never closes itself)
+                assert rf.frame is not None  # place() keeps every frame that reaches this branch
+                events = recv.receive_bytes(rf.frame, 0, now)  # a refused ROUND_BEGIN: RoundRefused (handle)
+            if events:
+                self.handle(events)
+            budget += 4096 + int(h["length"])
+            # every path reaches this check (a CONTROL frame right behind a ROUND_END must not skip it): a round whose
+            # deadline just started would otherwise wait for the next frame that happens to leave the buffer empty
+            if rf.idle:  # (no checkpoint of its own: the next read finds nothing and waits, which yields)
+                budget = 0
+                self.deadlines.poke()
+
+    async def udp_ingress(self, lane: int, chan: UdpChannel) -> None:
         accept = self._accept_source if self.cfg.check_source else None
         frac = self.cfg.drop_fraction
         while True:
@@ -38,9 +175,9 @@ class InboundMixin(EndpointState):
             if len(sizes) == 0:
                 continue
             batch = decode_datagrams(mv, sizes, self.cfg.limits, self.token)  # one C pass when built
-            if self._drop_rng is not None:
-                keep = self._drop_rng.random(len(sizes)) >= frac
-                self._rx_dropped_hook[lane] += int((~keep).sum())
+            if self.drop_rng is not None:
+                keep = self.drop_rng.random(len(sizes)) >= frac
+                self.rx_dropped_hook[lane] += int((~keep).sum())
                 batch = wire.Batch(batch.headers[keep], batch.payload_pos[keep], batch.reason[keep], batch.buf)
             for _ in range(3):  # their round's ROUND_BEGIN may be in the link's socket: let its reader run first
                 if not self.receiver.opening_pending(batch):
@@ -48,14 +185,14 @@ class InboundMixin(EndpointState):
                 await trio.lowlevel.checkpoint()
             events = self.receiver.receive_datagrams(batch, lane, trio.current_time())
             if events:
-                self._handle(events)
+                self.handle(events)
             self.deadlines.poke()
 
     def _accept_source(self, addr: tuple[Any, ...]) -> bool:
-        return (addr[0], addr[1]) in self._sources
+        return (addr[0], addr[1]) in self.links.sources
 
     def _allocate(self, key: tuple[int, int, int], numel: int, dtype: torch.dtype) -> torch.Tensor | None:
-        out = self._out.pop(key, None)  # the round opened: the receiver holds its buffer from now on
+        out = self.landing.pop(key, None)  # the round opened: the receiver holds its buffer from now on
         if out is None:
             return None
         if out.numel() == numel and out.dtype == dtype and out.is_contiguous():
@@ -68,21 +205,21 @@ class InboundMixin(EndpointState):
         """Tell a round's sender that this rank refuses it (its landing is another size or dtype): a ``send_round``
         that waits for the round's report fails with the :class:`RankMismatch` this rank raises, instead of
         returning as if the round had been taken (a control STALE, ``why="mismatch"``)."""
-        link = self._links.get(key[0])
+        link = self.links.table.get(key[0])
         if link is not None and link.error is None:
             _, bucket, round = key
             msg = control.control(self.token, self.rank, control.STALE, bucket=bucket, round=round, why="mismatch",
                                   detail=f"rank {self.rank} expects {mine}, rank {key[0]} sent {theirs}")
             link.writer.push([msg], urgent=True)
 
-    def _handle(self, events: Sequence[Event]) -> None:
+    def handle(self, events: Sequence[Event]) -> None:
         """What the receivers said (dgt.protocol.events), dispatched by kind."""
         done = []
         for ev in events:
             if isinstance(ev, RoundDone):
                 done.append(ev)
             elif isinstance(ev, DropReportIn):
-                self._on_drop_report(ev.frame)
+                self.outbound.on_drop_report(ev.frame)
             elif isinstance(ev, BulkDone):
                 self._bulk_done(ev)
             elif isinstance(ev, RoundRefused):
@@ -92,7 +229,7 @@ class InboundMixin(EndpointState):
 
     def _refused(self, ev: RoundRefused) -> None:
         """A ROUND_BEGIN the receiver did not open: its sender would wait forever for the round; tell it now."""
-        link = self._links.get(ev.key[0])
+        link = self.links.table.get(ev.key[0])
         if link is not None and link.error is None:
             _, bucket, round = ev.key
             msg = control.control(self.token, self.rank, control.STALE, bucket=bucket, round=round, why=ev.why)
@@ -101,18 +238,18 @@ class InboundMixin(EndpointState):
     def _finished(self, done: list[RoundDone]) -> None:
         """Rounds the receiver closed: report back to their senders, account, deliver or buffer the results."""
         now = trio.current_time()
-        st = self._stats
+        st = self.session.stats
         for d in done:
             key = (d.sender, d.bucket, d.round)
-            opened = self._opened.pop(key, None)
+            opened = self.opened.pop(key, None)
             elapsed = max(now - opened, 0.0) if opened is not None else 0.0
             why = d.stats.closed_by
-            link = self._links.get(d.sender)
+            link = self.links.table.get(d.sender)
             if link is not None and link.error is None and why not in ("aborted", "sender-gone") and d.report:
                 link.writer.push([d.report], urgent=True)
             st.closed_by[why] = st.closed_by.get(why, 0) + 1
             if why == "aborted":
-                waiter = self._recv_waiters.pop(key, None)
+                waiter = self.waiters.pop(key, None)
                 if waiter is not None:
                     err = link.error if link is not None and link.error is not None else PeerClosed("round aborted")
                     waiter.fail(err)
@@ -124,7 +261,7 @@ class InboundMixin(EndpointState):
             st.deadline_wait_max = max(st.deadline_wait_max, d.stats.deadline_wait)
             st.receive_seconds += elapsed
             for lane, ls in d.stats.lanes.items():
-                acc = self._lane_delivered.setdefault(lane, [0, 0])
+                acc = self.lane_delivered.setdefault(lane, [0, 0])
                 acc[0] += ls.blocks
                 acc[1] += ls.bytes
             self._deliver(key, RoundResult(d.data, d.mask, d.stats, d.layout, d.sender, d.bucket, d.round, elapsed,
@@ -133,16 +270,16 @@ class InboundMixin(EndpointState):
     def _bulk_done(self, d: BulkDone) -> None:
         """A lossless message is in: account it like a complete round (every block received on the TCP lane)."""
         sender, bucket, round = d.key
-        layout = self._layout(d.data.numel())
+        layout = self.session.layout(d.data.numel())
         n = layout.nblocks
-        st = self._stats
+        st = self.session.stats
         stats = RoundStats(sender, bucket, round, blocks=n, important=n, closed_by="complete",
                            lanes={0: RoundLaneStats(d.frames, n, d.nbytes)})  # fmt: skip
         st.closed_by["complete"] = st.closed_by.get("complete", 0) + 1
         st.rounds_received += 1
         st.blocks_received += n
         st.receive_seconds += d.elapsed
-        acc = self._lane_delivered.setdefault(0, [0, 0])
+        acc = self.lane_delivered.setdefault(0, [0, 0])
         acc[0] += n
         acc[1] += d.nbytes
         mask = torch.ones(n, dtype=torch.bool)
@@ -150,16 +287,16 @@ class InboundMixin(EndpointState):
                                          codec=d.codec))
 
     def _deliver(self, key: tuple[int, int, int], res: RoundResult) -> None:
-        waiter = self._recv_waiters.pop(key, None)
+        waiter = self.waiters.pop(key, None)
         if waiter is not None:
             waiter.set(res)
             return
-        if self._stream_watch.expected(key):  # (i22) the peer took the round path for a call we run on streams
-            self._stream_conflict(key)
-        self._results[key] = res
-        while len(self._results) > self.cfg.max_buffered_results:
-            self._results.popitem(last=False)
-            self._stats.results_evicted += 1
+        if self.links.stream_watch.expected(key):  # (i22) the peer took the round path for a call we run on streams
+            self.links.stream_conflict(key)
+        self.results[key] = res
+        while len(self.results) > self.cfg.max_buffered_results:
+            self.results.popitem(last=False)
+            self.session.stats.results_evicted += 1
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
                   zero_lost: bool = True, hold: bool = False) -> None:
@@ -178,19 +315,19 @@ class InboundMixin(EndpointState):
         if hold:
             self.receiver.hold(key)
         if out is None:
-            self._out.pop(key, None)
+            self.landing.pop(key, None)
             return
-        if key in self._results or self.receiver.is_open(key) or self.receiver.is_closed(key) or self.bulk.is_open(key):
+        if key in self.results or self.receiver.is_open(key) or self.receiver.is_closed(key) or self.bulk.is_open(key):
             return  # already open or done: too late to land in place
-        self._out[key] = out
+        self.landing[key] = out
         if not zero_lost:
             self.receiver.leave_lost(key)
-        while len(self._out) > 4 * self.cfg.limits.max_open_rounds * max(1, len(self._links)):
-            self._out.popitem(last=False)
+        while len(self.landing) > self.session.bound(len(self.links.table)):
+            self.landing.popitem(last=False)
 
     def important_in(self, peer: int, bucket: int, round: int) -> None:
         """The important blocks of a round posted with ``hold`` are in: its deadline may start."""
-        self._handle(self.receiver.important_in((peer, bucket, round), trio.current_time()))
+        self.handle(self.receiver.important_in((peer, bucket, round), trio.current_time()))
         self.deadlines.poke()
 
     async def recv_round(
@@ -208,14 +345,14 @@ class InboundMixin(EndpointState):
         copied there at the end. PeerClosed/PeerTimeout when the peer goes away; PeerTimeout after ``timeout``
         (default: the config's ``round_timeout``, so no receive waits unbounded)."""
         key = (peer, bucket, round)
-        res = self._results.pop(key, None)
+        res = self.results.pop(key, None)
         if res is None:
-            link = self._link(peer)
-            if key in self._recv_waiters:
+            link = self.links.link(peer)
+            if key in self.waiters:
                 raise ValueError(f"round {round} of bucket {bucket} from rank {peer} is already awaited")
-            slot = self._recv_waiters[key] = Slot()
+            slot = self.waiters[key] = Slot()
             if out is not None and not self.receiver.is_open(key) and not self.bulk.is_open(key):
-                self._out[key] = out
+                self.landing[key] = out
             try:
                 timeout = timeout or self.cfg.round_timeout
                 with trio.fail_after(timeout) if timeout else nullcontext():
@@ -224,9 +361,9 @@ class InboundMixin(EndpointState):
                 raise PeerTimeout(f"round {round} of bucket {bucket} from rank {link.rank}: "
                                   f"nothing within {timeout} s") from None  # fmt: skip
             finally:
-                if self._recv_waiters.get(key) is slot:
-                    del self._recv_waiters[key]
-                self._out.pop(key, None)
+                if self.waiters.get(key) is slot:
+                    del self.waiters[key]
+                self.landing.pop(key, None)
         if out is not None and res.data.data_ptr() == out.data_ptr():
             res.data = out  # reassembled in place: hand back the caller's tensor itself (its shape too)
         elif out is not None:
@@ -238,7 +375,7 @@ class InboundMixin(EndpointState):
                                    f"expects {out.numel()} x {out.dtype}")
             out.view(-1).copy_(res.data)
             res.data = out
-            self._stats.rounds_copied += 1
+            self.session.stats.rounds_copied += 1
         return res
 
     async def recv_bytes(self, peer: int, tag: int = 0, timeout: float | None = None) -> bytes:

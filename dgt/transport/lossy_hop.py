@@ -27,7 +27,6 @@ comes back as one :class:`LossyHopResult`.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -42,8 +41,8 @@ from dgt.protocol.block_ops import add_blocks, combine_blocks, packed_offsets
 from dgt.protocol.packed_blocks import packed_numel
 from dgt.protocol.stats import RoundStats
 from dgt.transport.config import TransportConfig
-from dgt.transport.hop_round import HopRoundSend, control_bytes
-from dgt.transport.stats import RoundResult, SendStats
+from dgt.transport.hop_round import HopRounds, HopRoundSend, control_bytes
+from dgt.transport.stats import RoundResult
 from dgt.transport.streams import Hop, HopResult
 
 
@@ -51,6 +50,7 @@ class HopEndpoint(Protocol):
     """What :func:`lossy_hop` uses of an endpoint (the hop-round plumbing; not part of the collectives' contract)."""
 
     cfg: TransportConfig
+    hop_rounds: HopRounds  # the part that plans, receives, accounts and lands a hop's round
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
                   zero_lost: bool = True, hold: bool = False) -> None: ...
@@ -59,20 +59,9 @@ class HopEndpoint(Protocol):
 
     def forfeit_exchange(self, ticket: int) -> None: ...
 
-    def plan_hop_round(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
-                       cls: torch.Tensor, order: torch.Tensor | None, op: int) -> HopRoundSend: ...
-
-    def hop_receipt(self, peer: int, bucket: int, round: int, layout: BucketLayout, itemsize: int,
-                    control: Callable[[], memoryview],
-                    buf: Callable[[int], np.ndarray]) -> Callable[[], DatagramRecv]: ...
-
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]: ...
 
-    def hop_round_sent(self, hs: HopRoundSend, failed: bool = False) -> SendStats: ...
-
-    def land_hop_round(self, peer: int, bucket: int, round: int, control: memoryview, rx: DatagramRecv | None,
-                       control_at: float) -> None: ...
 
     async def recv_round(self, peer: int, bucket: int, round: int, *, out: torch.Tensor | None = None,
                          timeout: float | None = None) -> RoundResult: ...
@@ -234,7 +223,7 @@ def _prepare(ep: HopEndpoint, spec: LossyHopSpec) -> _Hop:
     """Plan the round (nothing sent), fill the mask message and build the exchange's two hops."""
     key, rnd, op = spec.keys[0], spec.round, spec.op
     lay, lay_c = spec.layout, spec.recv_layout
-    hs = ep.plan_hop_round(spec.send_to, key, rnd, spec.data, lay, spec.cls, spec.order, op)  # nothing sent yet
+    hs = ep.hop_rounds.plan(spec.send_to, key, rnd, spec.data, lay, spec.cls, spec.order, op)  # nothing sent yet
     nb, nb_c = lay.nblocks, lay_c.nblocks
     buf = spec.pool.buffers(spec.step, spec.mine.numel(), nb + len(hs.control), nb_c + control_bytes(lay_c))
     tx = buf.tx_msg.numpy()
@@ -247,7 +236,7 @@ def _prepare(ep: HopEndpoint, spec: LossyHopSpec) -> _Hop:
         seen.append(time.perf_counter())
         return buf.rx_pack[: packed_numel(lay_c, rx[:nb_c] != 0)]
 
-    receipt = ep.hop_receipt(spec.recv_from, key, rnd, lay_c, 4, lambda: rx[nb_c:].data, buf.dgrams)
+    receipt = ep.hop_rounds.receipt(spec.recv_from, key, rnd, lay_c, 4, lambda: rx[nb_c:].data, buf.dgrams)
     early = _HopSum(spec.mine_src, spec.mine, lay_c, buf.rx_pack, rx[:nb_c], torch.get_num_threads() > 1)
 
     def datagrams_in() -> DatagramRecv:  # in the worker thread, once both messages are in
@@ -283,7 +272,7 @@ async def lossy_hop(ep: HopEndpoint, spec: LossyHopSpec) -> LossyHopResult:
             done = await ep.exchange(h.hops, ticket=ticket, family=spec.family)
         except BaseException:
             h.early.live = False  # the call fails: nothing more is written to this rank's chunk
-            ep.hop_round_sent(h.hs, failed=True)  # what left is accounted; no report is waited for
+            ep.hop_rounds.sent(h.hs, failed=True)  # what left is accounted; no report is waited for
             raise
         return await _land(ep, spec, h, done)
     except BaseException:
@@ -300,8 +289,8 @@ def _withdraw(ep: HopEndpoint, spec: LossyHopSpec) -> None:
 async def _land(ep: HopEndpoint, spec: LossyHopSpec, h: _Hop, done: list[HopResult]) -> LossyHopResult:
     """After the exchange: account what was sent, land and close the round, check it, and make the sum."""
     prv, key, rnd, lay_c = spec.recv_from, spec.keys[0], spec.round, spec.recv_layout
-    st = ep.hop_round_sent(h.hs)
-    ep.land_hop_round(prv, key, rnd, h.rx[lay_c.nblocks:].data, h.seen[1], h.seen[0])
+    st = ep.hop_rounds.sent(h.hs)
+    ep.hop_rounds.land(prv, key, rnd, h.rx[lay_c.nblocks:].data, h.seen[1], h.seen[0])
     res = await ep.recv_round(prv, key, rnd, out=spec.land)  # closed just now: returned at once
     if spec.op and res.codec != spec.op:
         raise RankMismatch(op_mismatch(res.codec, spec.op, rnd))

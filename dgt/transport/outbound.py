@@ -1,11 +1,12 @@
 """What leaves (part of :class:`dgt.transport.endpoint.Endpoint`): the send APIs, framing a round into reliable
-frames and datagram jobs, pacing and the drop reports that steer it.
+frames and datagram jobs (the datagram scheduler is this part's), pacing and the drop reports that steer it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -13,8 +14,18 @@ import trio
 
 from dgt import wire
 from dgt.channels.slot import Slot
-from dgt.channels.udp_scheduler import DatagramJob
-from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError, open_nursery
+from dgt.channels.udp import UdpChannel
+from dgt.channels.udp_scheduler import DatagramJob, DatagramScheduler
+from dgt.errors import (
+    InputRejected,
+    PeerClosed,
+    PeerTimeout,
+    ProtocolError,
+    RankMismatch,
+    WireError,
+    open_nursery,
+    shape_mismatch,
+)
 from dgt.layout import BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import round_feedback
@@ -22,9 +33,11 @@ from dgt.protocol.cpu_gate import CpuGate
 from dgt.protocol.pacing import Pacer
 from dgt.protocol.sender import DropInfo, RoundPlan
 from dgt.protocol.stats import lane_counts
+from dgt.transport import control
 from dgt.transport.checks import check_classes
+from dgt.transport.links import Links
 from dgt.transport.records import Link, SendTrack
-from dgt.transport.session import EndpointState
+from dgt.transport.session import Key, Session
 from dgt.transport.stats import SendStats
 
 BYTES_BUCKET = 0xFFFF0000  # buckets at and above this id carry send_bytes messages (tag in the low 16 bits)
@@ -60,13 +73,64 @@ class PendingSend:
         return st
 
 
-class OutboundMixin(EndpointState):
-    """The send APIs, drop reports, congestion feedback and the send budget."""
+class Outbound:
+    """The send APIs, drop reports, congestion feedback and the send budget: ``sending`` (the rounds on their way,
+    by key, until their drop report), ``scheduler`` (the UDP lanes' datagrams), the send counters per lane."""
 
-    def _on_drop_report(self, frame: wire.Frame) -> None:
+    def __init__(self, session: Session, links: Links, udp: dict[int, UdpChannel]) -> None:
+        self.session = session
+        self.cfg = session.cfg
+        self.rank = session.rank
+        self.token = session.token
+        self.receiver = session.receiver
+        self.links = links
+        self.sending: dict[Key, SendTrack] = {}
+        self.scheduler = DatagramScheduler(udp, links.round_closed, links.pacer_of)
+        self._bytes_tx: dict[tuple[int, int], int] = {}
+        self.tx_abandoned: dict[int, int] = dict.fromkeys(udp, 0)
+        self.tx_unsent: dict[int, int] = dict.fromkeys(udp, 0)  # blocks the send budget kept back
+        self.tx_lost: dict[int, int] = dict.fromkeys(udp, 0)  # blocks sent that the peers reported missing
+        links.watch(self)
+        links.on(control.STALE, self._on_stale)
+
+    def peer_failed(self, rank: int, error: BaseException, closed: bool) -> None:
+        """(:class:`~dgt.transport.links.PeerWatcher`) the rounds to ``rank`` fail; a closed link stops its
+        datagrams and forgets the rounds nobody waits for."""
+        if closed:
+            self.scheduler.drop_peer(rank, error)
+        for key in [k for k in self.sending if k[0] == rank]:
+            track = self.sending[key]
+            track.report.fail(error)
+            if closed and track.detached:
+                del self.sending[key]
+
+    def close(self, error: BaseException) -> None:
+        """The endpoint is closing: every round on its way fails with ``error``."""
+        for track in list(self.sending.values()):
+            track.report.fail(error)
+        self.scheduler.fail_all(error)
+
+    def _on_stale(self, link: Link, msg: dict[str, Any]) -> None:
+        """A receiver refused one of our rounds (control STALE): its send fails with the reason."""
+        key = (link.rank, int(msg.get("bucket", -1)), int(msg.get("round", -1)))
+        track = self.sending.get(key)
+        if track is None:
+            return
+        if msg.get("why") == "mismatch":  # the receiver refused the round (issue 45)
+            detail = str(msg.get("detail", ""))[:2000]
+            track.report.fail(RankMismatch(shape_mismatch(key[2]), remote=link.rank, detail=detail))
+        else:
+            why = str(msg.get("why", "already closed"))
+            hint = ": round keys must not be reused" if why == "already closed" else ""
+            what = f"round {key[2]} of bucket {key[1]} was {why} at rank {link.rank}{hint}"
+            track.report.fail(ProtocolError(what))
+        for job in track.jobs:
+            self.scheduler.cancel(job)
+
+    def on_drop_report(self, frame: wire.Frame) -> None:
         """A receiver closed one of our rounds: fold its losses into error feedback, steer pacing, stop sending."""
         peer = frame.rank
-        link = self._links.get(peer)
+        link = self.links.table.get(peer)
         if link is None:
             self.receiver.counters.reject("report-from-stranger")
             return
@@ -75,21 +139,21 @@ class OutboundMixin(EndpointState):
         except WireError:
             self.receiver.counters.reject("drop-report")
             return
-        track = self._sending.get((peer, frame.bucket, frame.round))
+        track = self.sending.get((peer, frame.bucket, frame.round))
         if track is not None:
-            self._account_report(link, track, info)
+            self.account_report(link, track, info)
             track.report.set(info)
             if track.detached:
-                del self._sending[(peer, frame.bucket, frame.round)]
+                del self.sending[(peer, frame.bucket, frame.round)]
         if info.folded_elems:
             link.dirty.add(frame.bucket)
         self.scheduler.poke()
 
-    def _account_report(self, link: Link, track: SendTrack, info: DropInfo) -> None:
+    def account_report(self, link: Link, track: SendTrack, info: DropInfo) -> None:
         """Per-lane loss counts; the congestion controller's feedback and the round window of the send budget."""
         if info.lost_mask is not None and info.missing_blocks and track.cls is not None:
             for lane, n in lane_counts(track.cls[info.lost_mask]).items():
-                self._tx_lost[lane] = self._tx_lost.get(lane, 0) + n
+                self.tx_lost[lane] = self.tx_lost.get(lane, 0) + n
         if link.pacer is None or link.pacer.cc is None or info.timing is None or not track.jobs:
             return
         now = trio.current_time()
@@ -103,17 +167,6 @@ class OutboundMixin(EndpointState):
         # slowdown still reads the whole round, which more datagrams make longer on a CPU-bound host.
         slowdown = link.window.observe(now - track.t0, t.wait, info.bucket, now, planned, track.window)
         link.pacer.on_feedback(round_feedback(sends, t, link.pacer.cc.base.value, planned, slowdown), now)
-
-    def _round_closed(self, peer: int, bucket: int, round: int) -> bool:
-        link = self._links.get(peer)
-        return link is None or link.error is not None or link.sender.closed(bucket, round)
-
-    def _pacer_of(self, peer: int) -> Pacer | None:
-        link = self._links.get(peer)
-        return None if link is None else link.pacer
-
-    def _layout(self, numel: int) -> BucketLayout:
-        return BucketLayout.flat(numel, self.cfg.block)  # the shared instance (BucketLayout.of)
 
     async def send_round(
         self,
@@ -136,7 +189,7 @@ class OutboundMixin(EndpointState):
         was handed to the kernel (the bucket is then copied, since error feedback needs it later). ``op``: a
         collective's call code (its reduce op), carried in the frame headers' codec byte: the receiver's
         ``RoundResult.codec``.
-        The hops of a lossy ring plan their rounds with :meth:`plan_hop_round` instead (dgt.transport.hop_round)."""
+        The hops of a lossy ring plan their rounds with :meth:`HopRounds.plan` instead (dgt.transport.hop_round)."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
         return await self._send(peer, bucket, round, flat, layout, cls, order, wait, timeout, op)
@@ -177,33 +230,33 @@ class OutboundMixin(EndpointState):
     async def _send(self, peer: int, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout | None,
                     cls: torch.Tensor | int, order: torch.Tensor | None, wait: bool, timeout: float | None,
                     op: int = 0) -> SendStats:
-        link = self._link(peer)
+        link = self.links.link(peer)
         t0 = trio.current_time()
         flat = flat.detach().reshape(-1)
         if flat.device.type != "cpu" or not flat.is_contiguous():
             flat = flat.to("cpu").contiguous()
-        layout = layout or self._layout(flat.numel())
+        layout = layout or self.session.layout(flat.numel())
         if layout.block != self.cfg.block:
             raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
         if flat.numel() != layout.numel:
             raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
         check_classes(cls, order, layout)
         key = (peer, bucket, round)
-        if key in self._sending and not self._sending[key].detached:
+        if key in self.sending and not self.sending[key].detached:
             raise ValueError(f"round {round} of bucket {bucket} to rank {peer} is already in flight")
         lossless = (cls == 0) if isinstance(cls, int) else not bool((cls != 0).any())
         if lossless and not wait:  # no report to wait for: no round state at all (BULK frames)
             return await self.post_send(peer, bucket, round, flat, op=op).wait(timeout)
         quiet = lossless and not wait  # nothing to learn from a report nobody waits for: ask for none
-        plan, copy = self._plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, op)
+        plan, copy = self.plan_round(link, bucket, round, flat, layout, cls, order, lossless, wait, op)
         stats = SendStats(peer, bucket, round, plan.important_blocks, plan.unimportant_blocks,
                           len(plan.reliable), plan.reliable_bytes, copied=copy,
                           unsent_blocks=plan.unsent_blocks, unsent_bytes=plan.unsent_bytes)  # fmt: skip
         for lane, n in plan.unsent_lanes.items():
-            self._tx_unsent[lane] = self._tx_unsent.get(lane, 0) + n
+            self.tx_unsent[lane] = self.tx_unsent.get(lane, 0) + n
         if plan.unsent_blocks and self.cfg.error_feedback:
             link.dirty.add(bucket)  # the blocks kept back are in the residual: the next round adds it
-        track = self._sending[key] = SendTrack(t0=t0, cls=plan.cls)
+        track = self.sending[key] = SendTrack(t0=t0, cls=plan.cls)
         finished = False
         try:
             with trio.fail_after(timeout) if timeout else nullcontext():
@@ -229,7 +282,7 @@ class OutboundMixin(EndpointState):
             raise PeerTimeout(f"round {round} of bucket {bucket} to rank {peer}: not done in {timeout} s") from None
         finally:
             self._send_over(key, track, stats, keep=not (wait or not finished or track.report.done or quiet))
-        self._stats.rounds_sent += 1
+        self.session.stats.rounds_sent += 1
         stats.elapsed = trio.current_time() - t0
         stats.pace_rate = None if link.pacer is None else link.pacer.rate
         return stats
@@ -242,15 +295,15 @@ class OutboundMixin(EndpointState):
             stats.datagrams[lane] = stats.datagrams.get(lane, 0) + job.sent
             stats.datagram_bytes[lane] = stats.datagram_bytes.get(lane, 0) + job.sent_bytes
             stats.abandoned[lane] = stats.abandoned.get(lane, 0) + job.abandoned
-            self._tx_abandoned[lane] = self._tx_abandoned.get(lane, 0) + job.abandoned
+            self.tx_abandoned[lane] = self.tx_abandoned.get(lane, 0) + job.abandoned
             if not job.done.done:  # cancelled mid-round: stop its datagrams
                 self.scheduler.cancel(job, PeerClosed("send cancelled"))
         if keep:
             track.detached = True  # the drop report removes it (pacing still wants the loss estimate)
-        elif self._sending.get(key) is track:
-            del self._sending[key]
+        elif self.sending.get(key) is track:
+            del self.sending[key]
 
-    def _plan_round(self, link: Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
+    def plan_round(self, link: Link, bucket: int, round: int, flat: torch.Tensor, layout: BucketLayout,
                     cls: torch.Tensor | int, order: torch.Tensor | None, lossless: bool, wait: bool, op: int,
                     stage: Callable[[torch.Tensor], None] | None = None,
                     gate: CpuGate | None = None) -> tuple[RoundPlan, bool]:
@@ -289,7 +342,7 @@ class OutboundMixin(EndpointState):
         receive from one task (a ring hop) without spawning one."""
         if not 0 <= bucket < BYTES_BUCKET:
             raise ValueError(f"bucket ids must be in [0, {BYTES_BUCKET:#x}); higher ids carry send_bytes")
-        link = self._link(peer)
+        link = self.links.link(peer)
         t0 = trio.current_time()
         flat = flat.detach().reshape(-1)
         if flat.device.type != "cpu" or not flat.is_contiguous():
@@ -299,13 +352,13 @@ class OutboundMixin(EndpointState):
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
         frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, op)
-        nblocks = self._layout(flat.numel()).nblocks
+        nblocks = self.session.layout(flat.numel()).nblocks
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
         slot = link.writer.push_frames(frames)
         if link.pacer is not None:  # pace_shared: the TCP bytes come off the budget the datagrams draw from
             link.pacer.charge_reliable(stats.reliable_bytes, t0)
-        self._stats.rounds_sent += 1
+        self.session.stats.rounds_sent += 1
         return PendingSend(stats, slot, t0, link.pacer)
 
     async def send_bytes(self, peer: int, data: bytes | bytearray | memoryview, tag: int = 0) -> None:

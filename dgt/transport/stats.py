@@ -113,7 +113,7 @@ class LaneStats:
 
 @dataclass
 class PendingRounds:
-    """What an endpoint waits for, the first ``limit`` of each (:meth:`Endpoint.pending_rounds`): rounds a receive
+    """What an endpoint waits for, the first ``limit`` of each (``ep.inbound.pending_rounds()``): rounds a receive
     awaits, rounds in flight (sent, their drop report not in), results nobody collected yet, open rounds."""
 
     recv_waiters: list[tuple[int, int, int]]
