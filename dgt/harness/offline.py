@@ -70,9 +70,6 @@ class OfflineTransport:
                   zero_lost: bool = True, hold: bool = False) -> None:
         self._offline("post_recv")
 
-    def important_in(self, peer: int, bucket: int, round: int) -> None:
-        self._offline("important_in")
-
     def hop_ready(self, peer: int) -> bool:
         return False  # no hop socket: a lossy ring takes the session-link path (and meets _offline there)
 

@@ -8,8 +8,8 @@ transport and this protocol does not name is a new seam: add it here first.
 The five ways a bucket can leave, from the most general to the fastest:
 
 - ``send_round`` / ``recv_round``: a round of blocks with per-block classes (lossy lanes, deadlines, error feedback);
-- ``post_send`` / ``post_recv`` (``important_in`` for a round posted with ``hold``): a lossless round queued on the
-  session link without awaiting (BULK frames), landed in place;
+- ``post_send`` / ``post_recv``: a lossless round queued on the session link without awaiting (BULK frames),
+  landed in place;
 - ``exchange``: an ordered sequence of :class:`~dgt.transport.streams.Hop` on the stream lanes, run off the trio
   loop (the lossless ring, the lossy ring's all-gather), its place in the call order reservable with
   ``reserve_exchange`` (given back with ``forfeit_exchange`` when it will never run);
@@ -80,10 +80,6 @@ class Transport(Protocol):
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
                   zero_lost: bool = True, hold: bool = False) -> None:
-        ...
-
-    def important_in(self, peer: int, bucket: int, round: int) -> None:
-        """The important blocks of a round posted with ``hold`` are in (its deadline may start)."""
         ...
 
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,

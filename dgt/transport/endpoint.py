@@ -313,10 +313,6 @@ class Endpoint:
         """Where a future round lands (see :meth:`Inbound.post_recv`)."""
         self.inbound.post_recv(peer, bucket, round, out, zero_lost=zero_lost, hold=hold)
 
-    def important_in(self, peer: int, bucket: int, round: int) -> None:
-        """The important blocks of a round posted with ``hold`` are in: its deadline may start."""
-        self.inbound.important_in(peer, bucket, round)
-
     async def exchange(self, hops: list[Hop], timeout: float | None = None, family: int = 0xFFFFFFFF,
                        ticket: int | None = None) -> list[HopResult]:
         """Run ``hops`` in order on stream lanes (see :meth:`Exchanges.run`)."""

@@ -42,6 +42,7 @@ from dgt.protocol.packed_blocks import packed_numel
 from dgt.protocol.stats import RoundStats
 from dgt.transport.config import TransportConfig
 from dgt.transport.hop_round import HopRounds, HopRoundSend, control_bytes
+from dgt.transport.inbound import Inbound
 from dgt.transport.stats import RoundResult
 from dgt.transport.streams import Hop, HopResult
 
@@ -50,12 +51,11 @@ class HopEndpoint(Protocol):
     """What :func:`lossy_hop` uses of an endpoint (the hop-round plumbing; not part of the collectives' contract)."""
 
     cfg: TransportConfig
+    inbound: Inbound  # where a round posted with ``hold`` learns that its important blocks are in
     hop_rounds: HopRounds  # the part that plans, receives, accounts and lands a hop's round
 
     def post_recv(self, peer: int, bucket: int, round: int, out: torch.Tensor | None, *,
                   zero_lost: bool = True, hold: bool = False) -> None: ...
-
-    def important_in(self, peer: int, bucket: int, round: int) -> None: ...
 
     def forfeit_exchange(self, ticket: int) -> None: ...
 
@@ -283,7 +283,7 @@ async def lossy_hop(ep: HopEndpoint, spec: LossyHopSpec) -> LossyHopResult:
 def _withdraw(ep: HopEndpoint, spec: LossyHopSpec) -> None:
     """A failed hop: nothing lands in its buffer any more, and its round waits for no stream lane."""
     ep.post_recv(spec.recv_from, spec.keys[0], spec.round, None)
-    ep.important_in(spec.recv_from, spec.keys[0], spec.round)
+    ep.inbound.important_in(spec.recv_from, spec.keys[0], spec.round)
 
 
 async def _land(ep: HopEndpoint, spec: LossyHopSpec, h: _Hop, done: list[HopResult]) -> LossyHopResult:
