@@ -60,7 +60,7 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
     import trio
 
     from dgt.collectives import Group
-    from dgt.transport import TransportConfig
+    from dgt.transport import Congestion, Hops, TransportConfig
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     store = dist.distributed_c10d._get_default_store()
@@ -102,8 +102,9 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
         async with AsyncExitStack() as stack:  # the groups, closed in reverse order on the way out
             groups = {t: await stack.enter_async_context(Group.open(
                           rank, world, store=store, prefix=f"bench-allreduce-{t}", timeout=60,
-                          config=TransportConfig(stream_hops=stream_hops, hop_threads=t,
-                                                 **({} if cpu_gate is None else {"cpu_gate": cpu_gate}))))
+                          config=TransportConfig(hops=Hops(mode=stream_hops, threads=t),
+                                                 **({} if cpu_gate is None else
+                                                    {"congestion": Congestion(cpu_gate=cpu_gate)}))))
                       for t in hop_threads}  # fmt: skip
             g = groups[hop_threads[0]]
             portal = trio.lowlevel.current_trio_token()
@@ -244,9 +245,9 @@ def run(args: argparse.Namespace) -> dict:
     out["cpu_ms_per_rank_median"] = {k: statistics.median(t["cpu_ms_per_rank"] for t in v)
                                      for k, v in per_trial.items()}  # fmt: skip
     out["per_trial"] = per_trial
-    from dgt.transport import TransportConfig
+    from dgt.transport import Hops, TransportConfig
 
-    cfg = TransportConfig(stream_hops=hops, hop_threads=threads[0])
+    cfg = TransportConfig(hops=Hops(mode=hops, threads=threads[0]))
     out["ring_hops"] = ("session link" if hops == "off" else "python loop" if not cfg.native_hops() else
                         f"native loop, {cfg.hop_thread_count()} thread(s)" if len(threads) == 1 else
                         f"native loop, {'/'.join(str(t) for t in threads)} thread(s)")

@@ -88,7 +88,8 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         "gloo": None,
         "dgt_lossless": {"codec": "dense"},
         "dgt_lossy": {"codec": cfg["lossy_codec"],
-                      "transport": {"drop_fraction": cfg["drop"], "drop_seed": rank} if cfg["drop"] else None},
+                      "transport": ({"faults": {"drop_fraction": cfg["drop"], "drop_seed": rank}} if cfg["drop"]
+                                    else None)},
         "fp16": {"torch": "fp16"},
         "powersgd": {"torch": "powersgd"},
     }

@@ -345,10 +345,15 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
     return out
 
 
+def _merged(base: dict, more: dict) -> dict:
+    """``base`` with ``more``'s settings: a TransportConfig's keywords, each group a dict of its fields."""
+    return base | {k: base.get(k, {}) | v if isinstance(v, dict) else v for k, v in more.items()}
+
+
 def _stale_run(pair: _Pair, base: dict, numel: int, p: float, repeats: int, pace: float) -> dict:
     """dgt-p30-stale: a fixed-pace sender (no congestion control, so no send budget: every unimportant block is
     planned as a datagram) to a receiver closing each round 20 ms after its important blocks."""
-    sender = base | {"congestion_control": False, "pace_rate": pace, "pace_burst": 16 << 10}
+    sender = _merged(base, {"congestion": {"enabled": False}, "pacing": {"rate": pace, "burst": 16 << 10}})
     out = _dgt_run(pair, sender, numel, p, repeats, True, recv_cfg=base | {"deadline": "fixed:0.02"})
     paced = out["unimportant_bytes"] / pace
     med = statistics.median(out["seconds"])
@@ -396,8 +401,8 @@ def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6) // 4
     nbytes = numel * 4
     reps = args.repeats
-    base = {"peer_timeout": 30.0, "datagram_payload": args.datagram_payload,
-            "datagram_mac": not getattr(args, "no_datagram_mac", False)}
+    base = {"timeouts": {"peer": 30.0}, "lanes": {"datagram_payload": args.datagram_payload},
+            "security": {"datagram_mac": not getattr(args, "no_datagram_mac", False)}}
     want = _wanted(args)  # a bad --variants fails before any process starts
     stale_pace = float(getattr(args, "stale_pace", 1e6))
     if not stale_pace > 0:
@@ -416,9 +421,11 @@ def run(args: argparse.Namespace) -> dict:
         if "dgt-p30-gso" in want:
             res["dgt-p30-gso"] = _dgt_run(pair, base, numel, args.p, reps, use_out=True)
         if "dgt-p30-gso-nocc" in want:  # the same without congestion control and send budget (all sent, unpaced)
-            res["dgt-p30-gso-nocc"] = _dgt_run(pair, base | {"congestion_control": False}, numel, args.p, reps, True)
+            res["dgt-p30-gso-nocc"] = _dgt_run(pair, _merged(base, {"congestion": {"enabled": False}}), numel, args.p,
+                                               reps, True)
         if "dgt-p30-nogso" in want:
-            res["dgt-p30-nogso"] = _dgt_run(pair, base | {"gso": False, "gro": False}, numel, args.p, reps, True)
+            res["dgt-p30-nogso"] = _dgt_run(pair, _merged(base, {"sockets": {"gso": False, "gro": False}}), numel,
+                                            args.p, reps, True)
         if "dgt-p30-stale" in want:
             res["dgt-p30-stale"] = _stale_run(pair, base, numel, args.p, reps, stale_pace)
     finally:

@@ -215,7 +215,7 @@ class RingAllReduce(Collective):
 
     def _ag_on_streams(self, flat: torch.Tensor) -> bool:
         """Whether a lossy ring's all-gather can run on stream lanes (stream hops on, a contiguous CPU bucket)."""
-        return self.group.endpoint.cfg.stream_hops != "off" and self.codec.capabilities.lossy_tolerant and \
+        return self.group.endpoint.cfg.hops.mode != "off" and self.codec.capabilities.lossy_tolerant and \
             streamable(flat)
 
     async def _hop(self, ch: Chunking, flat: torch.Tensor, send_c: int, recv_c: int, bucket_id: int, phase: str,

@@ -126,7 +126,7 @@ def lossy_on_streams(coll: Collective, ch: Chunking, flat: torch.Tensor) -> bool
     caps = coll.codec.capabilities
     g = coll.group
     ep = g.endpoint
-    return (ep.cfg.stream_hops != "off" and caps.lossy_tolerant and caps.in_place
+    return (ep.cfg.hops.mode != "off" and caps.lossy_tolerant and caps.in_place
             and ep.hop_ready((g.rank + 1) % g.world) and ep.hop_ready((g.rank - 1) % g.world)
             and flat.dtype == torch.float32 and streamable(flat)
             and all(ch.edges[i + 1] > ch.edges[i] for i in range(ch.k)))
@@ -175,8 +175,8 @@ class LossyHops:
         if means is not None:
             state.values[BLOCK_MEANS_HINT] = means  # encode consumes it at once
         (part,) = coll.codec.encode(out, state)
-        layout = wire_layout(part, ep.cfg.block)
-        lay_c = BucketLayout.of(ch.segments[c], ep.cfg.block)
+        layout = wire_layout(part)
+        lay_c = BucketLayout.of(ch.segments[c], layout.block)
         cls = part.lane_class
         if not isinstance(cls, torch.Tensor):
             cls = torch.full((layout.nblocks,), int(cls), dtype=torch.int8)

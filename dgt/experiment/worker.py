@@ -83,13 +83,14 @@ async def _connect(spec: RunSpec, rank: int, world: int, bind: str, services: An
 
     from dgt.collectives import Group, ParameterServer
     from dgt.collectives.rendezvous import store_from_env
-    from dgt.transport import TransportConfig
+    from dgt.transport import Congestion, Pacing, Sockets, Timeouts, TransportConfig
 
     store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
     # loopback: one budget per peer that TCP and UDP share (pace_shared), so DGT gets no more than the baseline
-    cfg = TransportConfig(deadline=spec.deadline, peer_timeout=spec.peer_timeout, gso=spec.gso,
-                          pace_rate=spec.pace_rate, pace_shared=bool(spec.pace_rate),
-                          congestion_control=spec.congestion_control)
+    cfg = TransportConfig(deadline=spec.deadline, timeouts=Timeouts(peer=spec.peer_timeout),
+                          sockets=Sockets(gso=spec.gso),
+                          pacing=Pacing(rate=spec.pace_rate, shared=bool(spec.pace_rate)),
+                          congestion=Congestion(enabled=spec.congestion_control))
     # every link now: TCP pacing below applies to the connections open at this point
     group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp",
                                connect="all", nursery=services)

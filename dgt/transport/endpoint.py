@@ -100,7 +100,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._sending: dict[tuple[int, int, int], SendTrack] = {}
         self._bytes_tx: dict[tuple[int, int], int] = {}
         self._bytes_rx: dict[tuple[int, int], int] = {}
-        self._drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
+        self._drop_rng = np.random.default_rng(c.faults.drop_seed) if c.faults.drop_fraction > 0 else None
         self._rx_dropped_hook: dict[int, int] = dict.fromkeys(self.udp, 0)
         self._tx_abandoned: dict[int, int] = dict.fromkeys(self.udp, 0)
         self._tx_unsent: dict[int, int] = dict.fromkeys(self.udp, 0)  # blocks the send budget kept back
@@ -114,8 +114,9 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._stopped = trio.Event()
         self._closing = False
         self._fatal: BaseException | None = None
-        self._key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
-        self._mac = DatagramMac(self._key) if c.datagram_mac else None  # datagram MAC (issue 22), same key
+        # proves membership (handshakes)
+        self._key = auth.session_key(self.token, auth.user_secret(c.security.secret))
+        self._mac = DatagramMac(self._key) if c.security.datagram_mac else None  # datagram MAC (issue 22), same key
         self.receiver.mac = self._mac
         self._handshakes = 0  # accepted connections whose handshake is under way (capped)
         self._abort: RankMismatch | None = None  # the mismatch a peer reported (control ABORT), if any
@@ -127,9 +128,9 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         self._on_link: OrderedDict[tuple[int, int, int], None] = OrderedDict()  # peers' ON_LINK notices (i22)
         self._exchange_scopes: set[trio.CancelScope] = set()  # stream exchanges under way (an abort cancels them)
         # the lossy ring hops' CPU gate, fed on this (the trio) thread with the readings the hops' worker returns
-        self.cpu_gate = CpuGate(c.cpu_gate) if c.cpu_gate else None
+        self.cpu_gate = CpuGate(c.congestion.cpu_gate) if c.congestion.cpu_gate else None
         self._refusals = Refusals()  # peers' and this rank's refusals of one call's input (control REFUSED)
-        self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
+        self.streams = StreamHub(self.rank, self.token, c.timeouts.connect or c.timeouts.peer, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=hop,
                                  cpu_wait=self.cpu_gate is not None)
@@ -138,20 +139,22 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         """The TCP listener and one UDP socket per unreliable lane (``listener``, ``udp``), each on a port of the
         configured range; returns the hop socket (None: stream hops off, no UDP lane, or no port left for it)."""
         c = self.cfg
-        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
+        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes.specs[0], port=p), c.lanes.port_range,
+                                      "TCP listener")
         self.udp = {}
 
         def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
-            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
+            s = c.sockets
+            return lambda p: UdpChannel(host, spec, gso=s.gso, gro=s.gro, rcvbuf=s.udp_rcvbuf, sndbuf=s.udp_sndbuf,
+                                        max_segments=s.gso_segments, batch_bytes=s.udp_batch_bytes, port=p)
 
         hop: UdpChannel | None = None
         try:
-            for lane in range(1, len(c.lanes)):
-                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
-            if self.udp and c.stream_hops != "off":
+            for lane in range(1, len(c.lanes.specs)):
+                self.udp[lane] = bind_in_range(udp_lane(c.lanes.specs[lane]), c.lanes.port_range, f"UDP lane {lane}")
+            if self.udp and c.hops.mode != "off":
                 try:
-                    hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
+                    hop = bind_in_range(udp_lane(c.lanes.specs[1]), c.lanes.port_range, "the hop socket")
                 except OSError:  # no port left in the range: lossy hops run their rounds on the session link
                     hop = None
         except BaseException:
@@ -251,7 +254,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             return
         self._closing = True
         links = [ln for ln in self._links.values() if ln.error is None]
-        with trio.move_on_after(min(2.0, self.cfg.peer_timeout)):
+        with trio.move_on_after(min(2.0, self.cfg.timeouts.peer)):
             slots = [Slot() for _ in links]
             for ln, s in zip(links, slots):
                 ln.writer.push([control.control(self.token, self.rank, control.BYE)], slot=s)
@@ -294,7 +297,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
         rc = self.receiver.counters
         gate = self.cpu_gate
         lanes = []
-        l0 = self.cfg.lanes[0]
+        l0 = self.cfg.lanes.specs[0]
         tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)
         for link in self._links.values():
             tcp.tx_bytes += link.chan.tx_bytes
@@ -310,7 +313,7 @@ class Endpoint(HandshakeMixin, LinkMixin, InboundMixin, HopRoundMixin):
             tcp.rx_calls += chan.rx_calls
         lanes.append(tcp)
         for lane, ch in self.udp.items():
-            spec, cc = self.cfg.lanes[lane], ch.counters
+            spec, cc = self.cfg.lanes.specs[lane], ch.counters
             if lane == 1 and self.streams.hop is not None:  # the hop socket's datagrams are lane 1's too
                 cc = merged(cc, self.streams.hop.counters)
             lanes.append(LaneStats(

@@ -98,12 +98,12 @@ class HopRoundMixin(OutboundMixin):
         rows, odd = _rows_of(plan)
         job = send = None
         if len(rows) or odd:
-            addr, pacer, burst = self._hop_addr(peer), link.pacer, self.cfg.pace_burst
+            addr, pacer, burst = self._hop_addr(peer), link.pacer, self.cfg.pacing.burst
             job = DatagramJob(peer, 1, bucket, round, rows, odd, addr)
             send = DatagramSend(rows, odd, addr, 1e12 if pacer is None else pacer.rate, burst,  # unpaced: 1 TB/s
                                 float(burst) if pacer is None else pacer.tokens(now),
                                 segments=hop.segments_per_send(rows.shape[1]), gso=hop.gso,
-                                limit=self.cfg.round_timeout or 10.0)
+                                limit=self.cfg.timeouts.round or 10.0)
         track = None
         if plan.unimportant_blocks:  # a report will come: it finds its track (none without datagrams: NO_REPORT)
             track = self._sending[key] = SendTrack(t0=now, cls=plan.cls, detached=True)
@@ -238,7 +238,7 @@ class HopRoundMixin(OutboundMixin):
                 udp.counters.rx_bytes += end - start
             batch = decode_datagrams(rx.buf[start:end].data, sizes, self.cfg.limits, self.token)
             if self._drop_rng is not None:  # injected loss (TransportConfig.drop_fraction), as the UDP ingress does
-                keep = self._drop_rng.random(len(sizes)) >= self.cfg.drop_fraction
+                keep = self._drop_rng.random(len(sizes)) >= self.cfg.faults.drop_fraction
                 self._rx_dropped_hook[1] = self._rx_dropped_hook.get(1, 0) + int((~keep).sum())
                 batch = wire.Batch(batch.headers[keep], batch.payload_pos[keep], batch.reason[keep], batch.buf)
             events += self.receiver.receive_datagrams(batch, 1, t + off)

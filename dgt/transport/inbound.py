@@ -28,8 +28,8 @@ class InboundMixin(EndpointState):
     """UDP ingress, receiver feeding, early buffers, results and the receive APIs."""
 
     async def _udp_ingress(self, lane: int, chan: UdpChannel) -> None:
-        accept = self._accept_source if self.cfg.check_source else None
-        frac = self.cfg.drop_fraction
+        accept = self._accept_source if self.cfg.security.check_source else None
+        frac = self.cfg.faults.drop_fraction
         while True:
             try:
                 mv, sizes = await chan.recv_batch(accept)
@@ -217,7 +217,7 @@ class InboundMixin(EndpointState):
             if out is not None and not self.receiver.is_open(key) and not self.bulk.is_open(key):
                 self._out[key] = out
             try:
-                timeout = timeout or self.cfg.round_timeout
+                timeout = timeout or self.cfg.timeouts.round
                 with trio.fail_after(timeout) if timeout else nullcontext():
                     res = await slot.wait()
             except trio.TooSlowError:

@@ -332,8 +332,8 @@ class LinkMixin(EndpointState):
     async def _liveness(self) -> None:
         """Ping idle links; declare a peer gone after peer_timeout without any byte from it."""
         c = self.cfg
-        beat = c.heartbeat or c.peer_timeout / 4
-        tick = min(beat, c.peer_timeout / 10)
+        beat = c.timeouts.heartbeat or c.timeouts.peer / 4
+        tick = min(beat, c.timeouts.peer / 10)
         while True:
             await trio.sleep(tick)
             now = trio.current_time()
@@ -341,8 +341,9 @@ class LinkMixin(EndpointState):
                 if link.error is not None:
                     continue
                 silent = now - link.chan.last_rx
-                if silent >= c.peer_timeout - tick:
-                    why = f"rank {self.rank}: rank {link.rank} silent for {silent:.2f} s (timeout {c.peer_timeout:g} s)"
+                if silent >= c.timeouts.peer - tick:
+                    why = (f"rank {self.rank}: rank {link.rank} silent for {silent:.2f} s "
+                           f"(timeout {c.timeouts.peer:g} s)")
                     self._fail_peer(link.rank, PeerTimeout(why))
                 elif now - link.last_ping >= beat:
                     link.last_ping = now
@@ -483,7 +484,7 @@ class LinkMixin(EndpointState):
                 self._exchange_scopes.add(scope)
                 try:
                     started = True  # streams.exchange owns the ticket from here, however it ends
-                    results = await self.streams.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                    results = await self.streams.exchange(hops, timeout or self.cfg.timeouts.peer, ticket)
                     self._feed_cpu_gate(results)
                     return results
                 except (PeerClosed, BaseExceptionGroup) as exc:
@@ -492,7 +493,7 @@ class LinkMixin(EndpointState):
                     if not _all_peer_closed(exc):
                         raise
                     peers = {p for h in hops for p in (h.send_to, h.recv_from) if p is not None}
-                    mismatch = await self.aborted(min(1.0, self.cfg.peer_timeout), dead=peers)
+                    mismatch = await self.aborted(min(1.0, self.cfg.timeouts.peer), dead=peers)
                     if mismatch is None:
                         gone = self.failure_of(peers)
                         if gone is not None:  # it names the rank that went away; the lane's error does not

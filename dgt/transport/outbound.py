@@ -15,7 +15,7 @@ from dgt import wire
 from dgt.channels.slot import Slot
 from dgt.channels.udp_scheduler import DatagramJob
 from dgt.errors import InputRejected, PeerClosed, PeerTimeout, WireError, open_nursery
-from dgt.layout import BucketLayout
+from dgt.layout import DEFAULT_BLOCK, BucketLayout
 from dgt.protocol.bulk import bulk_frames
 from dgt.protocol.congestion import round_feedback
 from dgt.protocol.cpu_gate import CpuGate
@@ -113,7 +113,7 @@ class OutboundMixin(EndpointState):
         return None if link is None else link.pacer
 
     def _layout(self, numel: int) -> BucketLayout:
-        return BucketLayout.flat(numel, self.cfg.block)  # the shared instance (BucketLayout.of)
+        return BucketLayout.flat(numel, DEFAULT_BLOCK)  # the shared instance (BucketLayout.of)
 
     async def send_round(
         self,
@@ -183,8 +183,6 @@ class OutboundMixin(EndpointState):
         if flat.device.type != "cpu" or not flat.is_contiguous():
             flat = flat.to("cpu").contiguous()
         layout = layout or self._layout(flat.numel())
-        if layout.block != self.cfg.block:
-            raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
         if flat.numel() != layout.numel:
             raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
         check_classes(cls, order, layout)
@@ -298,7 +296,7 @@ class OutboundMixin(EndpointState):
         if copied:
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
-        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, op)
+        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.sockets.reliable_frame_bytes, op)
         nblocks = self._layout(flat.numel()).nblocks
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)
