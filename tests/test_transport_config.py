@@ -128,3 +128,40 @@ def test_the_block_size_has_one_source_a_conflicting_transport_block_is_refused(
     with pytest.raises(AttributeError, match="codec"):
         cfg.block = 512  # type: ignore[attr-defined]
     assert "block" not in cfg.to_dict()
+
+
+SEGMENTS = [3000, 5, 20000, 1500]
+
+
+def _ring_rank(rank: int, world: int, codec: str) -> tuple:
+    import torch
+    import trio
+
+    from dgt.collectives import Group, RingAllReduce
+
+    async def main() -> tuple:
+        async with Group.open(rank, world, config=TransportConfig(timeouts=Timeouts(peer=30)), timeout=30) as g:
+            x = torch.randn(sum(SEGMENTS), generator=torch.Generator().manual_seed(rank))
+            res = await RingAllReduce(g, codec).allreduce(x, 0, SEGMENTS)
+            return res.tensor, res.stats.blocks
+
+    return trio.run(main)  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("codec", ["dgt:p=1.0,block=512", "dgt:p=0.5,block=512"])
+def test_a_codec_block_other_than_1024_is_the_block_the_ring_sends_in(codec: str) -> None:
+    """Before issue 44 the lossy ring cut the transport's 1024-element blocks and refused a DGT codec of another
+    block (per-block lane classes name the codec's blocks): two block sizes that could disagree. Now the codec's is
+    the one the hop travels in."""
+    import torch
+
+    from dgt.collectives.launch import run_ranks
+
+    outs = run_ranks(_ring_rank, 2, codec, timeout=120)
+    (a, blocks_a), (b, _blocks_b) = outs[0], outs[1]
+    assert torch.equal(a, b) and bool(torch.isfinite(a).all())
+    mean = sum(torch.randn(sum(SEGMENTS), generator=torch.Generator().manual_seed(r)) for r in range(2)) / 2
+    if codec.startswith("dgt:p=1.0"):  # every block important: lossless
+        assert torch.allclose(a, mean, atol=1e-6)
+    # the blocks counted are 512-element ones: more than the same bucket has in 1024-element blocks
+    assert blocks_a > sum((n + 1023) // 1024 for n in SEGMENTS)
