@@ -214,7 +214,7 @@ def _hook_rank(rank: int, world: int) -> dict:
 
     ring_gather.SparseGather.gather = spy
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    st = DGTState(warmup_iters=1, choose=False)  # the default codec and its fp16 wire, no chooser (deterministic)
+    st = DGTState(warmup_iters=1, chooser=False)  # the default codec and its fp16 wire, no chooser (deterministic)
     res = [submit(st, data(rank, it), 0, SEGMENTS, use_codec=it >= 1, it=it).wait() for it in range(3)]
     wire = st.wire_dtype
     st.close()
