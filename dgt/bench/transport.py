@@ -456,7 +456,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": reps,
         "p": args.p,
         "datagram_payload": args.datagram_payload,
-        "datagram_mac": base["datagram_mac"],
+        "datagram_mac": base["security"]["datagram_mac"],
         "cpus": os.cpu_count(),
         "mb_s_median": {k: v["mb_s_median"] for k, v in res.items()},
         "ratio_vs_raw": ratios,
