@@ -133,7 +133,7 @@ def test_port_range_binds_every_socket_inside_it_and_says_when_full(monkeypatch)
     lo = min(lo, 65535 - 16)
     monkeypatch.setenv("DGT_PORT_RANGE", f"{lo}-{lo + 15}")
     cfg = TransportConfig()
-    assert cfg.port_range == (lo, lo + 15)
+    assert cfg.lanes.port_range == (lo, lo + 15)
     with pytest.raises(ValueError, match="LO-HI"):
         parse_port_range("30000")
     with pytest.raises(ValueError, match="need 1 <= LO <= HI"):

@@ -56,7 +56,8 @@ class DGTState:
             ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
             buckets after iteration 1, and the first gradients are the least compressible).
-        transport: a ``TransportConfig`` or a dict of its fields (deadline, drop_fraction, DSCP, ...).
+        transport: a ``TransportConfig`` or a dict of its fields, a group as a dict of its fields
+            (``{"faults": {"drop_fraction": 0.1}}``).
         host: the address this rank's endpoint advertises (default: the route towards MASTER_ADDR, or DGT_HOST).
         timeout: seconds allowed for the rendezvous and the connections.
         store: the c10d store to meet on (default: the default group's store).
