@@ -99,6 +99,10 @@ def test_flat_keywords_merge_into_a_group_given_beside_them_and_old_reads_and_wr
         cfg.pace_ratee = 1.0  # type: ignore[attr-defined]  # a typo is not silently a new attribute
     with pytest.raises(AttributeError):
         _ = cfg.no_such_setting  # type: ignore[attr-defined]
+    with pytest.warns(DeprecationWarning, match=r"cfg\.lanes\.specs"):
+        assert len(cfg.lanes) == 2 and cfg.lanes[0].kind == "tcp"  # type: ignore[arg-type,index]
+    with pytest.warns(DeprecationWarning, match=r"cfg\.lanes\.specs"):
+        assert [ln.kind for ln in cfg.lanes] == ["tcp", "udp"]  # type: ignore[attr-defined]
 
 
 def test_the_new_spelling_raises_no_warning_and_round_trips_through_to_dict() -> None:

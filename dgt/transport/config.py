@@ -96,6 +96,25 @@ class Lanes:
             raise ValueError("Lanes.datagram_payload must be in [16, 65000] bytes (None: from the route's MTU)")
         object.__setattr__(self, "port_range", check_port_range(self.port_range))
 
+    if not TYPE_CHECKING:  # ``cfg.lanes`` read as the list it was before issue 44: deprecated, at run time only
+        def __len__(self) -> int:
+            _lanes_as_list()
+            return len(self.specs)
+
+        def __getitem__(self, i: Any) -> Any:
+            _lanes_as_list()
+            return self.specs[i]
+
+        def __iter__(self) -> Any:
+            _lanes_as_list()
+            return iter(self.specs)
+
+
+def _lanes_as_list() -> None:
+    warnings.warn("reading TransportConfig.lanes as a list is deprecated: read cfg.lanes.specs (the lanes are a "
+                  "Lanes group since issue 44; the list reads go away in the release after 0.1)", DeprecationWarning,
+                  stacklevel=3)
+
 
 def _lane(ln: LaneSpec | str | Mapping[str, Any]) -> LaneSpec:
     if isinstance(ln, LaneSpec):
