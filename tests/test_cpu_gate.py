@@ -78,7 +78,7 @@ def test_open_or_closed_always_agrees_with_the_average(readings, threshold, alph
 
 
 def test_the_transport_setting():
-    assert TransportConfig().cpu_gate == 0.1
+    assert TransportConfig().congestion.cpu_gate == 0.1
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="cpu_gate"):
             TransportConfig(congestion=Congestion(cpu_gate=bad))

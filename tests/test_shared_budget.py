@@ -65,7 +65,7 @@ def test_the_pacer_answers_for_both_buckets():
 
 
 def test_pace_shared_needs_a_rate():
-    with pytest.raises(ValueError, match="pace_shared needs pace_rate"):
+    with pytest.raises(ValueError, match="Pacing.shared needs Pacing.rate"):
         TransportConfig(pacing=Pacing(shared=True))
 
 
