@@ -60,7 +60,7 @@ def make_state(args: argparse.Namespace) -> dgt.shim.DGTState:
     """The hook's state: ``DGTState()`` with only the options given on the command line, so with none it is the
     README's one line."""
     given = {"codec": args.codec, "collective": args.collective, "warmup_iters": args.warmup,
-             "transport": {"drop_fraction": args.drop} if args.drop else None}
+             "transport": {"faults": {"drop_fraction": args.drop}} if args.drop else None}
     return dgt.shim.DGTState(**{k: v for k, v in given.items() if v is not None})
 
 

@@ -26,7 +26,8 @@ from dgt.collectives.model_server import ModelServer
 from dgt.errors import DgtError, InputRejected, RankMismatch
 from dgt.harness.groups import local_groups
 from dgt.harness.offline import OfflineTransport
-from dgt.transport import TransportConfig
+from dgt.layout import DEFAULT_BLOCK
+from dgt.transport import Congestion, Hops, Timeouts, TransportConfig
 
 PEER_TIMEOUT = 4.0
 BOUND = 2 * PEER_TIMEOUT + 5  # the whole case, group setup included: a hang fails here, it never blocks the suite
@@ -60,7 +61,8 @@ async def _call(kind, coll, x, out=None):
 
 async def _on_every_rank(world, streams, fn, **config):
     """``fn(rank, group)`` on every rank of a fresh in-process group at once; per rank (outcome, seconds)."""
-    cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams, cpu_gate=0.0, **config)
+    cfg = TransportConfig(timeouts=Timeouts(peer=PEER_TIMEOUT), hops=Hops(mode=streams),
+                          congestion=Congestion(cpu_gate=0.0), **config)
     out = [None] * world
     with trio.fail_after(BOUND):
         async with local_groups(world, dist.HashStore(), config=cfg, timeout=BOUND, prefix="m") as groups:
@@ -385,10 +387,10 @@ async def test_a_round_the_receiver_refuses_fails_the_senders_send_round(what, l
     from dgt.harness.endpoints import connected_pair
     from dgt.layout import BucketLayout
 
-    cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops="off")
+    cfg = TransportConfig(timeouts=Timeouts(peer=PEER_TIMEOUT), hops=Hops(mode="off"))
     x = torch.randn(4096)
     out = torch.empty(4096, dtype=torch.float64) if what == "dtype" else torch.empty(4095)
-    lay = BucketLayout([x.numel()], cfg.block)
+    lay = BucketLayout([x.numel()], DEFAULT_BLOCK)
     cls = torch.tensor([0, 1, 1, 1], dtype=torch.int8) if lossy else 0
     seen = {}
     with trio.fail_after(BOUND):

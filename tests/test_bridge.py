@@ -71,9 +71,9 @@ def test_a_failed_setup_is_raised_by_start_and_kept():
 
 def test_blocking_endpoint_runs_its_service_in_the_bridge_nursery():
     """No hidden system task: the endpoint's service tasks are children of the bridge's nursery."""
-    from dgt.transport import BlockingEndpoint, TransportConfig
+    from dgt.transport import BlockingEndpoint, Timeouts, TransportConfig
 
-    with BlockingEndpoint.open(0, 7, TransportConfig(peer_timeout=5)) as ep:
+    with BlockingEndpoint.open(0, 7, TransportConfig(timeouts=Timeouts(peer=5))) as ep:
         bridge = ep._bridge
         names = bridge.call_sync(lambda: [t.name for t in bridge._nursery.child_tasks])
         assert any(n.endswith("Endpoint._service") for n in names), names

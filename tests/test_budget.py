@@ -128,7 +128,7 @@ def test_budget_unsent_blocks_go_to_error_feedback_and_nothing_is_lost(lost):
     """Blocks beyond the budget are not framed, are counted unsent (not lost) on both sides, are in the residual at
     once, and the next round delivers them; lost datagrams are folded too. Sum over rounds == sum of inputs."""
     layout = BucketLayout([16 * 1024])
-    sender = RoundSender(TOKEN, 0, block=1024, datagram_payload=1024)
+    sender = RoundSender(TOKEN, 0, datagram_payload=1024)
     receiver = RoundReceiver(TOKEN, 1, deadline=FixedGrace(0.5))
     g = torch.Generator().manual_seed(3)
     x = torch.randn(layout.numel, generator=g)

@@ -12,7 +12,7 @@ from dgt.errors import ProtocolError
 from dgt.harness.endpoints import connected_pair
 from dgt.protocol.bulk import BulkReceiver, bulk_frames
 from dgt.protocol.receiver import RoundReceiver
-from dgt.transport import TransportConfig
+from dgt.transport import Faults, Sockets, Timeouts, TransportConfig
 
 TOKEN = 0xB01C
 
@@ -126,7 +126,8 @@ def _pair(cfg):
 
 
 async def test_lossless_unawaited_rounds_travel_as_bulk_and_land_in_place():
-    async with _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10)) as (a, b):
+    async with _pair(TransportConfig(timeouts=Timeouts(peer=30),
+                                     sockets=Sockets(reliable_frame_bytes=64 << 10))) as (a, b):
         x = torch.randn(100_000)  # 400 kB: 7 frames of at most 64 KiB
         posted = torch.empty_like(x)
         b.post_recv(0, 4, 0, posted)
@@ -159,7 +160,7 @@ async def _both(a, b, bucket, x, **kw):
 
 
 async def test_a_peer_breaking_bulk_order_fails_the_waiter_with_a_protocol_error():
-    async with _pair(TransportConfig(peer_timeout=30)) as (a, b):
+    async with _pair(TransportConfig(timeouts=Timeouts(peer=30))) as (a, b):
         frames = bulk_frames(TOKEN, 0, 8, 0, torch.randn(3000), 4096)
         a.links.table[1].writer.push_frames([frames[0], frames[2]])  # the middle frame never comes
 
@@ -171,8 +172,8 @@ async def test_a_peer_breaking_bulk_order_fails_the_waiter_with_a_protocol_error
 
 async def test_post_send_queues_without_a_task_and_adds_a_folded_residual():
     # b drops every datagram it gets (an injected loss): only the reliable lane gets through to it
-    async with _pair(TransportConfig(peer_timeout=30, reliable_frame_bytes=64 << 10, deadline="fixed:0.05",
-                                       drop_fraction=1.0)) as (a, b):
+    async with _pair(TransportConfig(timeouts=Timeouts(peer=30), sockets=Sockets(reliable_frame_bytes=64 << 10),
+                                     faults=Faults(drop_fraction=1.0), deadline="fixed:0.05")) as (a, b):
         # one task starts a send and awaits the matching receive: the writer task does the sending
         x = torch.randn(50_000)
         posted = torch.empty_like(x)

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from dgt.protocol.cpu_gate import CpuGate
-from dgt.transport import TransportConfig
+from dgt.transport import Congestion, TransportConfig
 
 
 def test_the_gate_closes_above_its_threshold_and_reopens_under_half_of_it():
@@ -78,7 +78,7 @@ def test_open_or_closed_always_agrees_with_the_average(readings, threshold, alph
 
 
 def test_the_transport_setting():
-    assert TransportConfig().cpu_gate == 0.1
+    assert TransportConfig().congestion.cpu_gate == 0.1
     for bad in (-0.1, 1.5):
         with pytest.raises(ValueError, match="cpu_gate"):
-            TransportConfig(cpu_gate=bad)
+            TransportConfig(congestion=Congestion(cpu_gate=bad))

@@ -16,6 +16,7 @@ from dgt.layout import BucketLayout
 from dgt.protocol import datagram_mac as dm
 from dgt.protocol import landing
 from dgt.protocol.receiver import RoundDone, RoundReceiver
+from dgt.transport import Security, Timeouts
 
 TOKEN = 0xC0FFEE
 KEY = bytes(range(32))
@@ -185,9 +186,9 @@ async def test_endpoints_tag_every_datagram_and_the_receiver_takes_them_all(on):
     deadline loss: every block arrives, none counted bad-mac); with the MAC off nothing is tagged."""
     import trio
 
-    from dgt.transport import TransportConfig
+    from dgt.transport import Security, Timeouts, TransportConfig
 
-    cfg = TransportConfig(peer_timeout=5, deadline="fixed:2", datagram_mac=on)
+    cfg = TransportConfig(timeouts=Timeouts(peer=5), security=Security(datagram_mac=on), deadline="fixed:2")
     async with connected_pair(TOKEN, cfg) as (a, b):
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
@@ -215,8 +216,10 @@ async def test_endpoints_that_disagree_on_the_mac_refuse_to_connect():
     from dgt.errors import DgtError, open_nursery
     from dgt.transport import Endpoint, TransportConfig
 
-    async with (Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=True)) as a,
-                Endpoint.open(1, TOKEN, TransportConfig(peer_timeout=5, datagram_mac=False)) as b):
+    async with (Endpoint.open(0, TOKEN, TransportConfig(timeouts=Timeouts(peer=5),
+                                                        security=Security(datagram_mac=True))) as a,
+                Endpoint.open(1, TOKEN, TransportConfig(timeouts=Timeouts(peer=5),
+                                                        security=Security(datagram_mac=False))) as b):
         with pytest.raises(DgtError, match="datagram_mac"):
             with trio.fail_after(10):
                 # dgt's nursery: the refusal itself, not trio >= 0.25's exception group of it (a plain trio nursery

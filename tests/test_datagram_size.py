@@ -21,7 +21,7 @@ from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.protocol.datagram_rows import DatagramRows
 from dgt.protocol.pacing import Pacer
-from dgt.transport import TransportConfig
+from dgt.transport import Congestion, Lanes, Timeouts, TransportConfig
 from dgt.transport.config import FALLBACK_PAYLOAD, payload_for_mtu
 
 UDP = LaneSpec("bulk", "udp", 1)
@@ -49,18 +49,19 @@ def test_route_mtu_is_the_loopback_interfaces():
 
 
 def test_config_payload_explicit_or_from_the_route():
-    assert TransportConfig(datagram_payload=1400).payload_for("127.0.0.1") == 1400
+    assert TransportConfig(lanes=Lanes(datagram_payload=1400)).payload_for("127.0.0.1") == 1400
     assert TransportConfig().payload_for("127.0.0.1") == payload_for_mtu(route_mtu("127.0.0.1"))
     for bad in (8, 70000):
         with pytest.raises(ValueError, match="datagram_payload"):
-            TransportConfig(datagram_payload=bad)
+            TransportConfig(lanes=Lanes(datagram_payload=bad))
 
 
 @pytest.mark.parametrize("payload", [None, 1400])
 async def test_a_lossy_round_over_loopback_sends_a_block_per_datagram_by_default(payload):
     """Over loopback (MTU 64 KiB) a 4 KiB block travels as one datagram; at 1400 bytes as four. Either way the round
     lands bit for bit."""
-    cfg = TransportConfig(peer_timeout=5, datagram_payload=payload, congestion_control=False, deadline="fixed:2")
+    cfg = TransportConfig(timeouts=Timeouts(peer=5), lanes=Lanes(datagram_payload=payload),
+                          congestion=Congestion(enabled=False), deadline="fixed:2")
     x = torch.randn(64 * 1024)
     layout = BucketLayout([x.numel()])
     est = ContributionEstimator(layout)

@@ -26,7 +26,7 @@ def _worker(rank, world, kind, codec, victim, stamp):
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
     from dgt.errors import DgtError
-    from dgt.transport import TransportConfig
+    from dgt.transport import Congestion, Timeouts, TransportConfig
 
     def build(g):
         if kind == "ring":
@@ -40,7 +40,7 @@ def _worker(rank, world, kind, codec, victim, stamp):
         os.kill(os.getpid(), signal.SIGKILL)
 
     async def main():
-        cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, cpu_gate=0.0)
+        cfg = TransportConfig(timeouts=Timeouts(peer=PEER_TIMEOUT), congestion=Congestion(cpu_gate=0.0))
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
             coll = build(g)
             x = torch.randn(1 << 21, generator=torch.Generator().manual_seed(rank))

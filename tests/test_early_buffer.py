@@ -75,9 +75,10 @@ def test_forged_future_rounds_sent_to_a_real_endpoint_never_reach_its_rounds():
     import trio
 
     from dgt.protocol.datagram_mac import DatagramMac
-    from dgt.transport import TransportConfig, auth
+    from dgt.transport import Security, Timeouts, TransportConfig, auth
 
-    cfg = TransportConfig(peer_timeout=5, deadline="fixed:2", check_source=False, secret=b"members only")
+    cfg = TransportConfig(timeouts=Timeouts(peer=5), security=Security(check_source=False, secret=b"members only"),
+                          deadline="fixed:2")
 
     async def main():
         async with connected_pair(TOKEN, cfg) as (a, b):

@@ -1,6 +1,7 @@
 """The endpoint over loopback inside one trio run: lossless and lossy rounds, deadlines, drop reports, error
 feedback, several lanes, concurrency, hostile datagrams, failures, statistics and the blocking wrapper."""
 
+import dataclasses
 import json
 import socket
 from contextlib import AsyncExitStack
@@ -19,12 +20,19 @@ from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.transport import (
     BlockingEndpoint,
+    Congestion,
     Endpoint,
+    Faults,
+    Lanes,
     LaneSpec,
+    Pacing,
     PeerAddress,
     PeerClosed,
     PeerTimeout,
     RoundResult,
+    Security,
+    Sockets,
+    Timeouts,
     TransportConfig,
     three_lanes,
 )
@@ -76,8 +84,9 @@ async def test_lossless_round_is_bit_identical_and_dscp_reads_back():
 
 
 async def test_lossy_round_keeps_important_blocks_closes_by_deadline_and_feeds_errors_back():
-    cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.2, drop_seed=7, deadline="fixed:0.05")
-    async with pair(TransportConfig(peer_timeout=5, deadline="fixed:0.05"), cfg_b) as (a, b):
+    cfg_b = TransportConfig(timeouts=Timeouts(peer=5), faults=Faults(drop_fraction=0.2, drop_seed=7),
+                            deadline="fixed:0.05")
+    async with pair(TransportConfig(timeouts=Timeouts(peer=5), deadline="fixed:0.05"), cfg_b) as (a, b):
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
@@ -118,8 +127,9 @@ async def test_round_refused_by_receiver_limits_fails_fast():
     """The receiver refuses a round beyond its open-round limit: the sender hears so at once instead of waiting."""
     from dgt import wire as w
 
-    tight = TransportConfig(peer_timeout=5, limits=w.Limits(max_open_rounds=1), drop_fraction=1.0, deadline=2.0)
-    async with pair(TransportConfig(peer_timeout=5), tight) as (a, b):
+    tight = TransportConfig(timeouts=Timeouts(peer=5), faults=Faults(drop_fraction=1.0),
+                            limits=w.Limits(max_open_rounds=1), deadline=2.0)
+    async with pair(TransportConfig(timeouts=Timeouts(peer=5)), tight) as (a, b):
         layout = BucketLayout([20000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.5)
@@ -131,7 +141,7 @@ async def test_round_refused_by_receiver_limits_fails_fast():
 
 
 async def test_three_lanes_map_classes_to_dscp_and_reassemble():
-    cfg = TransportConfig(lanes=three_lanes(), peer_timeout=5)
+    cfg = TransportConfig(lanes=Lanes(specs=three_lanes()), timeouts=Timeouts(peer=5))
     async with pair(cfg) as (a, b):
         assert [v["dscp"] for v in a.links.socket_info()["udp"].values()] == [18, 1]
         layout = BucketLayout(SIZES)
@@ -191,7 +201,7 @@ async def test_concurrent_buckets_both_directions_and_buffered_results():
 async def test_three_endpoints_connect_all_to_all_and_exchange_concurrently():
     # a fixed 10 s deadline: every round closes complete, so the check can be bit-exact (the adaptive deadline closed
     # rounds before a loaded host's datagrams were in: about half the runs at load 5-9)
-    cfg = TransportConfig(peer_timeout=5, deadline="fixed:10")
+    cfg = TransportConfig(timeouts=Timeouts(peer=5), deadline="fixed:10")
     async with AsyncExitStack() as stack:
         eps = [await stack.enter_async_context(Endpoint.open(r, TOKEN, cfg)) for r in range(3)]
         addrs = {ep.rank: ep.address for ep in eps}
@@ -235,8 +245,9 @@ async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
     deadline: the rest is abandoned (never sent later) and the next round goes out. How long such a round takes,
     against sending all its unimportant bytes at the pace, is measured by ``dgt bench transport --variants
     dgt-p30-stale`` (tests/test_bench_transport.py runs it), not timed here."""
-    cfg_a = TransportConfig(peer_timeout=5, pace_rate=1e6, pace_burst=16 << 10, congestion_control=False)  # fixed pace
-    async with pair(cfg_a, TransportConfig(peer_timeout=5, deadline="fixed:0.02")) as (a, b):
+    cfg_a = TransportConfig(timeouts=Timeouts(peer=5), pacing=Pacing(rate=1e6, burst=16 << 10),
+                            congestion=Congestion(enabled=False))  # fixed pace
+    async with pair(cfg_a, TransportConfig(timeouts=Timeouts(peer=5), deadline="fixed:0.02")) as (a, b):
         layout = BucketLayout([200_000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.1)
@@ -256,8 +267,10 @@ async def test_stale_round_is_abandoned_so_the_next_round_does_not_wait():
 
 
 async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
-    cfg_a = TransportConfig(peer_timeout=5, pace_start=50e6)  # congestion control is on by default
-    cfg_b = TransportConfig(peer_timeout=5, drop_fraction=0.3, drop_seed=1, deadline="fixed:0.3")
+    cfg_a = TransportConfig(timeouts=Timeouts(peer=5),
+                            congestion=Congestion(start_rate=50e6))  # congestion control is on by default
+    cfg_b = TransportConfig(timeouts=Timeouts(peer=5), faults=Faults(drop_fraction=0.3, drop_seed=1),
+                            deadline="fixed:0.3")
     async with pair(cfg_a, cfg_b) as (a, b):
         layout = BucketLayout([50_000])
         x = torch.randn(layout.numel)
@@ -268,7 +281,7 @@ async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
         r1 = a.stats().pace_rates[1]
         assert r1 < r0 and a.links.table[1].pacer.cc.loss_backoffs == 1
         assert sent.lost_blocks == res.stats.dropped > 0 and a.stats().lanes[1].tx_lost_blocks == sent.lost_blocks
-        b.cfg.drop_fraction = 0.0
+        b.cfg.faults = dataclasses.replace(b.cfg.faults, drop_fraction=0.0)
         b.inbound.drop_rng = None
         for rnd in range(1, 4):  # loopback: no queue, no loss: the rate probes up
             await send_and_recv(a, b, 0, rnd, x, layout, c.cls, c.order)
@@ -282,8 +295,9 @@ async def test_congestion_control_backs_off_on_loss_and_probes_up_without():
 async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carries_them():
     """A rate so low that the budget covers one block: the rest is unsent (not lost), the receiver closes the round
     'complete' once the sent block is in, and the next round delivers the kept-back values through the residual."""
-    cfg_a = TransportConfig(peer_timeout=5, pace_start=1e5, pace_min=1e5, pace_max=1e5)
-    async with pair(cfg_a, TransportConfig(peer_timeout=5)) as (a, b):
+    cfg_a = TransportConfig(timeouts=Timeouts(peer=5), congestion=Congestion(start_rate=1e5, min_rate=1e5,
+                            max_rate=1e5))
+    async with pair(cfg_a, TransportConfig(timeouts=Timeouts(peer=5))) as (a, b):
         layout = BucketLayout([64 * 1024])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.25)
@@ -313,8 +327,9 @@ async def test_send_budget_keeps_blocks_back_as_unsent_and_error_feedback_carrie
 async def test_small_receive_buffer_drops_for_real_and_accounting_matches():
     """A tiny UDP receive buffer and an unpaced burst: the kernel drops datagrams, important blocks still arrive,
     the round closes by its deadline and the drop report matches the mask."""
-    cfg_b = TransportConfig(peer_timeout=5, udp_rcvbuf=4096, deadline="fixed:0.05", gro=False)
-    async with pair(TransportConfig(peer_timeout=5), cfg_b) as (a, b):
+    cfg_b = TransportConfig(timeouts=Timeouts(peer=5), sockets=Sockets(udp_rcvbuf=4096, gro=False),
+                            deadline="fixed:0.05")
+    async with pair(TransportConfig(timeouts=Timeouts(peer=5)), cfg_b) as (a, b):
         layout = BucketLayout([300_000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.2)
@@ -354,7 +369,7 @@ async def test_unknown_sources_and_wrong_tokens_are_dropped_and_counted():
 @given(st.lists(st.binary(min_size=0, max_size=300), min_size=1, max_size=20), st.integers(0, 2**32 - 1))
 def test_fuzzed_datagrams_never_crash_the_receiver(blobs, seed):
     async def main():
-        async with pair(TransportConfig(peer_timeout=5, check_source=False)) as (a, b):
+        async with pair(TransportConfig(timeouts=Timeouts(peer=5), security=Security(check_source=False))) as (a, b):
             rng = np.random.default_rng(seed)
             port = b.address.udp_ports[0]
             fuzz = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -392,7 +407,8 @@ async def test_closed_peer_fails_pending_operations_with_peer_closed():
 
 async def test_silent_peer_times_out_within_peer_timeout():
     """A peer whose connection stays open but says nothing (no pings): PeerTimeout within peer_timeout."""
-    async with pair(TransportConfig(peer_timeout=0.6), TransportConfig(peer_timeout=60, heartbeat=100)) as (a, b):
+    async with pair(TransportConfig(timeouts=Timeouts(peer=0.6)), TransportConfig(timeouts=Timeouts(peer=60,
+                                    heartbeat=100))) as (a, b):
         t0 = trio.current_time()
         with pytest.raises(PeerTimeout, match="silent"):
             await a.recv_round(1, 0, 0)
@@ -400,13 +416,13 @@ async def test_silent_peer_times_out_within_peer_timeout():
 
 
 async def test_connect_times_out_on_a_missing_peer_and_on_a_wrong_token():
-    async with Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=0.5)) as a:
+    async with Endpoint.open(0, TOKEN, TransportConfig(timeouts=Timeouts(peer=0.5))) as a:
         ghost = PeerAddress("127.0.0.1", 1, (2,), 1)
         with pytest.raises(PeerTimeout):
             await a.connect({1: ghost})
         with pytest.raises(PeerTimeout):
             await a.connect({2: PeerAddress("127.0.0.1", 1, (2,), 2)})  # rank 2 would dial us: nobody does
-        async with Endpoint.open(1, TOKEN + 1, TransportConfig(peer_timeout=0.5)) as other:
+        async with Endpoint.open(1, TOKEN + 1, TransportConfig(timeouts=Timeouts(peer=0.5))) as other:
             with pytest.raises(PeerClosed, match="session token"):
                 await a.connect({1: other.address})
             assert other.peers == [] and a.peers == []
@@ -429,7 +445,7 @@ async def test_ipv6_loopback_marks_traffic_class():
 
 
 async def test_statistics_are_dataclasses_that_turn_into_json():
-    async with pair(TransportConfig(peer_timeout=5, datagram_payload=8000)) as (a, b):
+    async with pair(TransportConfig(timeouts=Timeouts(peer=5), lanes=Lanes(datagram_payload=8000))) as (a, b):
         layout = BucketLayout([60000])
         x = torch.randn(layout.numel)
         c = classified(x, layout, 0.3)
@@ -447,8 +463,8 @@ async def test_statistics_are_dataclasses_that_turn_into_json():
 
 
 def test_blocking_endpoint_and_futures():
-    with BlockingEndpoint.open(0, TOKEN, TransportConfig(peer_timeout=5)) as a:
-        with BlockingEndpoint.open(1, TOKEN, TransportConfig(peer_timeout=5)) as b:
+    with BlockingEndpoint.open(0, TOKEN, TransportConfig(timeouts=Timeouts(peer=5))) as a:
+        with BlockingEndpoint.open(1, TOKEN, TransportConfig(timeouts=Timeouts(peer=5))) as b:
             fa = a.submit(a.endpoint.connect, {1: b.address})
             b.connect({0: a.address})
             fa.result(10)
@@ -471,8 +487,9 @@ async def test_deadline_starts_when_a_control_frame_follows_round_end_in_the_sam
     round waited for the next frame that happened to empty the buffer (up to a heartbeat period)."""
     from dgt.transport import control
 
-    slow_beat = TransportConfig(peer_timeout=30, deadline="fixed:0.01")
-    async with pair(slow_beat, TransportConfig(peer_timeout=30, deadline="fixed:0.01", drop_fraction=1.0)) as (a, b):
+    slow_beat = TransportConfig(timeouts=Timeouts(peer=30), deadline="fixed:0.01")
+    async with pair(slow_beat, TransportConfig(timeouts=Timeouts(peer=30), faults=Faults(drop_fraction=1.0),
+                                               deadline="fixed:0.01")) as (a, b):
         writer = a.links.table[1].writer
         plain = writer.push_frames
         ping = control.control(TOKEN, 0, control.PING)
@@ -528,7 +545,8 @@ async def test_posted_receive_lands_in_place_even_when_the_round_opens_first():
 async def test_lossless_round_nobody_waits_on_asks_for_no_drop_report():
     """A lossless round sent with wait=False carries NO_REPORT: the receiver writes no DROP_REPORT back and the
     sender keeps no state for it; waiting senders and lossy rounds still get their report."""
-    async with pair(TransportConfig(peer_timeout=30, deadline="fixed:0.05")) as (a, b):  # no heartbeat within the test
+    async with pair(TransportConfig(timeouts=Timeouts(peer=30), deadline="fixed:0.05")) as (a,
+                                    b):  # no heartbeat within the test
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel)
         frames_before = b.links.table[0].writer.frames

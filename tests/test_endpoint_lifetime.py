@@ -9,7 +9,7 @@ import trio
 from dgt.collectives import Group
 from dgt.errors import open_nursery
 from dgt.harness.endpoints import connected_pair
-from dgt.transport import Endpoint, PeerClosed, TransportConfig
+from dgt.transport import Endpoint, PeerClosed, Timeouts, TransportConfig
 
 TOKEN = 0x24_0024
 
@@ -67,7 +67,7 @@ async def test_an_error_in_the_service_cancels_the_block_and_is_raised_from_it()
     before = _tasks()
     t0 = trio.current_time()
     with pytest.raises(RuntimeError, match="liveness monitor broke"):
-        async with _Broken.open(0, TOKEN, TransportConfig(peer_timeout=5)) as ep:
+        async with _Broken.open(0, TOKEN, TransportConfig(timeouts=Timeouts(peer=5))) as ep:
             ep.trip.set()
             await trio.sleep(30)  # cancelled by the service's error, not slept out
     assert trio.current_time() - t0 < 10
@@ -76,7 +76,7 @@ async def test_an_error_in_the_service_cancels_the_block_and_is_raised_from_it()
 
 
 async def test_in_a_callers_nursery_an_error_in_the_service_fails_pending_operations_and_reaches_the_owner():
-    cfg = TransportConfig(peer_timeout=5)
+    cfg = TransportConfig(timeouts=Timeouts(peer=5))
     got = []
 
     async def pending(ep):
@@ -108,13 +108,13 @@ async def test_in_a_callers_nursery_an_error_in_the_service_fails_pending_operat
 
 async def test_awaiting_open_the_old_way_says_how_to_open_an_endpoint_now():
     with pytest.raises(TypeError, match="async with Endpoint.open"):
-        await Endpoint.open(0, TOKEN, TransportConfig(peer_timeout=5))
+        await Endpoint.open(0, TOKEN, TransportConfig(timeouts=Timeouts(peer=5)))
 
 
 async def test_an_endpoint_started_in_a_callers_nursery_closes_with_async_with():
     before = _tasks()
     async with trio.open_nursery() as nursery:
-        async with await Endpoint.start(0, TOKEN, TransportConfig(peer_timeout=5), nursery=nursery) as ep:
+        async with await Endpoint.start(0, TOKEN, TransportConfig(timeouts=Timeouts(peer=5)), nursery=nursery) as ep:
             assert ep.address.tcp_port > 0
         assert ep.sockets.listener.sock.fileno() == -1
     assert _tasks() == before

@@ -9,13 +9,14 @@ import trio.testing
 
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
 from dgt.harness.groups import local_groups
-from dgt.transport import TransportConfig
+from dgt.transport import Timeouts, TransportConfig
 
 W = 6
 
 
 def _groups(prefix, connect="lazy"):
-    return local_groups(W, dist.HashStore(), config=TransportConfig(peer_timeout=30), timeout=30, prefix=prefix,
+    return local_groups(W, dist.HashStore(), config=TransportConfig(timeouts=Timeouts(peer=30)), timeout=30,
+                                                                    prefix=prefix,
                         connect=connect)
 
 

@@ -12,7 +12,7 @@ import trio
 
 from dgt import wire
 from dgt.harness.endpoints import connected_pair
-from dgt.transport import TransportConfig, auth, control
+from dgt.transport import Security, Timeouts, TransportConfig, auth, control
 
 TOKEN = 0x22_F022
 ODD = [None, 0, -1, 1 << 70, 1.5, "", "x" * 3000, [], [1, 2], {}, {"host": 5}, True, "stream:0", {"a": [None]}]
@@ -89,7 +89,7 @@ def _attack(port: int, seed: int, n: int) -> dict[str, int]:
 @pytest.mark.parametrize("seed", range(2))
 def test_fuzzed_handshakes_are_refused_and_the_endpoint_keeps_serving(seed):
     async def main():
-        cfg = TransportConfig(peer_timeout=3, connect_timeout=1, secret=b"fuzz")
+        cfg = TransportConfig(timeouts=Timeouts(peer=3, connect=1), security=Security(secret=b"fuzz"))
         async with connected_pair(TOKEN, cfg) as (a, b):
             seen = await trio.to_thread.run_sync(_attack, b.address.tcp_port, seed, 150)
             assert control.WELCOME not in seen, seen

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from dgt.collectives.launch import run_ranks
+from dgt.layout import DEFAULT_BLOCK
 from dgt.transport.config import PeerAddress
 
 SEGMENTS = [3000, 5, 20000, 1500]
@@ -119,7 +120,7 @@ def _kept_back(g, world, rank):
     from dgt.collectives.parts import transport_key
     from dgt.layout import BucketLayout
 
-    ch = Chunking(BucketLayout.of(SEGMENTS, g.endpoint.cfg.block), world)
+    ch = Chunking(BucketLayout.of(SEGMENTS, DEFAULT_BLOCK), world)
     kept = torch.zeros(NUMEL)
     sender = g.endpoint.links.table[(rank + 1) % world].sender
     for s in range(world - 1):

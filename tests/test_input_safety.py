@@ -7,6 +7,7 @@ import torch
 
 from dgt.collectives.launch import run_ranks
 from dgt.harness.offline import OfflineTransport
+from dgt.transport import Congestion, Faults, Hops, Timeouts
 
 # values float32 cannot hold: a float32 path rounds them (2^40+1 -> 2^40, 16777217 -> 16777216, 1+1e-12 -> 1)
 EXACT = {
@@ -25,13 +26,13 @@ def _exact_worker(rank, world, kind, name):
     import trio
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
-    from dgt.transport import TransportConfig
+    from dgt.transport import Hops, TransportConfig
 
     dtype, vals = EXACT[name]
     x = torch.tensor(vals * 700, dtype=dtype)  # a few blocks, so every hop carries data
 
     async def main():
-        cfg = TransportConfig(stream_hops=kind.split("/")[1])
+        cfg = TransportConfig(hops=Hops(mode=kind.split("/")[1]))
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
             coll = RingAllReduce(g, "dense", op="sum") if kind.startswith("ring") else \
                 ParameterServer(g, "dense", op="sum", server="sharded" if kind.startswith("ps/") else 0)
@@ -159,7 +160,7 @@ def _mismatch_worker(rank, world, kind, codec, streams):
 
     async def main():
         # the CPU gate off: the rebuilt group's lossy call must send every block (a busy host would keep some back)
-        cfg = TransportConfig(peer_timeout=20, stream_hops=streams, cpu_gate=0.0)
+        cfg = TransportConfig(timeouts=Timeouts(peer=20), hops=Hops(mode=streams), congestion=Congestion(cpu_gate=0.0))
         store = store_from_env(rank, world, 30)  # one c10d store for both groups
         async with Group.open(rank, world, store=store, config=cfg, timeout=30) as g:
             t0 = time.monotonic()
@@ -200,7 +201,7 @@ def _nan_worker(rank, world):
 
     async def main():
         # half the datagrams are lost: unimportant blocks go to the residual and come back a round later
-        cfg = TransportConfig(peer_timeout=10, drop_fraction=0.5, drop_seed=rank)
+        cfg = TransportConfig(timeouts=Timeouts(peer=10), faults=Faults(drop_fraction=0.5, drop_seed=rank))
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
             ring = RingAllReduce(g, "dgt:p=0.1", op="sum")
             gen = torch.Generator().manual_seed(rank)

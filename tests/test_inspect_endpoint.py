@@ -13,6 +13,7 @@ import trio
 from dgt.harness.endpoints import connected_pair
 from dgt.inspect.capture import LiveCapture
 from dgt.inspect.summary import Options, summarize
+from dgt.transport import Sockets
 
 endpoint = pytest.importorskip("dgt.transport", reason="the transport (dgt.transport) is not built yet")
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="packet capture needs root (CAP_NET_RAW)")
@@ -82,7 +83,7 @@ async def _bulk_exchange(sizes: list[int]) -> tuple[list, list, object, object]:
             sent.append(await a.send_round(1, 3, rnd, torch.randn(n), wait=False))  # lossless, unawaited: BULK
             got.append(await b.recv_round(0, 3, rnd, timeout=10))
 
-    return await _run_pair(endpoint.TransportConfig(reliable_frame_bytes=256 << 10), body)
+    return await _run_pair(endpoint.TransportConfig(sockets=Sockets(reliable_frame_bytes=256 << 10)), body)
 
 
 def test_capture_of_bulk_messages_matches_the_transport(tmp_path):

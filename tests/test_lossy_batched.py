@@ -27,7 +27,7 @@ def _plan(p: float, seed: int, block: int = 1024, payload: int = 1400):  # 4 fra
     est = ContributionEstimator(layout)
     est.update(x)
     c = est.classify(p)
-    tx = RoundSender(TOKEN, rank=1, block=block, datagram_payload=payload)
+    tx = RoundSender(TOKEN, rank=1, datagram_payload=payload)
     flat = tx.prepare(0, x)
     return layout, flat, tx, tx.plan(0, 0, flat, layout, c.cls, c.order)
 

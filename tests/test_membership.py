@@ -2,6 +2,7 @@
 to ranks and session; a process that knows only the token (readable in the c10d store) cannot open a session link or
 a stream lane claiming a member's rank. Real endpoints on loopback."""
 
+import dataclasses
 import socket
 
 import pytest
@@ -10,14 +11,14 @@ import trio
 
 from dgt import wire
 from dgt.harness.endpoints import connected_pair
-from dgt.transport import Endpoint, TransportConfig, auth, control
+from dgt.transport import Endpoint, Security, Timeouts, TransportConfig, auth, control
 
 TOKEN = 0x22_0022
 
 
 def _pair(secret_a=b"s3cret", secret_b=b"s3cret", timeout=3.0):
-    return connected_pair(TOKEN, TransportConfig(peer_timeout=timeout, secret=secret_a),
-                          TransportConfig(peer_timeout=timeout, secret=secret_b))
+    return connected_pair(TOKEN, TransportConfig(timeouts=Timeouts(peer=timeout), security=Security(secret=secret_a)),
+                          TransportConfig(timeouts=Timeouts(peer=timeout), security=Security(secret=secret_b)))
 
 
 def _attacker_hello(port: int, claimed_rank: int, **fields) -> list[str]:
@@ -92,7 +93,8 @@ def test_secret_sources(monkeypatch, tmp_path):
         auth.user_secret("")
     k1, k2 = auth.session_key(1, b"s"), auth.session_key(2, b"s")
     assert k1 != k2 and k1 != auth.session_key(1, b"t")  # bound to the session and to the secret
-    assert "secret" not in TransportConfig(secret=b"zz").to_dict() and "zz" not in repr(TransportConfig(secret="zz"))
+    assert "secret" not in TransportConfig(security=Security(secret=b"zz")).to_dict()["security"]
+    assert "zz" not in repr(TransportConfig(security=Security(secret="zz")))
 
 
 async def _round_ok(a, b, bucket):
@@ -121,7 +123,7 @@ def test_silent_connections_are_capped_and_accept_errors_survived():
 
     async def main():
         async with _pair() as (a, b):
-            b.cfg.max_pending_handshakes = 8
+            b.cfg.security = dataclasses.replace(b.cfg.security, max_pending_handshakes=8)
             socks = []
             try:
                 socks = _silent(b.address.tcp_port, 40)
@@ -230,7 +232,7 @@ def test_a_member_without_a_live_session_link_cannot_open_a_stream_lane():
     from dgt.transport.streams import Hop
 
     async def main():
-        cfg = TransportConfig(peer_timeout=3, secret=b"s3cret")
+        cfg = TransportConfig(timeouts=Timeouts(peer=3), security=Security(secret=b"s3cret"))
         async with Endpoint.open(0, TOKEN, cfg, host="127.0.0.1") as a, Endpoint.open(1, TOKEN, cfg, "127.0.0.1") as b:
             port = b.address.tcp_port
             for direction in (0, 1):

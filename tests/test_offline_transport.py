@@ -24,7 +24,7 @@ def test_the_offline_transport_has_every_transport_member_with_the_same_paramete
         if callable(want):
             assert list(inspect.signature(want).parameters) == list(inspect.signature(
                 getattr(OfflineTransport, name)).parameters), name
-    assert t.rank == 1 and t.peers == [] and len(t.address.udp_ports) == len(t.cfg.lanes) - 1
+    assert t.rank == 1 and t.peers == [] and len(t.address.udp_ports) == len(t.cfg.lanes.specs) - 1
 
 
 def test_a_group_is_never_built_on_no_transport():

@@ -1,6 +1,7 @@
-"""docs/options.md lists every setting: each field of TransportConfig, DropChooser, DGTBackendOptions and wire.Limits,
-each argument of DGTState, and each DGT_* environment variable named in dgt/; the defaults it states in a parseable
-form are the code's (issue 41)."""
+"""docs/options.md lists every setting: each field of TransportConfig and of each of its groups (Lanes, Pacing, ...,
+walked from dgt.transport.config.GROUPS), DropChooser, DGTBackendOptions and wire.Limits, each argument of DGTState,
+and each DGT_* environment variable named in dgt/; the defaults it states in a parseable form are the code's (issues 41
+and 44)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from dgt import wire
 from dgt.shim.backend import DGTBackendOptions
 from dgt.shim.chooser import DropChooser
 from dgt.shim.state import DGTState
-from dgt.transport.config import TransportConfig
+from dgt.transport.config import GROUPS, TransportConfig
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = ROOT / "docs" / "options.md"
@@ -188,6 +189,8 @@ def env_variables() -> dict[str, Any]:
 
 SETTINGS: list[tuple[str, Any]] = [
     ("TransportConfig", lambda: dataclass_defaults(TransportConfig)),
+    # every group of TransportConfig but wire.Limits (its own section below) has a section named after its class
+    *[(cls.__name__, lambda cls=cls: dataclass_defaults(cls)) for cls in GROUPS.values() if cls is not wire.Limits],
     ("DGTState", lambda: init_defaults(DGTState)),
     ("DropChooser", lambda: dataclass_defaults(DropChooser)),
     ("DGTBackendOptions", lambda: dataclass_defaults(DGTBackendOptions)),
@@ -238,21 +241,51 @@ def test_every_environment_variable_is_documented_with_its_default() -> None:
 
 # -- the checker itself -------------------------------------------------------------------------------------------
 
+def test_every_group_of_transport_config_is_a_field_with_a_section() -> None:
+    """The walk covers the groups: each GROUPS entry is a TransportConfig field of that class, and each class but
+    wire.Limits has its own section (checked field by field above)."""
+    fields = {f.name: f for f in dataclasses.fields(TransportConfig)}
+    text = DOC.read_text()
+    top = rows(section_of(text, "TransportConfig"))
+    for name, cls in GROUPS.items():
+        assert name in fields and isinstance(getattr(TransportConfig(), name), cls)
+        assert name in top, f"TransportConfig.{name} (the {cls.__name__} group) is not in docs/options.md"
+        if cls is not wire.Limits:
+            assert rows(section_of(text, cls.__name__)), f"docs/options.md: the {cls.__name__} section has no rows"
+    assert {cls.__name__ for _, cls in GROUPS.items()} - {"Limits"} <= {s[0] for s in SETTINGS}
+
+
+def _row_starting(body: str, start: str) -> str:
+    (line,) = [ln for ln in body.splitlines() if ln.startswith(start)]
+    return line
+
+
 def test_a_field_missing_from_the_doc_or_a_wrong_default_is_caught() -> None:
     text = DOC.read_text()
     body = section_of(text, "TransportConfig")
     code = dataclass_defaults(TransportConfig)
     assert check(body, code, "TransportConfig") == []
-    without = "\n".join(ln for ln in body.splitlines() if not ln.startswith("| `cpu_gate` |"))
-    assert check(without, code, "TransportConfig") == ["TransportConfig: `cpu_gate` is not in docs/options.md"]
-    wrong = body.replace("| `peer_timeout` | `10.0` |", "| `peer_timeout` | `5.0` |")
-    assert wrong != body
-    assert check(wrong, code, "TransportConfig") == [
-        "TransportConfig.peer_timeout: docs/options.md says 5.0, the code 10.0"]
-    shifted = body.replace("| `pace_burst` | `256 << 10` |", "| `pace_burst` | `256 << 11` |")
-    assert len(check(shifted, code, "TransportConfig")) == 1
-    prose = body.replace("| `gso_segments` | `64` |", "| `gso_segments` | sixty-four |")
-    assert len(check(prose, code, "TransportConfig")) == 1  # a plain default must be stated parseably
+    without = "\n".join(ln for ln in body.splitlines() if not ln.startswith("| `pacing` |"))
+    assert check(without, code, "TransportConfig") == ["TransportConfig: `pacing` is not in docs/options.md"]
+    cong = section_of(text, "Congestion")
+    cong_code = dataclass_defaults(GROUPS["congestion"])
+    assert check(cong, cong_code, "Congestion") == []
+    without = "\n".join(ln for ln in cong.splitlines() if not ln.startswith("| `cpu_gate`"))
+    assert check(without, cong_code, "Congestion") == ["Congestion: `cpu_gate` is not in docs/options.md"]
+    tout = section_of(text, "Timeouts")
+    tout_code = dataclass_defaults(GROUPS["timeouts"])
+    row = _row_starting(tout, "| `peer`")
+    wrong = tout.replace(row, row.replace("| `10.0` |", "| `5.0` |"))
+    assert wrong != tout
+    assert check(wrong, tout_code, "Timeouts") == ["Timeouts.peer: docs/options.md says 5.0, the code 10.0"]
+    pace = section_of(text, "Pacing")
+    row = _row_starting(pace, "| `burst`")
+    shifted = pace.replace(row, row.replace("`256 << 10`", "`256 << 11`"))
+    assert len(check(shifted, dataclass_defaults(GROUPS["pacing"]), "Pacing")) == 1
+    socks = section_of(text, "Sockets")
+    row = _row_starting(socks, "| `gso_segments`")
+    prose = socks.replace(row, row.replace("| `64` |", "| sixty-four |"))
+    assert len(check(prose, dataclass_defaults(GROUPS["sockets"]), "Sockets")) == 1  # stated parseably
     extra = body + "| `no_such_field` | `1` | x | y |\n"
     assert check(extra, code, "TransportConfig") == [
         "TransportConfig: docs/options.md lists `no_such_field`, which the code has not"]

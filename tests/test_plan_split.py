@@ -27,7 +27,7 @@ GEOMS = {  # (sizes, block, datagram payload)
 
 
 def _sender(block: int, payload: int, ef: bool, mac: bool) -> RoundSender:
-    return RoundSender(TOKEN, rank=1, block=block, datagram_payload=payload, lanes=3, error_feedback=ef,
+    return RoundSender(TOKEN, rank=1, datagram_payload=payload, lanes=3, error_feedback=ef,
                        mac=DatagramMac(KEY) if mac else None, peer=0)
 
 

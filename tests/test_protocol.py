@@ -370,7 +370,7 @@ def test_fuzz_receiver_never_raises(blobs, flips):
 def test_lossless_fast_path_cuts_the_same_frames_as_the_run_finder(sizes, frame_kb):
     """A round with every block important takes a shortcut; it must frame the bucket exactly like the general path."""
     layout = BucketLayout(sizes, 256)
-    s = RoundSender(1, 0, block=256, reliable_frame_bytes=frame_kb << 10)
+    s = RoundSender(1, 0, reliable_frame_bytes=frame_kb << 10)
     flat = torch.randn(layout.numel)
     raw = flat.view(torch.uint8).numpy()
     geom = s.geometry(layout, 4)

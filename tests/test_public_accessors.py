@@ -10,11 +10,11 @@ import torch
 from dgt.codecs import make_codec
 from dgt.experiment.worker import SO_MAX_PACING_RATE, pace_tcp, transport_state
 from dgt.harness.endpoints import connected_pair
-from dgt.transport import TransportConfig
+from dgt.transport import Pacing, Timeouts, TransportConfig
 
 
 async def test_the_endpoint_says_what_it_waits_for_and_which_sockets_it_paces():
-    cfg = TransportConfig(peer_timeout=5, pace_rate=50e6, pace_shared=True)
+    cfg = TransportConfig(timeouts=Timeouts(peer=5), pacing=Pacing(rate=50e6, shared=True))
     async with connected_pair(7, cfg) as (a, b):
         assert a.stats().pace_shared_peers == 1 and b.stats().pace_shared_peers == 1
         socks = a.links.link_sockets()

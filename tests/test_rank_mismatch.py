@@ -7,6 +7,7 @@ import torch
 
 from dgt.collectives.launch import run_ranks
 from dgt.harness.endpoints import connected_pair
+from dgt.transport import Hops, Timeouts
 
 PEER_TIMEOUT = 20
 
@@ -18,7 +19,7 @@ def _worker(rank, world, kind, codec, streams, what):
 
     from dgt.collectives import Group, ParameterServer, RingAllReduce
     from dgt.errors import RankMismatch
-    from dgt.transport import TransportConfig
+    from dgt.transport import Hops, Timeouts, TransportConfig
 
     op = "mean" if (what == "op" and rank == 1) else "sum"
     odd = 0 if what.startswith("dtype-server") else 1  # the rank whose tensor is float64 (rank 0 is the central server)
@@ -30,7 +31,7 @@ def _worker(rank, world, kind, codec, streams, what):
         return ParameterServer(g, codec, op=op, server="sharded" if kind == "ps-sharded" else 0)
 
     async def main():
-        cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops=streams)
+        cfg = TransportConfig(timeouts=Timeouts(peer=PEER_TIMEOUT), hops=Hops(mode=streams))
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
             coll = build(g)
             if what.endswith("-warm"):  # a first call that matches: the stream lanes are open when the mismatch comes
@@ -115,7 +116,7 @@ def test_two_ranks_that_see_one_size_or_dtype_mismatch_give_the_same_reason():
     from dgt.transport import TransportConfig
 
     async def main():
-        cfg = TransportConfig(peer_timeout=5, stream_hops="off")
+        cfg = TransportConfig(timeouts=Timeouts(peer=5), hops=Hops(mode="off"))
         async with connected_pair(0x22, cfg) as (a, b):
             seen, sent = [], []
             for tx, rx, peer, mine, theirs in ((a, b, 0, torch.float64, torch.float32),

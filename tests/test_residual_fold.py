@@ -73,7 +73,7 @@ def test_rounds_under_budget_and_loss_match_the_plain_residual_model(seed):
     drop report of round k lands after round k + 1's prepare (the ring does not wait for reports)."""
     rng = np.random.default_rng(seed)
     layout = BucketLayout([5000, 3000, 700], 256)
-    tx = RoundSender(TOKEN, rank=1, block=256, datagram_payload=1024 + wire.HEADER_SIZE)
+    tx = RoundSender(TOKEN, rank=1, datagram_payload=1024 + wire.HEADER_SIZE)
     rx = RoundReceiver(TOKEN, rank=0, deadline=FixedGrace(0.01))
     model = np.zeros(layout.numel, np.float32)
     lens = layout.block_len.numpy()
@@ -123,7 +123,7 @@ def test_rounds_under_budget_and_loss_match_the_plain_residual_model(seed):
 
 def test_prepare_without_plan_leaves_a_residual_that_reads_as_zero():
     layout = BucketLayout([4096], 1024)
-    tx = RoundSender(TOKEN, rank=1, block=1024)
+    tx = RoundSender(TOKEN, rank=1)
     x = torch.ones(layout.numel)
     cls = torch.ones(layout.nblocks, dtype=torch.int64)
     tx.plan(0, 0, tx.prepare(0, x), layout, cls, None, budget=0)  # every block kept back

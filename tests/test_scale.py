@@ -18,7 +18,7 @@ import trio
 from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
 from dgt.collectives.launch import run_ranks
 from dgt.harness.groups import local_groups
-from dgt.transport import TransportConfig
+from dgt.transport import Faults, Hops, Timeouts, TransportConfig
 
 pytestmark = pytest.mark.scale
 
@@ -88,7 +88,7 @@ async def test_256_ranks_ring_sharded_ps_and_gossip_equal_the_reference(lossy):
     mean = torch.stack(xs).double().mean(0).float()
     codec = "dgt:p=0.3,block=256" if lossy else "dense"
     t0 = time.monotonic()
-    cfg = TransportConfig(peer_timeout=120, stream_hops="off", block=256, deadline="fixed:2.0")
+    cfg = TransportConfig(timeouts=Timeouts(peer=120), hops=Hops(mode="off"), deadline="fixed:2.0")
     async with _open(W, cfg, f"scale-{lossy}") as groups:
         ones = torch.ones(NUMEL)
         assert _links(groups) == [0] * W  # lazy: nothing connected before a collective needs it
@@ -122,8 +122,8 @@ async def test_256_ranks_ring_sharded_ps_and_gossip_equal_the_reference(lossy):
         t_ps = time.monotonic() - t0 - t_ring
 
     # gossip on a fresh group (its own links only): lossy runs drop 20% of the datagrams
-    cfg = TransportConfig(peer_timeout=120, stream_hops="off", block=256, deadline="fixed:0.5",
-                          drop_fraction=0.2 if lossy else 0.0, drop_seed=1)
+    cfg = TransportConfig(timeouts=Timeouts(peer=120), hops=Hops(mode="off"),
+                          faults=Faults(drop_fraction=0.2 if lossy else 0.0, drop_seed=1), deadline="fixed:0.5")
     async with _open(W, cfg, f"scale-gossip-{lossy}") as groups:
         goss = [Gossip(g, codec) for g in groups]
         res = await _run_all(groups, lambda g: goss[g.rank].exchange(xs[g.rank], 2))
@@ -158,7 +158,7 @@ def _ring_rank(rank, world):
 
     async def main():
         t0 = time.monotonic()
-        async with Group.open(rank, world, timeout=240, config=TransportConfig(peer_timeout=240)) as g:
+        async with Group.open(rank, world, timeout=240, config=TransportConfig(timeouts=Timeouts(peer=240))) as g:
             ring = RingAllReduce(g, "dense")
             t1 = time.monotonic()
             res = await ring.allreduce(x_of(rank), 0)

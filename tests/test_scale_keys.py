@@ -127,17 +127,17 @@ def test_port_range_binds_every_socket_inside_it_and_says_when_full(monkeypatch)
 
     from dgt.channels.ports import parse_port_range
     from dgt.collectives.launch import free_port
-    from dgt.transport import Endpoint, TransportConfig
+    from dgt.transport import Endpoint, Lanes, TransportConfig
 
     lo = free_port()
     lo = min(lo, 65535 - 16)
     monkeypatch.setenv("DGT_PORT_RANGE", f"{lo}-{lo + 15}")
     cfg = TransportConfig()
-    assert cfg.port_range == (lo, lo + 15)
+    assert cfg.lanes.port_range == (lo, lo + 15)
     with pytest.raises(ValueError, match="LO-HI"):
         parse_port_range("30000")
     with pytest.raises(ValueError, match="need 1 <= LO <= HI"):
-        TransportConfig(port_range=(5, 1))
+        TransportConfig(lanes=Lanes(port_range=(5, 1)))
     taken = socket.socket()
     taken.bind(("127.0.0.1", lo))  # the first port is busy: the next free one is used
 
@@ -147,7 +147,7 @@ def test_port_range_binds_every_socket_inside_it_and_says_when_full(monkeypatch)
             assert all(lo <= p <= lo + 15 for p in ports), ports
             assert lo not in (a.address.tcp_port, b.address.tcp_port)  # busy for TCP: skipped
         with pytest.raises(OSError, match=f"no free port .* {lo}-{lo}"):
-            Endpoint(0, 1, TransportConfig(port_range=(lo, lo)))
+            Endpoint(0, 1, TransportConfig(lanes=Lanes(port_range=(lo, lo))))
 
     try:
         trio.run(main)

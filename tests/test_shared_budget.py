@@ -12,7 +12,7 @@ import trio
 from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
 from dgt.protocol.pacing import Pacer, TokenBucket
-from dgt.transport import TransportConfig
+from dgt.transport import Pacing, Timeouts, TransportConfig
 
 RATE = 1e6  # bytes/s
 BURST = 64 << 10
@@ -65,8 +65,8 @@ def test_the_pacer_answers_for_both_buckets():
 
 
 def test_pace_shared_needs_a_rate():
-    with pytest.raises(ValueError, match="pace_shared needs pace_rate"):
-        TransportConfig(pace_shared=True)
+    with pytest.raises(ValueError, match="Pacing.shared needs Pacing.rate"):
+        TransportConfig(pacing=Pacing(shared=True))
 
 
 async def _round(cfg: TransportConfig, token: int) -> tuple[object, object, list[int], object]:
@@ -98,13 +98,13 @@ async def test_an_endpoints_tcp_bytes_come_off_the_peers_shared_budget():
     send budget (the rate x its first 50 ms window, 100 kB) counts the round's 512 kB of important blocks first, so
     every unimportant block is held back (unsent, not lost). Apart, the same round sends 100 kB of them."""
     rate, blocks = 2e6, 128
-    cfg = TransportConfig(peer_timeout=10, deadline="fixed:0.01", pace_rate=rate, pace_shared=True)
+    cfg = TransportConfig(timeouts=Timeouts(peer=10), pacing=Pacing(rate=rate, shared=True), deadline="fixed:0.01")
     sent, res, charged, pacer = await _round(cfg, 0x5EED_0041)
     assert pacer.shared is not None and pacer.shared.rate == rate
     assert sent.reliable_bytes > 512 * 1024 and charged == [sent.reliable_bytes]
     assert sent.unsent_blocks == blocks and sum(sent.datagrams.values()) == 0
     assert res.stats.unsent == blocks and res.stats.dropped == 0 and res.mask.sum() == blocks
-    apart = TransportConfig(peer_timeout=10, deadline="fixed:0.01", pace_rate=rate)
+    apart = TransportConfig(timeouts=Timeouts(peer=10), pacing=Pacing(rate=rate), deadline="fixed:0.01")
     sent, res, charged, pacer = await _round(apart, 0x5EED_0042)
     assert pacer.shared is None  # without pace_shared the UDP lanes have their own budget beside TCP's
     assert 0 < sent.unsent_blocks < blocks and sum(sent.datagrams.values()) > 0

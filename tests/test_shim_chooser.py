@@ -111,9 +111,9 @@ def test_default_state_chooses_and_an_explicit_codec_does_not():
     assert isinstance(DGTState().chooser, DropChooser)
     assert DGTState().chooser.start == 2  # governs the iterations after the dense warm-up
     assert DGTState(codec="dgt:p=0.3").chooser is None
-    assert DGTState(codec="dgt:p=0.3", choose=True).chooser is not None
-    assert DGTState(codec="dense", choose=True).chooser is None  # nothing to choose
-    assert DGTState(choose=False).chooser is None
+    assert DGTState(codec="dgt:p=0.3", chooser=True).chooser is not None
+    assert DGTState(codec="dense", chooser=True).chooser is None  # nothing to choose
+    assert DGTState(chooser=False).chooser is None
 
 
 @pytest.mark.parametrize("spec", ["dgt:idle_p=0.1", "dgt:idle_p=0.10", "dgt: idle_p = 0.1", "dgt:idle_p=1e-1"])
@@ -148,7 +148,7 @@ def test_the_example_runs_the_readme_line_by_default():
     assert type(st.codec) is type(readme.codec)
     explicit = mod.make_state(mod.parse_args(["--codec", "dgt:p=0.3", "--collective", "ps", "--drop", "0.1"]))
     assert explicit.chooser is None and explicit.wire_dtype is None and explicit.collective == "ps"
-    assert explicit.transport == {"drop_fraction": 0.1}
+    assert explicit.transport == {"faults": {"drop_fraction": 0.1}}
 
 
 # -- loopback: the ranks switch paths and the results stay right -------------------------------------------------
@@ -182,7 +182,7 @@ def _switching_rank(rank: int, world: int) -> dict:
     RANK[0] = rank
     dist.init_process_group("gloo", rank=rank, world_size=world)
     st = DGTState(codec="dgt:p=0.3", warmup_iters=1, transport={"drop_fraction": 0.3, "drop_seed": rank},
-                  choose=Scripted(probe=1, hold=2, hold_max=2, start=1))
+                  chooser=Scripted(probe=1, hold=2, hold_max=2, start=1))
     out: dict = {"results": [], "modes": []}
     for it in range(ITERS):
         # the previous iteration's rounds are done, so its decision (if any) is in: this is the path it runs

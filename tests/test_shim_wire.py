@@ -1,5 +1,5 @@
-"""The lossy path's wire dtype (DGTState(wire=...)): the default hook's lossy rounds travel in fp16, pre-divided by
-the world size like torch's fp16_compress_hook; explicit codecs and the lossless path keep the bucket's dtype."""
+"""The lossy path's wire dtype (DGTState(wire_dtype=...)): the default hook's lossy rounds travel in fp16, pre-divided
+by the world size like torch's fp16_compress_hook; explicit codecs and the lossless path keep the bucket's dtype."""
 
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ def test_default_state_casts_the_lossy_path_and_an_explicit_codec_does_not():
     assert DGTState().wire_dtype == torch.float16
     assert DGTState(codec="dgt:p=0.3").wire_dtype is None
     assert DGTState(codec="dense").wire_dtype is None
-    assert DGTState(codec="dgt:p=0.3", wire="bf16").wire_dtype == torch.bfloat16
-    assert DGTState(wire="native").wire_dtype is None
-    assert DGTState(wire=torch.float16).wire_dtype == torch.float16
+    assert DGTState(codec="dgt:p=0.3", wire_dtype="bf16").wire_dtype == torch.bfloat16
+    assert DGTState(wire_dtype="native").wire_dtype is None
+    assert DGTState(wire_dtype=torch.float16).wire_dtype == torch.float16
     for bad in ("int8", "fp8", torch.float64):
         with pytest.raises(ValueError, match="wire"):
-            DGTState(wire=bad)
+            DGTState(wire_dtype=bad)
     st = pickle.loads(pickle.dumps(DGTState()))
     assert st.wire_dtype == torch.float16
 
@@ -54,7 +54,7 @@ def _wire_rank(rank: int, world: int) -> dict:
     out: dict = {}
     # p = 1: every block important, nothing dropped, so the fp16 result is exactly the fp16 sum of the fp16 shares
     for wire in ("fp16", "native"):
-        st = DGTState(codec="dgt:p=1", wire=wire, warmup_iters=1, choose=False)
+        st = DGTState(codec="dgt:p=1", wire_dtype=wire, warmup_iters=1, chooser=False)
         res = [submit(st, _bucket(rank, it), 0, use_codec=it >= 1, it=it).wait() for it in range(3)]
         out[wire] = {"results": res, "lane0": st.totals["bytes_sent"].get(0, 0)}
         st.close()

@@ -10,7 +10,7 @@ import torch
 
 from dgt.collectives.launch import run_ranks
 from dgt.collectives.ring_gather import DENSE, DENSE_ABOVE, SPARSE, SparseGather, choose_mode, nonzero_blocks
-from dgt.layout import BucketLayout
+from dgt.layout import DEFAULT_BLOCK, BucketLayout
 
 # tensor 2 is zero on every rank (an embedding's unused rows): most of two of the three chunks of a 3-rank ring
 SEGMENTS = [3000, 5, 20000, 1500]
@@ -116,14 +116,14 @@ def _worker(rank, world, dtype, sparse, calls, meddle=None):
             assert len(ag_bytes) == (0 if meddle == "off" else calls)  # every call took the sparse all-gather
             kept = torch.zeros(NUMEL)
             if dtype == torch.float32:  # the stream reduce-scatter's error feedback (dgt.collectives.ring_lossy)
-                ch = Chunking(BucketLayout.of(SEGMENTS, g.endpoint.cfg.block), world)
+                ch = Chunking(BucketLayout.of(SEGMENTS, DEFAULT_BLOCK), world)
                 sender = g.endpoint.links.table[(rank + 1) % world].sender
                 for s in range(world - 1):
                     res = sender.residual(transport_key(0, "rs", s, 0))
                     if res is not None:
                         a = (rank - s) % world
                         kept[ch.edges[a] : ch.edges[a + 1]] += res.reshape(-1)
-            return {"outs": outs, "kept": kept, "block": g.endpoint.cfg.block, "ag_bytes": ag_bytes}
+            return {"outs": outs, "kept": kept, "block": DEFAULT_BLOCK, "ag_bytes": ag_bytes}
 
     return trio.run(main)
 
@@ -214,7 +214,7 @@ def _hook_rank(rank: int, world: int) -> dict:
 
     ring_gather.SparseGather.gather = spy
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    st = DGTState(warmup_iters=1, choose=False)  # the default codec and its fp16 wire, no chooser (deterministic)
+    st = DGTState(warmup_iters=1, chooser=False)  # the default codec and its fp16 wire, no chooser (deterministic)
     res = [submit(st, data(rank, it), 0, SEGMENTS, use_codec=it >= 1, it=it).wait() for it in range(3)]
     wire = st.wire_dtype
     st.close()

@@ -59,7 +59,7 @@ async def test_exchange_both_ways_lands_sums_counts_and_marks_ef(mode, hop_threa
         assert 0 <= extra < 1024, extra  # the message, plus the stream lane's authenticated hello (and perhaps a ping)
         assert a.streams.exchanges == b.streams.exchanges == 1
         info = a.links.socket_info()["stream"]
-        assert info[1]["dscp"] == info[1]["rx_dscp"] == parse_dscp(a.cfg.lanes[0].dscp)
+        assert info[1]["dscp"] == info[1]["rx_dscp"] == parse_dscp(a.cfg.lanes.specs[0].dscp)
         # one connection per direction: rank 0 sends on what rank 1 receives on, and the other way round
         la, lb = a.streams.lanes[1], b.streams.lanes[0]
         assert la.tx.sock.getsockname() == lb.rx.sock.getpeername()

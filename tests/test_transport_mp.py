@@ -18,7 +18,7 @@ import trio
 from dgt.estimator import ContributionEstimator
 from dgt.harness.endpoints import connected_pair
 from dgt.layout import BucketLayout
-from dgt.transport import Endpoint, PeerAddress, PeerClosed, PeerTimeout, TransportConfig
+from dgt.transport import Endpoint, Faults, PeerAddress, PeerClosed, PeerTimeout, Timeouts, TransportConfig
 
 TOKEN = 0xABCD_0042
 SIZES = [40000, 1024, 9, 25000]
@@ -110,7 +110,8 @@ async def start(scenario: str, cfg0: TransportConfig, cfg1: dict) -> AsyncIterat
 
 
 async def test_two_processes_lossless_and_lossy_rounds_with_error_feedback():
-    cfg = TransportConfig(peer_timeout=10, drop_fraction=0.2, drop_seed=3, deadline="fixed:0.05")
+    cfg = TransportConfig(timeouts=Timeouts(peer=10), faults=Faults(drop_fraction=0.2, drop_seed=3),
+                          deadline="fixed:0.05")
     async with start("rounds", cfg, {"peer_timeout": 10}) as (ep, child):
         layout = BucketLayout(SIZES)
         x = torch.randn(layout.numel, generator=torch.Generator().manual_seed(5))
@@ -140,7 +141,7 @@ async def test_two_processes_lossless_and_lossy_rounds_with_error_feedback():
 @pytest.mark.parametrize("how", ["kill", "stop"])
 async def test_peer_that_dies_or_stalls_mid_round_fails_pending_operations(how):
     timeout = 2.0
-    async with start("stall", TransportConfig(peer_timeout=timeout), {"peer_timeout": 30}) as (ep, child):
+    async with start("stall", TransportConfig(timeouts=Timeouts(peer=timeout)), {"peer_timeout": 30}) as (ep, child):
         assert (await child.line()).strip() == "stalled"
         with trio.fail_after(5):
             while not ep.receiver.open_rounds():  # the round is open, its important blocks half in
@@ -168,7 +169,7 @@ async def test_dscp_marks_on_captured_packets():
     cap.setblocking(False)
     cap.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)
     try:
-        async with connected_pair(TOKEN, TransportConfig(peer_timeout=5)) as (a, b):
+        async with connected_pair(TOKEN, TransportConfig(timeouts=Timeouts(peer=5))) as (a, b):
             layout = BucketLayout([60000])
             x = torch.randn(layout.numel)
             est = ContributionEstimator(layout)

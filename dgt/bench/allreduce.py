@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from dgt.collectives.launch import run_ranks
 
@@ -52,6 +52,54 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 COLLECTIVES = ("ring", "ps_sharded", "ps_central")
 
 
+class _Trials:
+    """One rank's timed trials and what they record: per method, seconds, CPU seconds and unreliable-lane counters
+    per trial, and the largest difference from Gloo's sum. ``y`` is the buffer every method writes its sum into."""
+
+    def __init__(self, y: Any, repeat: int) -> None:
+        self.y, self.repeat = y, repeat
+        self.ref = y.new_empty(y.shape)  # Gloo's sum: each of ours must agree with it (to float rounding)
+        self.out: dict[str, list[float]] = {}
+        self.cpu: dict[str, list[float]] = {}  # per trial: this process's CPU seconds (every thread, kernel time too)
+        self.udp: dict[str, list[list[float]]] = {}  # per trial: the unreliable-lane counters it moved (_udp_now)
+        self.snap: Callable[[], list[float]] | None = None  # reads those counters (set once the groups are open)
+        self.diffs: dict[str, float] = {}
+
+    def run(self, methods: dict, barrier: Callable[[], Any]) -> None:
+        """Trial i of every method before trial i + 1 of any, so a drift in the machine's speed (other tenants, CPU
+        steal) reaches every method alike; the order rotates every round, so each method follows every other one
+        equally often (whatever a method leaves running in the background slows the next). Round 0 warms up, Gloo
+        first, and is not counted; its Gloo sum is the reference the others must match (the input never changes)."""
+        names = list(methods)
+        for i in range(self.repeat + 1):
+            k = i % len(names)
+            for name in names[k:] + names[:k]:
+                fn, prep = methods[name]
+                prep()
+                barrier()
+                elapsed, used, moved = _timed(fn, self.snap)
+                if i:
+                    self.out.setdefault(name, []).append(elapsed)
+                    self.cpu.setdefault(name, []).append(used)
+                    if moved is not None:
+                        self.udp.setdefault(name, []).append(moved)
+                self._check(name, i)
+
+    def _check(self, name: str, i: int) -> None:
+        if name == "gloo" and i == 0:
+            self.ref.copy_(self.y)
+        elif name != "gloo":  # the largest over trials; a NaN (a part never written) stays
+            d, prev = float((self.y - self.ref).abs().max()), self.diffs.get(name, 0.0)
+            self.diffs[name] = d if d != d or d > prev else prev
+
+
+def _bench_config(stream_hops: str, threads: int, cpu_gate: float | None) -> Any:
+    from dgt.transport import Congestion, Hops, TransportConfig
+
+    congestion = {} if cpu_gate is None else {"congestion": Congestion(cpu_gate=cpu_gate)}
+    return TransportConfig(hops=Hops(mode=stream_hops, threads=threads), **congestion)
+
+
 def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...], stream_hops: str = "auto",
           collectives: tuple[str, ...] = COLLECTIVES, hop_threads: tuple[int, ...] = (0,),
           cpu_gate: float | None = None) -> dict:
@@ -60,55 +108,23 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
     import trio
 
     from dgt.collectives import Group
-    from dgt.transport import TransportConfig
 
     dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world)
     store = dist.distributed_c10d._get_default_store()
     x = torch.randn(numel, generator=torch.Generator().manual_seed(rank))
     y = torch.empty_like(x)  # every method writes the sum into this buffer, reused across trials
-    ref = torch.empty_like(x)  # Gloo's sum: each of ours must agree with it (to float rounding: add order differs)
-    out: dict[str, list[float]] = {}
-    cpu: dict[str, list[float]] = {}  # per trial: this process's CPU seconds (every thread, kernel time included)
-    udp: dict[str, list[list[float]]] = {}  # per trial: the endpoints' unreliable-lane counters it moved (_udp_now)
-    snap: list[Callable[[], list[float]] | None] = [None]  # reads those counters (set once the groups are open)
-    diffs: dict[str, float] = {}
+    rec = _Trials(y, repeat)
     transport: dict = {}
-
-    def trials(methods: dict) -> None:
-        """Trial i of every method before trial i + 1 of any, so a drift in the machine's speed (other tenants, CPU
-        steal) reaches every method alike; the order rotates every round, so each method follows every other one
-        equally often (whatever a method leaves running in the background slows the next). Round 0 warms up, Gloo
-        first, and is not counted; its Gloo sum is the reference the others must match (the input never changes)."""
-        names = list(methods)
-        for i in range(repeat + 1):
-            k = i % len(names)
-            for name in names[k:] + names[:k]:
-                fn, prep = methods[name]
-                prep()
-                dist.barrier()
-                elapsed, used, moved = _timed(fn, snap[0])
-                if i:
-                    out.setdefault(name, []).append(elapsed)
-                    cpu.setdefault(name, []).append(used)
-                    if moved is not None:
-                        udp.setdefault(name, []).append(moved)
-                if name == "gloo" and i == 0:
-                    ref.copy_(y)
-                elif name != "gloo":  # the largest over trials; a NaN (a part never written) stays
-                    d, prev = float((y - ref).abs().max()), diffs.get(name, 0.0)
-                    diffs[name] = d if d != d or d > prev else prev
 
     async def dgt_part():
         async with AsyncExitStack() as stack:  # the groups, closed in reverse order on the way out
             groups = {t: await stack.enter_async_context(Group.open(
                           rank, world, store=store, prefix=f"bench-allreduce-{t}", timeout=60,
-                          config=TransportConfig(stream_hops=stream_hops, hop_threads=t,
-                                                 **({} if cpu_gate is None else {"cpu_gate": cpu_gate}))))
+                          config=_bench_config(stream_hops, t, cpu_gate)))
                       for t in hop_threads}  # fmt: skip
-            g = groups[hop_threads[0]]
             portal = trio.lowlevel.current_trio_token()
             eps = [gr.endpoint for gr in groups.values()]
-            snap[0] = lambda: trio.from_thread.run_sync(_udp_now, eps, trio_token=portal)
+            rec.snap = lambda: trio.from_thread.run_sync(_udp_now, eps, trio_token=portal)
 
             def call(coll):
                 trio.from_thread.run(partial(coll.allreduce, x, 0, None, out=y), trio_token=portal)
@@ -119,14 +135,14 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
             methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
             for name, coll in _collectives(groups, codecs, collectives).items():
                 methods[name] = (partial(call, coll), poison)
-            await trio.to_thread.run_sync(trials, methods)
-            transport.update(_lane_summary(g.endpoint.stats()))
+            await trio.to_thread.run_sync(rec.run, methods, dist.barrier)
+            transport.update(_lane_summary(groups[hop_threads[0]].endpoint.stats()))
 
     trio.run(dgt_part)
     dist.barrier()
     dist.destroy_process_group()
-    return {"seconds": out, "cpu": cpu, "udp": udp, "max_abs_diff": diffs, "scale": float(ref.abs().max()),
-            "transport": transport}
+    return {"seconds": rec.out, "cpu": rec.cpu, "udp": rec.udp, "max_abs_diff": rec.diffs,
+            "scale": float(rec.ref.abs().max()), "transport": transport}
 
 
 def _collectives(groups: dict, codecs: tuple[str, ...], collectives: tuple[str, ...]) -> dict:
@@ -244,9 +260,9 @@ def run(args: argparse.Namespace) -> dict:
     out["cpu_ms_per_rank_median"] = {k: statistics.median(t["cpu_ms_per_rank"] for t in v)
                                      for k, v in per_trial.items()}  # fmt: skip
     out["per_trial"] = per_trial
-    from dgt.transport import TransportConfig
+    from dgt.transport import Hops, TransportConfig
 
-    cfg = TransportConfig(stream_hops=hops, hop_threads=threads[0])
+    cfg = TransportConfig(hops=Hops(mode=hops, threads=threads[0]))
     out["ring_hops"] = ("session link" if hops == "off" else "python loop" if not cfg.native_hops() else
                         f"native loop, {cfg.hop_thread_count()} thread(s)" if len(threads) == 1 else
                         f"native loop, {'/'.join(str(t) for t in threads)} thread(s)")

@@ -75,38 +75,63 @@ def _model(hidden: int) -> torch.nn.Module:
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
+def _modes(cfg: dict, rank: int) -> dict[str, dict | None]:
+    """The modes ``cfg`` asks for -> their hook options (None: Gloo alone)."""
+    drop = {"faults": {"drop_fraction": cfg["drop"], "drop_seed": rank}} if cfg["drop"] else None
+    every = {
+        "gloo": None,
+        "dgt_lossless": {"codec": "dense"},
+        "dgt_lossy": {"codec": cfg["lossy_codec"], "transport": drop},
+        "fp16": {"torch": "fp16"},
+        "powersgd": {"torch": "powersgd"},
+    }
+    return {m: every[m] for m in cfg["modes"]}
+
+
+def _build(cfg: dict) -> tuple[torch.nn.Module, Any]:
+    """One mode's model (same initial weights in every mode and rank) and its optimizer factory."""
+    if cfg["model"]:
+        from dgt.experiment.workloads import build_workload
+
+        wl = build_workload(cfg["model"])
+        return wl.model, wl.make_optimizer
+    return _model(cfg["hidden"]), lambda ps: torch.optim.SGD(ps, lr=0.01)
+
+
+def _interleaved(modes: dict, step: Any, cfg: dict) -> tuple[dict[str, list[float]], dict[str, int | None]]:
+    """The timed steps, in rounds interleaved over the modes (drifting machine load hits every mode alike): per
+    mode, its step times and the loopback bytes its steps sent (None where the counter cannot be read)."""
+    import torch.distributed as dist
+
+    times: dict[str, list[float]] = {n: [] for n in modes}
+    lo: dict[str, int | None] = {n: 0 for n in modes}
+    rounds = max(1, cfg["rounds"])
+    per_round = max(1, cfg["steps"] // rounds)
+    for _ in range(rounds):
+        for name in modes:
+            dist.barrier()
+            tx0 = lo_tx()
+            times[name] += [step(name) for _ in range(per_round)]
+            dist.barrier()  # every rank's steps are done before the counter is read again
+            tx1 = lo_tx()
+            prev = lo[name]
+            lo[name] = None if prev is None or tx0 is None or tx1 is None else prev + tx1 - tx0
+    return times, lo
+
+
 def _rank(rank: int, world: int, cfg: dict) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel as DDP
-
 
     torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=world)
     gen = torch.Generator().manual_seed(rank)
     x, y, loss_fn = _data(cfg, gen)
-    every = {
-        "gloo": None,
-        "dgt_lossless": {"codec": "dense"},
-        "dgt_lossy": {"codec": cfg["lossy_codec"],
-                      "transport": {"drop_fraction": cfg["drop"], "drop_seed": rank} if cfg["drop"] else None},
-        "fp16": {"torch": "fp16"},
-        "powersgd": {"torch": "powersgd"},
-    }
-    modes = {m: every[m] for m in cfg["modes"]}
-
-    def build() -> tuple[torch.nn.Module, Any]:
-        """One mode's model (same initial weights in every mode and rank) and its optimizer factory."""
-        if cfg["model"]:
-            from dgt.experiment.workloads import build_workload
-
-            wl = build_workload(cfg["model"])
-            return wl.model, wl.make_optimizer
-        return _model(cfg["hidden"]), lambda ps: torch.optim.SGD(ps, lr=0.01)
-
-    out: dict = {"params": sum(p.numel() for p in build()[0].parameters())}
+    modes = _modes(cfg, rank)
+    out: dict = {"params": sum(p.numel() for p in _build(cfg)[0].parameters())}
     runs = {}
     for name, opts in modes.items():  # every mode's model and state exist side by side
-        net, make_opt = build()
+        net, make_opt = _build(cfg)
         ddp = DDP(net, bucket_cap_mb=cfg["bucket_mb"])
         state = _register(ddp, opts, cfg)
         runs[name] = (ddp, state, make_opt(ddp.parameters()), [])
@@ -126,19 +151,7 @@ def _rank(rank: int, world: int, cfg: dict) -> dict:
         for _ in range(cfg["warmup"]):
             step(name)
     totals0 = {n: _snapshot(r[1]) for n, r in runs.items() if r[1] is not None}
-    times: dict[str, list[float]] = {n: [] for n in modes}
-    lo: dict[str, int | None] = {n: 0 for n in modes}
-    rounds = max(1, cfg["rounds"])
-    per_round = max(1, cfg["steps"] // rounds)
-    for _ in range(rounds):  # interleaved, so drifting machine load hits every mode alike
-        for name in modes:
-            dist.barrier()
-            tx0 = lo_tx()
-            times[name] += [step(name) for _ in range(per_round)]
-            dist.barrier()  # every rank's steps are done before the counter is read again
-            tx1 = lo_tx()
-            prev = lo[name]
-            lo[name] = None if prev is None or tx0 is None or tx1 is None else prev + tx1 - tx0
+    times, lo = _interleaved(modes, step, cfg)
     for name, (_ddp, state, _opt, losses) in runs.items():
         out[name] = _mode_result(times[name], losses, lo[name], world, state, totals0.get(name))
     dist.destroy_process_group()

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.batch < 1:
         raise SystemExit("--batch: at least 1 datagram per receive call")
     h = _Hop(args, token, DGTCodec(p=args.p), BucketState(n, torch.float32), BucketLayout.flat(n, 1024),
-             RoundSender(token, rank=1, block=1024, datagram_payload=1400, mac=mac, peer=0),
+             RoundSender(token, rank=1, datagram_payload=1400, mac=mac, peer=0),
              RoundReceiver(token, rank=0, deadline=FixedGrace(0.001), allocator=lambda *_: scratch, mac=mac),
              None if args.budget < 0 else args.budget)
     for rnd in range(args.rounds + 2):

@@ -66,6 +66,43 @@ def _set_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
         off += p.numel()
 
 
+def _replica(init: dict[str, Any], dev: torch.device) -> tuple[torch.nn.Module, list[torch.Tensor], list[int]]:
+    """A rank's model from the shared initial weights, its parameters in layer order and each layer's size."""
+    model = DigitsCNN()
+    model.load_state_dict(init)
+    model.to(dev)
+    groups = layer_params(model)
+    return model, [p for g in groups for p in g], [sum(p.numel() for p in g) for g in groups]
+
+
+def _local_gradient(model: torch.nn.Module, opt: torch.optim.Optimizer, params: list[torch.Tensor], x: torch.Tensor,
+                    y: torch.Tensor, losses: list[float]) -> torch.Tensor:
+    """One batch's flat gradient (its loss appended to ``losses``)."""
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    losses.append(loss.item())
+    return torch.cat([p.grad.reshape(-1) for p in params])
+
+
+def _average(comm: Any, runner: Any, flat: torch.Tensor | None) -> tuple[torch.Tensor, int]:
+    """The mean gradient: LGC's step, or (``runner`` None) a dense all-reduce; and the dense bytes it sent."""
+    if runner is not None:
+        return runner.step(flat), 0
+    before = comm.stats.total_sent
+    mean = comm.allreduce_sum(flat, tag="dense") / comm.world_size
+    return mean, comm.stats.total_sent - before
+
+
+def _rank_result(rank: int, is_worker: bool, acc: dict[str, float], losses: list[float],
+                 params: list[torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {"rank": rank, "is_worker": is_worker, "accuracy": acc,
+                           "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None}
+    if is_worker:
+        out["weights"] = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
+    return out
+
+
 def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, ae_iters: int = 300,
           batch: int = 32, lr: float = 0.05, momentum: float = 0.9, seed: int = 0, device: str = "cpu",
           lgc_options: dict[str, Any] | None = None, sparse_momentum: float = 0.0) -> dict[str, Any]:
@@ -89,55 +126,36 @@ def train(method: str, *, ranks: int = 2, iters: int = 700, warmup: int = 200, a
     init = DigitsCNN().state_dict()  # built once here: threads share torch's global RNG
 
     def body(comm: Any) -> dict[str, Any]:
-        model = DigitsCNN()
-        model.load_state_dict(init)
-        model.to(dev)
-        groups = layer_params(model)
-        params = [p for g in groups for p in g]
-        sizes = [sum(p.numel() for p in g) for g in groups]
+        model, params, sizes = _replica(init, dev)
         numel = sum(sizes)
         runner = None
         if method != "dense":
             codec = LGCCodec(variant=method, warmup=warmup, ae_iters=ae_iters, seed=seed, **{"record": True, **opts})
             runner = LGCRunner(codec, comm, numel, layers=sizes, device=dev, server=world - 1,
                                dedicated_server=method == "ps")
-            is_worker, worker = runner.is_worker, runner.codec.worker
-        else:
-            is_worker, worker = True, comm.rank
+        is_worker, worker = (runner.is_worker, runner.codec.worker) if runner is not None else (True, comm.rank)
         opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
         gen = torch.Generator().manual_seed(seed * 1000 + worker)
         shard = torch.arange(worker, len(ytr), ranks) if is_worker else None
         acc: dict[str, float] = {}
         dense_bytes = 0
-        losses = []
+        losses: list[float] = []
         for it in range(iters):
             if runner is not None and it == warmup:
                 for group in opt.param_groups:
                     group["momentum"] = sparse_momentum
             flat = None
-            if is_worker:
-                assert shard is not None
+            if shard is not None:
                 pick = shard[torch.randint(len(shard), (batch,), generator=gen)].to(dev)
-                loss = F.cross_entropy(model(xtr[pick]), ytr[pick])
-                opt.zero_grad(set_to_none=True)
-                loss.backward()
-                losses.append(loss.item())
-                flat = torch.cat([p.grad.reshape(-1) for p in params])
-            if runner is None:
-                before = comm.stats.total_sent
-                mean = comm.allreduce_sum(flat, tag="dense") / comm.world_size
-                dense_bytes += comm.stats.total_sent - before
-            else:
-                mean = runner.step(flat)
+                flat = _local_gradient(model, opt, params, xtr[pick], ytr[pick], losses)
+            mean, sent = _average(comm, runner, flat)
+            dense_bytes += sent
             if is_worker:
                 _set_grads(params, mean)
                 opt.step()
                 if it + 1 in checkpoints:
                     acc[checkpoints[it + 1]] = _accuracy(model, xte, yte)
-        out: dict[str, Any] = {"rank": comm.rank, "is_worker": is_worker, "accuracy": acc,
-                               "final_train_loss": sum(losses[-20:]) / max(1, len(losses[-20:])) if losses else None}
-        if is_worker:
-            out["weights"] = torch.cat([p.detach().reshape(-1) for p in params]).cpu()
+        out = _rank_result(comm.rank, is_worker, acc, losses, params)
         out["summary"] = runner.summary() if runner is not None else {"dense_bytes": dense_bytes, "numel": numel}
         out["diag"] = runner.state.values.get("diag", []) if runner is not None else []
         return out
@@ -238,24 +256,34 @@ def reconstruction_report(method: str, results: list[dict[str, Any]], numel: int
     mean of the aligned vectors; PS: the sum over workers of their vectors scattered to their indices).
     """
     if method == "ring":
-        per_rank = [r["diag"] for r in sorted(results, key=lambda r: r["rank"])]
-        rounds = len(per_rank[0])
-        if not rounds:
-            return None
-        e2 = t2 = z2 = r2 = 0.0
-        cos, cos_t = [], []
-        for i in range(rounds):
-            own = per_rank[trainer][i]
-            truth = torch.stack([d[i]["x"] for d in per_rank]).mean(0)
-            s = float(own["scale"].reshape(-1)[0])
-            e2 += float((own["rec"] - truth).pow(2).sum()) / s**2
-            t2 += float((own["template"] - truth).pow(2).sum()) / s**2
-            z2 += float((torch.zeros_like(truth) - truth).pow(2).sum()) / s**2  # the ring's zero decoder: zeros
-            r2 += float(truth.pow(2).sum()) / s**2
-            cos.append(_cos(own["rec"], truth))
-            cos_t.append(_cos(own["template"], truth))
-        return {"rounds": rounds, "rel_error": _rel(e2, r2), "rel_error_template": _rel(t2, r2),
-                "rel_error_zero": _rel(z2, r2), "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds}
+        return _ring_reconstruction(results, trainer)
+    return _ps_reconstruction(results, numel, leader)
+
+
+def _ring_reconstruction(results: list[dict[str, Any]], trainer: int) -> dict[str, Any] | None:
+    """:func:`reconstruction_report` of the ring: ``trainer``'s decoded mean against the true mean."""
+    per_rank = [r["diag"] for r in sorted(results, key=lambda r: r["rank"])]
+    rounds = len(per_rank[0])
+    if not rounds:
+        return None
+    e2 = t2 = z2 = r2 = 0.0
+    cos, cos_t = [], []
+    for i in range(rounds):
+        own = per_rank[trainer][i]
+        truth = torch.stack([d[i]["x"] for d in per_rank]).mean(0)
+        s = float(own["scale"].reshape(-1)[0])
+        e2 += float((own["rec"] - truth).pow(2).sum()) / s**2
+        t2 += float((own["template"] - truth).pow(2).sum()) / s**2
+        z2 += float((torch.zeros_like(truth) - truth).pow(2).sum()) / s**2  # the ring's zero decoder: zeros
+        r2 += float(truth.pow(2).sum()) / s**2
+        cos.append(_cos(own["rec"], truth))
+        cos_t.append(_cos(own["template"], truth))
+    return {"rounds": rounds, "rel_error": _rel(e2, r2), "rel_error_template": _rel(t2, r2),
+            "rel_error_zero": _rel(z2, r2), "cosine": sum(cos) / rounds, "cosine_template": sum(cos_t) / rounds}
+
+
+def _ps_reconstruction(results: list[dict[str, Any]], numel: int, leader: int) -> dict[str, Any] | None:
+    """:func:`reconstruction_report` of the parameter server: what it decoded of each worker against its vectors."""
     server = next((r for r in results if not r["is_worker"]), None)
     workers = sorted((r for r in results if r["is_worker"]), key=lambda r: r["rank"])
     if server is None:  # co-located server: its records are mixed with its worker's

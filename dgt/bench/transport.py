@@ -160,10 +160,60 @@ def _payload(st: dict, numel: int) -> torch.Tensor:
     return st["payload"]
 
 
+def _classes(st: dict, x: torch.Tensor, layout: Any, p: float) -> tuple[Any, Any, int]:
+    """The sender's lane classes and order for keeping ``p`` of the blocks (cached in ``st`` per p), and the bytes of
+    its unimportant blocks."""
+    from dgt.estimator import ContributionEstimator
+
+    if st.get("classes", (None,))[0] != p:
+        est = ContributionEstimator(layout)
+        est.update(x)
+        c = est.classify(p)
+        st["classes"] = (p, c.cls, c.order)
+    _, cls, order = st["classes"]
+    return cls, order, int(layout.block_len[cls != 0].sum()) * x.element_size()
+
+
+async def _send_one(ep: Any, peer: int, i: int, x: torch.Tensor, layout: Any, cls: Any,
+                    order: Any) -> tuple[float, float, dict]:
+    """Round ``i`` on the sending side, once the receiver says "go": (start time, CPU seconds, its SendStats)."""
+    if await ep.inbound.recv_bytes(peer, timeout=60) != b"go":
+        raise RuntimeError("bad go message")
+    t = time.monotonic()
+    c0 = time.process_time()
+    row = (await ep.send_round(peer, 0, i, x, layout, cls, order)).to_dict()
+    return t, time.process_time() - c0, row
+
+
+async def _recv_one(ep: Any, peer: int, i: int, out: torch.Tensor | None, x: torch.Tensor,
+                    p: float) -> tuple[float, float, dict]:
+    """Round ``i`` on the receiving side: post recv_round, say "go", wait for it: (end time, CPU seconds, a row)."""
+    async with open_nursery() as n:
+        box: dict[str, Any] = {}
+
+        async def recv() -> None:
+            box["res"] = await ep.recv_round(peer, 0, i, out=out)
+            box["t"] = time.monotonic()
+            box["cpu"] = time.process_time()
+
+        n.start_soon(recv)
+        await trio.sleep(0.02)  # recv_round is registered (and out with it) before "go"
+        await ep.outbound.send_bytes(peer, b"go")
+        c0 = time.process_time()
+    r = box.pop("res")
+    row = {
+        "received_fraction": float(r.mask.float().mean()), "closed_by": r.stats.closed_by,
+        "deadline_wait": r.stats.deadline_wait, "dropped": r.stats.dropped,
+        "exact": bool(torch.equal(r.data, x)) if p >= 1.0 else None,  # lossy: residual rides along
+    }  # fmt: skip
+    del r  # done with the result, as a training step is: its buffer can land a later round
+    return box["t"], box["cpu"] - c0, row
+
+
 def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.0, use_out: bool = True) -> dict:
     """One variant on one side, natively in trio: open, trade addresses through the parent, connect, run rounds.
-    The receiver posts recv_round (into ``out`` when use_out) and then says "go"; the sender starts its clock then."""
-    from dgt.estimator import ContributionEstimator
+    The receiver posts recv_round (into ``out`` when use_out) and then says "go"; the sender starts its clock then.
+    ``cfg``: TransportConfig's keywords, each group a dict of its fields."""
     from dgt.layout import BucketLayout
     from dgt.transport import Endpoint, PeerAddress, TransportConfig
 
@@ -171,16 +221,7 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
     rank, peer = (0, 1) if role == "send" else (1, 0)
     x = _payload(st, numel)
     layout = BucketLayout.flat(numel)
-    cls, order = 0, None
-    unimportant_bytes = 0
-    if role == "send" and p < 1.0:
-        if st.get("classes", (None,))[0] != p:
-            est = ContributionEstimator(layout)
-            est.update(x)
-            c = est.classify(p)
-            st["classes"] = (p, c.cls, c.order)
-        _, cls, order = st["classes"]
-        unimportant_bytes = int(layout.block_len[cls != 0].sum()) * x.element_size()
+    cls, order, unimportant_bytes = _classes(st, x, layout, p) if role == "send" and p < 1.0 else (0, None, 0)
     out = torch.empty(numel) if use_out else None
     if out is not None:
         out.view(torch.uint8).numpy()[::4096] = 0  # fault the pages in once, as the raw anchor's buffer is
@@ -193,35 +234,12 @@ def _dgt(st: dict, role: str, cfg: dict, numel: int, repeats: int, p: float = 1.
             times, cpu, rows = [], [], []
             for i in range(repeats):
                 if role == "send":
-                    if await ep.inbound.recv_bytes(peer, timeout=60) != b"go":
-                        raise RuntimeError("bad go message")
-                    times.append(time.monotonic())
-                    c0 = time.process_time()
-                    rows.append((await ep.send_round(peer, 0, i, x, layout, cls, order)).to_dict())
-                    cpu.append(time.process_time() - c0)
+                    t, used, row = await _send_one(ep, peer, i, x, layout, cls, order)
                 else:
-                    async with open_nursery() as n:
-                        box = {}
-
-                        async def recv(i=i, box=box):
-                            box["res"] = await ep.recv_round(peer, 0, i, out=out)
-                            box["t"] = time.monotonic()
-                            box["cpu"] = time.process_time()
-
-                        n.start_soon(recv)
-                        await trio.sleep(0.02)  # recv_round is registered (and out with it) before "go"
-                        await ep.outbound.send_bytes(peer, b"go")
-                        c0 = time.process_time()
-                    times.append(box["t"])
-                    cpu.append(box["cpu"] - c0)
-                    r = box["res"]
-                    rows.append({
-                        "received_fraction": float(r.mask.float().mean()), "closed_by": r.stats.closed_by,
-                        "deadline_wait": r.stats.deadline_wait, "dropped": r.stats.dropped,
-                        "exact": bool(torch.equal(r.data, x)) if p >= 1.0 else None,  # lossy: residual rides along
-                    })  # fmt: skip
-                    del r  # done with the result, as a training step is: its buffer can land a later round
-                    box.clear()
+                    t, used, row = await _recv_one(ep, peer, i, out, x, p)
+                times.append(t)
+                cpu.append(used)
+                rows.append(row)
             # the receiver stays until the sender's last round has returned: closing at once would fail the
             # datagrams the sender still holds of that round, uncounted, instead of abandoning them (counted)
             if role == "send":
@@ -345,10 +363,15 @@ def _dgt_run(pair: _Pair, cfg: dict, numel: int, p: float, repeats: int, use_out
     return out
 
 
+def _merged(base: dict, more: dict) -> dict:
+    """``base`` with ``more``'s settings: a TransportConfig's keywords, each group a dict of its fields."""
+    return base | {k: base.get(k, {}) | v if isinstance(v, dict) else v for k, v in more.items()}
+
+
 def _stale_run(pair: _Pair, base: dict, numel: int, p: float, repeats: int, pace: float) -> dict:
     """dgt-p30-stale: a fixed-pace sender (no congestion control, so no send budget: every unimportant block is
     planned as a datagram) to a receiver closing each round 20 ms after its important blocks."""
-    sender = base | {"congestion_control": False, "pace_rate": pace, "pace_burst": 16 << 10}
+    sender = _merged(base, {"congestion": {"enabled": False}, "pacing": {"rate": pace, "burst": 16 << 10}})
     out = _dgt_run(pair, sender, numel, p, repeats, True, recv_cfg=base | {"deadline": "fixed:0.02"})
     paced = out["unimportant_bytes"] / pace
     med = statistics.median(out["seconds"])
@@ -396,8 +419,8 @@ def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6) // 4
     nbytes = numel * 4
     reps = args.repeats
-    base = {"peer_timeout": 30.0, "datagram_payload": args.datagram_payload,
-            "datagram_mac": not getattr(args, "no_datagram_mac", False)}
+    base = {"timeouts": {"peer": 30.0}, "lanes": {"datagram_payload": args.datagram_payload},
+            "security": {"datagram_mac": not getattr(args, "no_datagram_mac", False)}}
     want = _wanted(args)  # a bad --variants fails before any process starts
     stale_pace = float(getattr(args, "stale_pace", 1e6))
     if not stale_pace > 0:
@@ -416,9 +439,11 @@ def run(args: argparse.Namespace) -> dict:
         if "dgt-p30-gso" in want:
             res["dgt-p30-gso"] = _dgt_run(pair, base, numel, args.p, reps, use_out=True)
         if "dgt-p30-gso-nocc" in want:  # the same without congestion control and send budget (all sent, unpaced)
-            res["dgt-p30-gso-nocc"] = _dgt_run(pair, base | {"congestion_control": False}, numel, args.p, reps, True)
+            res["dgt-p30-gso-nocc"] = _dgt_run(pair, _merged(base, {"congestion": {"enabled": False}}), numel, args.p,
+                                               reps, True)
         if "dgt-p30-nogso" in want:
-            res["dgt-p30-nogso"] = _dgt_run(pair, base | {"gso": False, "gro": False}, numel, args.p, reps, True)
+            res["dgt-p30-nogso"] = _dgt_run(pair, _merged(base, {"sockets": {"gso": False, "gro": False}}), numel,
+                                            args.p, reps, True)
         if "dgt-p30-stale" in want:
             res["dgt-p30-stale"] = _stale_run(pair, base, numel, args.p, reps, stale_pace)
     finally:
@@ -431,7 +456,7 @@ def run(args: argparse.Namespace) -> dict:
         "repeats": reps,
         "p": args.p,
         "datagram_payload": args.datagram_payload,
-        "datagram_mac": base["datagram_mac"],
+        "datagram_mac": base["security"]["datagram_mac"],
         "cpus": os.cpu_count(),
         "mb_s_median": {k: v["mb_s_median"] for k, v in res.items()},
         "ratio_vs_raw": ratios,

@@ -41,53 +41,77 @@ class HopCancelled(Exception):
     """The cancel fd fired: the caller gave up on the hop (its stream lane is now mid-message)."""
 
 
+class _PyHop:
+    """What one :func:`duplex_py` call has sent and received so far, and where the next received bytes go."""
+
+    def __init__(self, send: socket.socket | None, header: bytes, payload, recv: socket.socket | None, expect: bytes,
+                 land, add_src, scratch) -> None:
+        out = [memoryview(header).cast("B"), memoryview(payload).cast("B")] if send is not None else []
+        self.out = [v for v in out if len(v)]
+        self.recv, self.expect = recv, expect
+        self.land_b = memoryview(land).cast("B")
+        self.rtot = len(expect) + len(self.land_b) if recv is not None else 0
+        self.hdr = bytearray(len(expect))
+        self.got = self.sent = self.pend = self.added = 0
+        self.add = add_src is not None
+        if self.add:
+            self.src = np.frombuffer(add_src, np.float32)
+            self.dst = np.frombuffer(self.land_b, np.float32)
+            self.scr_b = memoryview(scratch).cast("B")
+            self.scr = np.frombuffer(self.scr_b, np.uint8)
+
+    def receive(self) -> tuple[bool, int]:
+        """One read into the header, the scratch stretch (add mode) or the landing buffer: (progress, error code:
+        -EPIPE at end of stream, -EPROTO for a header that is not the expected one, else 0)."""
+        n_exp, before = len(self.expect), self.got
+        assert self.recv is not None
+        try:
+            if before < n_exp:
+                k = self.recv.recv_into(memoryview(self.hdr)[before:])
+            elif self.add:
+                k = self.recv.recv_into(self.scr_b[self.pend:], min(len(self.scr_b) - self.pend, self.rtot - before))
+            else:
+                k = self.recv.recv_into(self.land_b[before - n_exp:])
+        except BlockingIOError:
+            return False, 0
+        if k == 0:
+            return False, -errno.EPIPE
+        self.got += k
+        if before < n_exp <= self.got and bytes(self.hdr) != bytes(self.expect):
+            return True, -errno.EPROTO
+        if self.add and before >= n_exp:
+            self.pend += k
+            if self.pend == len(self.scr_b) or self.got == self.rtot:
+                self.added, self.pend = _fold(self.src, self.scr, self.dst, self.added, self.pend)
+        return True, 0
+
+    def left(self) -> int:
+        """The bytes the next read may take (in add mode, at most the rest of the scratch stretch)."""
+        left = self.rtot - self.got
+        if self.got < self.rtot and self.add and self.got >= len(self.expect):
+            left = min(left, len(self.scr_b) - self.pend)
+        return left
+
+
 def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.socket | None, expect: bytes,
               land, add_src, scratch, timeout: float, cancel_fd: int = -1) -> tuple[int, int, int, bytes]:
     """The Python twin of ``_duplex.duplex``: same arguments (sockets instead of fds, ``timeout`` in seconds),
     same ``(code, sent, received, header)`` result."""
-    out = [memoryview(header).cast("B"), memoryview(payload).cast("B")] if send is not None else []
-    out = [v for v in out if len(v)]
-    land_b = memoryview(land).cast("B")
-    rtot = len(expect) + len(land_b) if recv is not None else 0
-    hdr = bytearray(len(expect))
-    got = sent = pend = added = 0
-    if add_src is not None:
-        src = np.frombuffer(add_src, np.float32)
-        dst = np.frombuffer(land_b, np.float32)
-        scr_b = memoryview(scratch).cast("B")
-        scr = np.frombuffer(scr_b, np.uint8)
+    hop = _PyHop(send, header, payload, recv, expect, land, add_src, scratch)
     lowat, last, code = 1, time.monotonic(), 0
     try:
-        while out or got < rtot:
+        while hop.out or hop.got < hop.rtot:
             progress = False
-            if out:
-                n = _send_some(send, out)
+            if hop.out:
+                n = _send_some(send, hop.out)
                 if n >= 0:
-                    sent += n
+                    hop.sent += n
                     progress = True
-            if got < rtot:
-                try:
-                    before = got
-                    if got < len(expect):
-                        k = recv.recv_into(memoryview(hdr)[got:])
-                    elif add_src is not None:
-                        k = recv.recv_into(scr_b[pend:], min(len(scr_b) - pend, rtot - got))
-                    else:
-                        k = recv.recv_into(land_b[got - len(expect):])
-                    if k == 0:
-                        code = -errno.EPIPE
-                        break
-                    got += k
-                    progress = True
-                    if before < len(expect) <= got and bytes(hdr) != bytes(expect):
-                        code = -errno.EPROTO
-                        break
-                    if add_src is not None and before >= len(expect):
-                        pend += k
-                        if pend == len(scr_b) or got == rtot:
-                            added, pend = _fold(src, scr, dst, added, pend)
-                except BlockingIOError:
-                    pass
+            if hop.got < hop.rtot:
+                moved, code = hop.receive()
+                if code:
+                    break
+                progress = progress or moved
             if progress:
                 last = time.monotonic()
                 continue
@@ -95,10 +119,8 @@ def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.s
             if wait <= 0:
                 code = -errno.ETIMEDOUT
                 break
-            left = rtot - got
-            if got < rtot and add_src is not None and got >= len(expect):
-                left = min(left, len(scr_b) - pend)
-            cancelled, lowat = _poll(send if out else None, recv if got < rtot else None, left, lowat, cancel_fd, wait)
+            cancelled, lowat = _poll(send if hop.out else None, recv if hop.got < hop.rtot else None, hop.left(),
+                                     lowat, cancel_fd, wait)
             if cancelled:
                 code = -errno.ECANCELED
                 break
@@ -112,7 +134,7 @@ def duplex_py(send: socket.socket | None, header: bytes, payload, recv: socket.s
                 recv.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)
             except OSError:
                 pass
-    return code, sent, got, bytes(hdr[: min(got, len(expect))])
+    return code, hop.sent, hop.got, bytes(hop.hdr[: min(hop.got, len(expect))])
 
 
 def _send_some(send: socket.socket, out: list[memoryview]) -> int:

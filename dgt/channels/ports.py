@@ -1,5 +1,5 @@
 """Where an endpoint's sockets bind: any free port (0), or the first free one of a configured range, for clusters
-whose firewalls open only a range (``TransportConfig.port_range`` or ``DGT_PORT_RANGE=LO-HI``)."""
+whose firewalls open only a range (``TransportConfig.lanes.port_range`` or ``DGT_PORT_RANGE=LO-HI``)."""
 
 from __future__ import annotations
 

@@ -95,7 +95,7 @@ async def _refuse(coll: Collective, exc: InputRejected, family: str, bucket_id: 
     if rnd == before:
         rnd = g.skip_round(family, bucket_id)
     try:  # the peers this call would talk to (lazy connections): a peer waits for this rank to dial it
-        with trio.move_on_after(g.endpoint.cfg.peer_timeout):
+        with trio.move_on_after(g.endpoint.cfg.timeouts.peer):
             await coll.connect()
     except (DgtError, OSError, ValueError):  # the notice goes to the peers that are connected
         pass
@@ -155,7 +155,7 @@ async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | No
     to it (it hung up on our hello) can only have left its reason in the store."""
     ep = coll.group.endpoint
     if isinstance(exc, ConnectionError) or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye)):
-        mismatch = await ep.aborted(min(1.0, ep.cfg.peer_timeout), dead=_call_peers(coll))  # less: a peer is dead
+        mismatch = await ep.aborted(min(1.0, ep.cfg.timeouts.peer), dead=_call_peers(coll))  # less: a peer is dead
         if mismatch is not None:
             return mismatch
     why = coll.group.published_abort()

@@ -80,8 +80,8 @@ class Group:
         # every other rank may dial at once (a sharded PS server: W-1 workers), each with up to 3 connections (session
         # link, two stream lanes): the cap on unauthenticated handshakes must not refuse the group's own members
         need = 3 * (world - 1)
-        if cfg.max_pending_handshakes < need:
-            cfg = dataclasses.replace(cfg, max_pending_handshakes=need)
+        if cfg.security.max_pending_handshakes < need:
+            cfg = dataclasses.replace(cfg, security=dataclasses.replace(cfg.security, max_pending_handshakes=need))
         ep = await Endpoint.start(rank, token, cfg, host=host, nursery=nursery)
         try:
             await trio.to_thread.run_sync(rv.exchange, dataclasses.asdict(ep.address), limiter=trio.CapacityLimiter(1))
@@ -188,7 +188,8 @@ class Group:
                 addrs = await trio.to_thread.run_sync(self.rendezvous.addresses, dial,
                                                       limiter=trio.CapacityLimiter(1)) if dial else {}
                 # a lower rank's address is never dialled (its hello carries it): a placeholder with the lane count
-                nowhere = PeerAddress("0.0.0.0", 0, (0,) * (len(self.endpoint.cfg.lanes) - 1))  # one port per UDP lane
+                # one port per UDP lane
+                nowhere = PeerAddress("0.0.0.0", 0, (0,) * (len(self.endpoint.cfg.lanes.specs) - 1))
                 wanted = {r: PeerAddress.from_dict(addrs[r]) if r in addrs else nowhere for r in missing}
                 await self.endpoint.connect(wanted, timeout=self.timeout)
             finally:

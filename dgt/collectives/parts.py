@@ -6,8 +6,8 @@ import torch
 
 from dgt.codecs.base import Part, Received
 from dgt.collectives.stats import CollectiveStats
-from dgt.errors import DgtError, InputRejected, RankMismatch, op_mismatch, open_nursery, shape_mismatch
-from dgt.layout import BucketLayout
+from dgt.errors import DgtError, RankMismatch, op_mismatch, open_nursery, shape_mismatch
+from dgt.layout import DEFAULT_BLOCK, BucketLayout
 from dgt.transport.checks import check_classes
 
 PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
@@ -55,18 +55,16 @@ def host(t: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def wire_layout(part: Part, block: int) -> BucketLayout:
-    """The one geometry ``part`` travels in, cut once: its own layout when the codec cut it in the transport's
-    ``block`` (DGT, dense), else the same bytes in ``block``-element blocks (a codec's own size, QSGD buckets...);
-    either way the shared :meth:`BucketLayout.of` instance. Per-block lane classes name the codec's blocks, so such a
-    part must come cut in ``block`` already."""
+def wire_layout(part: Part, block: int = DEFAULT_BLOCK) -> BucketLayout:
+    """The one geometry ``part`` travels in, cut once: its own layout when the codec cut it in ``block``-element
+    blocks (DGT, dense) or gave it per-block lane classes (those name the codec's blocks: the codec's block size is
+    the one source, issue 44), else the same bytes in ``block``-element blocks (a codec's own size for a part of one
+    class, QSGD buckets...: a cut that changes nothing of what arrives); either way the shared
+    :meth:`BucketLayout.of` instance."""
     if part.data.numel() == 0:
-        return BucketLayout.of([0], block)
-    if part.block_elems == block:
+        return BucketLayout.of([0], part.block_elems if isinstance(part.lane_class, torch.Tensor) else block)
+    if part.block_elems == block or isinstance(part.lane_class, torch.Tensor):
         return part.layout
-    if isinstance(part.lane_class, torch.Tensor):
-        raise InputRejected(f"part {part.name!r} has per-block lane classes but {part.block_elems}-element blocks; "
-                            f"the transport cuts {block}-element blocks")
     return BucketLayout.of(part.segments or [part.data.numel()], block)
 
 
@@ -77,9 +75,8 @@ async def send_parts(ep, peer: int, bucket: int, phase: str, step: int, rnd: int
     ``wait_report=False``: return once every frame is handed to the kernel, without waiting a round trip for the
     receiver's drop report (the transport keeps a copy and folds the report into error feedback when it comes)."""
     jobs = []
-    block = ep.cfg.block
     for i, part in enumerate(parts):
-        layout = wire_layout(part, block)
+        layout = wire_layout(part)
         # an empty part has nothing to lose: its round stays off the droppable lanes
         cls = 0 if reliable or part.data.numel() == 0 else part.lane_class
         if isinstance(cls, torch.Tensor):

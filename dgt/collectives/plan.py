@@ -101,7 +101,7 @@ def _plan_ring(coll: Collective, tensors: list[torch.Tensor], ch: Chunking | Non
     bucket = tensors[0]
     g = coll.group
     ep = g.endpoint
-    hops_on = ep.cfg.stream_hops != "off"
+    hops_on = ep.cfg.hops.mode != "off"
     if not caps.lossy_tolerant:
         if direct and hops_on and all(streamable(t, add=True) for t in tensors):
             return CallPlan(schedule="ring-streams", gather="in-exchange", **base)
@@ -131,7 +131,7 @@ def _plan_ps(coll: Collective, tensors: list[torch.Tensor], servers: list[int], 
     caps = coll.codec.capabilities
     g = coll.group
     fits = [caps.in_place and not caps.lossy_tolerant, base["wire_dtype"] == base["dtype"], g.world <= MAX_STEPS,
-            not sharded or len(servers) == g.world, g.endpoint.cfg.stream_hops != "off",
+            not sharded or len(servers) == g.world, g.endpoint.cfg.hops.mode != "off",
             all(streamable(t, add=True) for t in tensors)]
     if all(fits):
         return CallPlan(schedule="ps-streams", **base)

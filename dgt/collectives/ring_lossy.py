@@ -58,18 +58,17 @@ class LossyHops:
         ``out`` when the previous hop computed them. Takes the hop's ticket out of ``tickets``."""
         coll = self.coll
         g = coll.group
-        block = g.endpoint.cfg.block
         state = coll.state(state_key("rs", bucket_id, s), out, ch.segments[a])
         if means is not None:
             state.values[BLOCK_MEANS_HINT] = means  # encode consumes it at once
         (part,) = coll.codec.encode(out, state)
         cls = part.lane_class
-        layout = wire_layout(part, block)
+        layout = wire_layout(part)  # the codec's blocks: the one block size (issue 44)
         if not isinstance(cls, torch.Tensor):
             cls = torch.full((layout.nblocks,), int(cls), dtype=torch.int8)
         keys = (transport_key(bucket_id, "rs", s, 0), transport_key(bucket_id, "rs", s, MASK_PART),
                 transport_key(bucket_id, "rs", s, PACKED_PART))
-        data, cls, lay_c = host(part.data), cls.detach().to("cpu"), BucketLayout.of(ch.segments[c], block)
+        data, cls, lay_c = host(part.data), cls.detach().to("cpu"), BucketLayout.of(ch.segments[c], layout.block)
         ticket, tickets[s] = tickets[s], None  # the hop owns it from here (gives it back if it fails first)
         return LossyHopSpec(send_to=(g.rank + 1) % g.world, recv_from=(g.rank - 1) % g.world, keys=keys, round=rnd,
                             data=data, layout=layout, cls=cls, order=part.order, op=coll.code_of(stats),

@@ -94,12 +94,12 @@ class _Trainer:
 
 
 def _transport_config(run: dict[str, Any], family: str) -> Any:
-    from dgt.transport import TransportConfig
+    from dgt.transport import Pacing, TransportConfig
 
     # Slim-DP drops lost explorer records itself; the transport must not fold them into the next round
     # the low-rank residual's packed positions mean other blocks each step: its lost blocks must not come back there
     residual = family == "lowrank" and "residual_p" in run["spec"]
-    return TransportConfig(deadline=run["deadline"], pace_rate=run.get("pace_rate"),
+    return TransportConfig(deadline=run["deadline"], pacing=Pacing(rate=run.get("pace_rate")),
                            error_feedback=family not in ("slim", "average") and not residual)
 
 

@@ -77,7 +77,7 @@ class ExperimentConfig:
     peer_timeout: float = 30.0
     round_timeout: float = 60.0  # one all-reduce taking longer than this fails the run (a hang, not slowness)
     loss_smoothing: float = 0.0
-    congestion_control: bool = True  # TransportConfig.congestion_control: LEDBAT-like UDP rate and send budget
+    congestion_control: bool = True  # TransportConfig.congestion.enabled: LEDBAT-like UDP rate and send budget
     codecs: dict[str, str] = field(default_factory=lambda: dict(PROTOCOLS))
     network: NetworkConfig = field(default_factory=NetworkConfig)
     out_dir: str = "dgt-results"

@@ -11,7 +11,7 @@ loopback: all ranks on 127.0.0.1; each pair of ranks has one budget of rate / (K
 its TCP connection and its UDP lanes share: what one peer gets when a host's K - 1 peers share a link of the
 configured rate, so a host's budgets add up to the link rate for the baseline and DGT alike. The kernel paces the
 TCP socket to it (SO_MAX_PACING_RATE); the transport paces the UDP lanes from a token bucket at the same rate that
-the TCP bytes come off too (TransportConfig.pace_shared), and its send budget counts a round's important bytes
+the TCP bytes come off too (TransportConfig.pacing.shared), and its send budget counts a round's important bytes
 before the unimportant ones. There is no shared queue and no priority: a weaker emulation, and the report says so.
 """
 

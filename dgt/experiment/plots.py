@@ -23,9 +23,15 @@ def write_plots(results: dict[str, Any], out_dir: str) -> dict[str, str]:
     import matplotlib.pyplot as plt
 
     models = results["config"]["models"]
-    target = results["config"]["target"]
-    out: dict[str, str] = {}
+    return {
+        "accuracy_vs_time": _save(_accuracy_figure(plt, results, models), out_dir, "accuracy_vs_time.png"),
+        "bct_distribution": _save(_bct_figure(plt, results, models), out_dir, "bct_distribution.png"),
+        "bytes_per_lane": _save(_lanes_figure(plt, results, models), out_dir, "bytes_per_lane.png"),
+    }
 
+
+def _accuracy_figure(plt: Any, results: dict[str, Any], models: list[str]) -> Any:
+    target = results["config"]["target"]
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         for r in _ok(results, model):
@@ -39,8 +45,10 @@ def write_plots(results: dict[str, Any], out_dir: str) -> dict[str, str]:
                ylabel="test accuracy", ylim=(0, 1))
         ax.legend(loc="lower right")
     fig.tight_layout()
-    out["accuracy_vs_time"] = _save(fig, out_dir, "accuracy_vs_time.png")
+    return fig
 
+
+def _bct_figure(plt: Any, results: dict[str, Any], models: list[str]) -> Any:
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4), squeeze=False)
     for ax, model in zip(axes[0], models):
         runs = _ok(results, model)
@@ -54,8 +62,10 @@ def write_plots(results: dict[str, Any], out_dir: str) -> dict[str, str]:
                ylabel="iterations")
         ax.legend()
     fig.tight_layout()
-    out["bct_distribution"] = _save(fig, out_dir, "bct_distribution.png")
+    return fig
 
+
+def _lanes_figure(plt: Any, results: dict[str, Any], models: list[str]) -> Any:
     fig, ax = plt.subplots(figsize=(4 + 3 * len(models), 4.5))
     labels: list[str] = []
     for model in models:
@@ -77,8 +87,7 @@ def write_plots(results: dict[str, Any], out_dir: str) -> dict[str, str]:
               loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.set(ylabel="MB, all ranks, until the target", title="Bytes per lane")
     fig.tight_layout()
-    out["bytes_per_lane"] = _save(fig, out_dir, "bytes_per_lane.png")
-    return out
+    return fig
 
 
 def _save(fig: Any, out_dir: str, name: str) -> str:

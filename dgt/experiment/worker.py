@@ -48,7 +48,7 @@ def evaluate(model: torch.nn.Module, data: Dataset, batch: int = 1000) -> float:
 def pace_tcp(endpoint: Any, rate: float) -> int:
     """Loopback mode: cap every TCP connection of the endpoint at ``rate`` bytes/s (SO_MAX_PACING_RATE makes the
     kernel pace TCP itself). The transport paces its UDP lanes to the same rate from a budget the TCP bytes come
-    off too (TransportConfig.pace_rate, pace_shared), so both together stay within ``rate``. Returns how many
+    off too (TransportConfig.pacing: rate, shared), so both together stay within ``rate``. Returns how many
     sockets were paced."""
     socks = endpoint.links.link_sockets()
     for sock in socks:
@@ -83,13 +83,14 @@ async def _connect(spec: RunSpec, rank: int, world: int, bind: str, services: An
 
     from dgt.collectives import Group, ParameterServer
     from dgt.collectives.rendezvous import store_from_env
-    from dgt.transport import TransportConfig
+    from dgt.transport import Congestion, Pacing, Sockets, Timeouts, TransportConfig
 
     store = await trio.to_thread.run_sync(store_from_env, rank, world, 120.0)
     # loopback: one budget per peer that TCP and UDP share (pace_shared), so DGT gets no more than the baseline
-    cfg = TransportConfig(deadline=spec.deadline, peer_timeout=spec.peer_timeout, gso=spec.gso,
-                          pace_rate=spec.pace_rate, pace_shared=bool(spec.pace_rate),
-                          congestion_control=spec.congestion_control)
+    cfg = TransportConfig(deadline=spec.deadline, timeouts=Timeouts(peer=spec.peer_timeout),
+                          sockets=Sockets(gso=spec.gso),
+                          pacing=Pacing(rate=spec.pace_rate, shared=bool(spec.pace_rate)),
+                          congestion=Congestion(enabled=spec.congestion_control))
     # every link now: TCP pacing below applies to the connections open at this point
     group = await Group.create(rank, world, store=store, config=cfg, host=bind, timeout=120.0, prefix="dgtexp",
                                connect="all", nursery=services)
@@ -126,18 +127,9 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
             t0 = time.perf_counter()
             at = time.monotonic()  # the system-wide clock, to place the iteration against the cross flow's arrivals
             loss_v = _local_gradient(model, params, opt, data, sampler.next(), grad, rank, it)
-            s = spec.loss_smoothing
-            smoothed = loss_v if smoothed is None else s * smoothed + (1 - s) * loss_v
-            codec.observe_loss(smoothed)
-            p = codec.current_p()
-            p = 1.0 if p is None else p
+            smoothed, p = _observe(codec, smoothed, loss_v, spec.loss_smoothing)
             t1 = time.perf_counter()
-            try:
-                with trio.fail_after(spec.round_timeout):
-                    res = await ps.allreduce(grad, 0, segments)
-            except trio.TooSlowError:
-                raise TimeoutError(f"rank {rank}: all-reduce of iteration {it} not done in {spec.round_timeout} s; "
-                                   f"transport state: {transport_state(group.endpoint)}") from None
+            res = await _allreduce(ps, grad, segments, spec.round_timeout, rank, it, group.endpoint)
             t2 = time.perf_counter()
             _apply(params, res.tensor)
             opt.step()
@@ -168,6 +160,27 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
         "shared_budget_peers": shared,
         "transport": _transport_summary(group.endpoint.stats()),
     }
+
+
+def _observe(codec: Any, smoothed: float | None, loss: float, s: float) -> tuple[float, float]:
+    """Feed the smoothed loss to the codec's p schedule: (the smoothed loss, the p it gives, 1 for none)."""
+    smoothed = loss if smoothed is None else s * smoothed + (1 - s) * loss
+    codec.observe_loss(smoothed)
+    p = codec.current_p()
+    return smoothed, 1.0 if p is None else p
+
+
+async def _allreduce(ps: Any, grad: torch.Tensor, segments: list[int], timeout: float, rank: int, it: int,
+                     endpoint: Any) -> Any:
+    """``ps.allreduce`` of the gradient, bounded by ``timeout``: a stuck one fails saying what the transport awaits."""
+    import trio
+
+    try:
+        with trio.fail_after(timeout):
+            return await ps.allreduce(grad, 0, segments)
+    except trio.TooSlowError:
+        raise TimeoutError(f"rank {rank}: all-reduce of iteration {it} not done in {timeout} s; "
+                           f"transport state: {transport_state(endpoint)}") from None
 
 
 def _local_gradient(model: torch.nn.Module, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, data: Any,

@@ -6,7 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from dgt.errors import open_nursery
-from dgt.transport import Endpoint, TransportConfig
+from dgt.transport import Endpoint, Timeouts, TransportConfig
 
 
 @asynccontextmanager
@@ -16,7 +16,7 @@ async def connected_pair(token: int, cfg_a: TransportConfig | None = None, cfg_b
     """``async with connected_pair(token, cfg) as (a, b):`` ranks 0 and 1 opened on ``host`` (``cfg_b`` defaults to
     ``cfg_a``, ``token_b`` to ``token``) and connected both ways; both are closed (rank 0 first) when the block ends
     and their service tasks end with it (:meth:`Endpoint.open`)."""
-    cfg_a = cfg_a or TransportConfig(peer_timeout=5)
+    cfg_a = cfg_a or TransportConfig(timeouts=Timeouts(peer=5))
     token_b = token if token_b is None else token_b
     async with Endpoint.open(0, token, cfg_a, host=host) as a, Endpoint.open(1, token_b, cfg_b or cfg_a, host) as b:
         try:

@@ -41,7 +41,7 @@ class OfflineTransport:
 
     @property
     def address(self) -> PeerAddress:
-        return PeerAddress("0.0.0.0", 0, (0,) * (len(self.cfg.lanes) - 1), self.rank)
+        return PeerAddress("0.0.0.0", 0, (0,) * (len(self.cfg.lanes.specs) - 1), self.rank)
 
     @property
     def peers(self) -> list[int]:

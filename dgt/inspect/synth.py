@@ -144,7 +144,7 @@ def synth_rounds(
     w = w or Wire()
     rng = np.random.default_rng(spec.seed)
     layout = BucketLayout(list(spec.sizes), spec.block)
-    tx = RoundSender(spec.token, 0, block=spec.block, lanes=spec.lanes)
+    tx = RoundSender(spec.token, 0, lanes=spec.lanes)
     rx = RoundReceiver(spec.token, rank=1)
     out = PcapOut(path, w)
     fwd, back, ts = _open_conns(out, step)

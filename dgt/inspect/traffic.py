@@ -214,7 +214,7 @@ def run_traffic(spec: TrafficSpec | None = None) -> TrafficResult:
     spec = spec or TrafficSpec()
     rng = np.random.default_rng(spec.seed)
     layout = BucketLayout(list(spec.sizes), spec.block)
-    tx = RoundSender(spec.token, 0, block=spec.block, lanes=spec.lanes)
+    tx = RoundSender(spec.token, 0, lanes=spec.lanes)
     link = _Link(spec)
     res = TrafficResult(
         tcp_port=link.listener.getsockname()[1], udp_ports=[u.getsockname()[1] for u in link.rx_udp.values()]

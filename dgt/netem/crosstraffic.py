@@ -51,6 +51,61 @@ def _udp_rcvbuf_errors() -> int:
         return 0
 
 
+class _SinkTally:
+    """What a sink has received: bytes, packets, the first and last arrival, bytes per ``bin_s`` bin (``bin_s`` > 0),
+    and the UDP sequence numbers seen."""
+
+    def __init__(self, proto: str, start: float, bin_s: float) -> None:
+        self.proto, self.start, self.bin_s = proto, start, bin_s
+        self.stats: dict[str, Any] = {"proto": proto, "bytes": 0, "packets": 0, "first": None, "last": None}
+        self.seqs: set[int] = set()
+        self.bins: list[int] = []
+
+    def add(self, data: bytes, t: float) -> None:
+        stats = self.stats
+        if stats["first"] is None:
+            stats["first"] = t
+        stats["last"] = t
+        stats["bytes"] += len(data)
+        stats["packets"] += 1
+        if self.bin_s > 0:
+            i = int((t - self.start) / self.bin_s)
+            if i >= len(self.bins):
+                self.bins.extend([0] * (i + 1 - len(self.bins)))
+            self.bins[i] += len(data)
+        if self.proto == "udp" and len(data) >= _SEQ.size:
+            self.seqs.add(_SEQ.unpack_from(data)[0])
+
+    def result(self, rcvbuf_errors: int) -> dict[str, Any]:
+        """The sink's report; ``rcvbuf_errors``: the namespace's UDP RcvbufErrors when the sink started."""
+        stats = self.stats
+        first, last = stats.pop("first"), stats.pop("last")
+        span = (last - first) if first is not None and last is not None else 0.0
+        stats["span_s"] = span
+        stats["goodput_bps"] = stats["bytes"] * 8 / span if span > 0 else 0.0
+        stats["first_at"], stats["last_at"] = first, last
+        if self.bin_s > 0:
+            stats["series"] = {"t0": self.start, "bin_s": self.bin_s, "bytes": self.bins}
+        if self.proto == "udp":
+            stats["unique"] = len(self.seqs)
+            stats["rcvbuf_errors"] = _udp_rcvbuf_errors() - rcvbuf_errors
+        return stats
+
+
+def _sink_socket(proto: str, port: int) -> tuple[socket.socket, socket.socket | None]:
+    """(the socket to read, the TCP listener or None for UDP)."""
+    if proto == "udp":
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
+        sock.bind(("0.0.0.0", port))
+        return sock, None
+    listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listen.bind(("0.0.0.0", port))
+    listen.listen(16)
+    return listen, listen
+
+
 def run_sink(proto: str, port: int, duration: float, idle: float = 0.5, bin_s: float = 0.0) -> dict[str, Any]:
     """Count bytes (and UDP sequence numbers) until duration is up, the sender has gone quiet, or SIGTERM.
 
@@ -62,29 +117,16 @@ def run_sink(proto: str, port: int, duration: float, idle: float = 0.5, bin_s: f
     rcvbuf_errors = _udp_rcvbuf_errors()
     start = time.monotonic()
     deadline = start + duration
-    stats: dict[str, Any] = {"proto": proto, "bytes": 0, "packets": 0, "first": None, "last": None}
-    seqs: set[int] = set()
-    bins: list[int] = []
-    if proto == "udp":
-        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4 << 20)
-        sock.bind(("0.0.0.0", port))
-        conns: list[socket.socket] = []
-        listen = None
-    else:
-        listen = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        listen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listen.bind(("0.0.0.0", port))
-        listen.listen(16)
-        sock = listen
-        conns = []
+    tally = _SinkTally(proto, start, bin_s)
+    sock, listen = _sink_socket(proto, port)
+    conns: list[socket.socket] = []
     print(json.dumps({"ready": True}), flush=True)
     had_conn = False
     while True:
         now = time.monotonic()
         if now >= deadline or stop:
             break
-        if stats["last"] is not None and now - stats["last"] > idle and not conns:
+        if tally.stats["last"] is not None and now - tally.stats["last"] > idle and not conns:
             break
         readable, _, _ = select.select([sock, *conns], [], [], min(0.2, deadline - now))
         for s in readable:
@@ -103,31 +145,10 @@ def run_sink(proto: str, port: int, duration: float, idle: float = 0.5, bin_s: f
                 conns.remove(s)
                 s.close()
                 continue
-            if stats["first"] is None:
-                stats["first"] = t
-            stats["last"] = t
-            stats["bytes"] += len(data)
-            stats["packets"] += 1
-            if bin_s > 0:
-                i = int((t - start) / bin_s)
-                if i >= len(bins):
-                    bins.extend([0] * (i + 1 - len(bins)))
-                bins[i] += len(data)
-            if proto == "udp" and len(data) >= _SEQ.size:
-                seqs.add(_SEQ.unpack_from(data)[0])
+            tally.add(data, t)
         if proto == "tcp" and had_conn and not conns:
             break
-    first, last = stats.pop("first"), stats.pop("last")
-    span = (last - first) if first is not None and last is not None else 0.0
-    stats["span_s"] = span
-    stats["goodput_bps"] = stats["bytes"] * 8 / span if span > 0 else 0.0
-    stats["first_at"], stats["last_at"] = first, last
-    if bin_s > 0:
-        stats["series"] = {"t0": start, "bin_s": bin_s, "bytes": bins}
-    if proto == "udp":
-        stats["unique"] = len(seqs)
-        stats["rcvbuf_errors"] = _udp_rcvbuf_errors() - rcvbuf_errors
-    return stats
+    return tally.result(rcvbuf_errors)
 
 
 def run_sender(proto: str, dst: str, port: int, duration: float, rate: int | None, dscp: int,

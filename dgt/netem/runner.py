@@ -106,28 +106,8 @@ def run(
     killed: set[int] = set()
     try:
         for rank, hi in enumerate(hosts):
-            extra = rank_env(topo, rank, hosts, master_port)
-            values = {"rank": str(rank), "world": str(len(hosts)), "addr": topo.hosts[hi].addr,
-                      "host": topo.hosts[hi].name, "master_addr": extra["MASTER_ADDR"], "master_port": str(master_port)}
-            log = open(os.path.join(logdir, f"{topo.hosts[hi].name}.log"), "wb")
-            proc = topo.popen(hi, fill(argv, values), env=base | extra, stdout=log, stderr=subprocess.STDOUT,
-                              stdin=subprocess.DEVNULL, start_new_session=True)
-            procs.append((proc, log, time.monotonic()))
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while len(ended) < len(procs):
-            for i, (proc, _, started) in enumerate(procs):
-                if i not in ended and proc.poll() is not None:
-                    ended[i] = time.monotonic() - started
-            failed = fail_fast and any(procs[i][0].returncode not in (0, None) for i in ended)
-            late = deadline is not None and time.monotonic() > deadline
-            if (failed or late) and len(ended) < len(procs):
-                for i, (proc, _, started) in enumerate(procs):
-                    if i not in ended:
-                        _stop(proc)
-                        killed.add(i)
-                        ended[i] = time.monotonic() - started
-                break
-            time.sleep(0.05)
+            procs.append(_start(topo, argv, hosts, rank, hi, base, logdir, master_port))
+        _wait(procs, None if timeout is None else time.monotonic() + timeout, fail_fast, ended, killed)
     finally:
         for proc, log, _ in procs:
             if proc.poll() is None:
@@ -142,6 +122,38 @@ def run(
                                returncode=None if rank in killed else proc.returncode, log=log.name, output=text,
                                seconds=round(ended.get(rank, 0.0), 3), killed=rank in killed))
     return results
+
+
+def _start(topo: Topology, argv: Sequence[str], hosts: list[int], rank: int, hi: int, base: dict[str, str],
+           logdir: str, master_port: int) -> tuple[subprocess.Popen, Any, float]:
+    """Start ``rank`` on host ``hi`` in its own session, output to its log: (process, log file, start time)."""
+    extra = rank_env(topo, rank, hosts, master_port)
+    values = {"rank": str(rank), "world": str(len(hosts)), "addr": topo.hosts[hi].addr,
+              "host": topo.hosts[hi].name, "master_addr": extra["MASTER_ADDR"], "master_port": str(master_port)}
+    log = open(os.path.join(logdir, f"{topo.hosts[hi].name}.log"), "wb")
+    proc = topo.popen(hi, fill(argv, values), env=base | extra, stdout=log, stderr=subprocess.STDOUT,
+                      stdin=subprocess.DEVNULL, start_new_session=True)
+    return proc, log, time.monotonic()
+
+
+def _wait(procs: list[tuple[subprocess.Popen, Any, float]], deadline: float | None, fail_fast: bool,
+          ended: dict[int, float], killed: set[int]) -> None:
+    """Wait for every process; on a failure (``fail_fast``) or past ``deadline`` stop the rest (into ``killed``).
+    ``ended``: index -> seconds it ran."""
+    while len(ended) < len(procs):
+        for i, (proc, _, started) in enumerate(procs):
+            if i not in ended and proc.poll() is not None:
+                ended[i] = time.monotonic() - started
+        failed = fail_fast and any(procs[i][0].returncode not in (0, None) for i in ended)
+        late = deadline is not None and time.monotonic() > deadline
+        if (failed or late) and len(ended) < len(procs):
+            for i, (proc, _, started) in enumerate(procs):
+                if i not in ended:
+                    _stop(proc)
+                    killed.add(i)
+                    ended[i] = time.monotonic() - started
+            return
+        time.sleep(0.05)
 
 
 def exit_code(results: Sequence[HostRun]) -> int:

@@ -61,7 +61,7 @@ class Pacer:
     ``shared``: a second bucket, at a fixed rate, that the peer's reliable lane draws from too
     (:meth:`charge_reliable`): the unreliable lanes then send only what that one budget has left after the TCP
     bytes, so both protocols together stay within its rate (the loopback emulation of one link that TCP and UDP
-    share; TransportConfig.pace_shared). Every method answers for both buckets: the later ready time, the larger
+    share; TransportConfig.pacing.shared). Every method answers for both buckets: the later ready time, the larger
     debt, the fewer tokens."""
 
     def __init__(self, rate: float, burst: int, cc: LedbatRate | None = None, now: float = 0.0,

@@ -122,7 +122,6 @@ class RoundSender:
         token: int,
         rank: int,
         *,
-        block: int = 1024,
         datagram_payload: int = 1400,
         reliable_frame_bytes: int = 1 << 20,
         lanes: int = 2,
@@ -136,7 +135,6 @@ class RoundSender:
             raise ValueError("need the reliable lane and at least one unreliable lane")
         self.token = token
         self.rank = rank
-        self.block = block
         self.datagram_payload = datagram_payload
         self.reliable_frame_bytes = reliable_frame_bytes
         self.lanes = lanes
@@ -314,8 +312,6 @@ class RoundSender:
     def select(self, flat: torch.Tensor, layout: BucketLayout, cls: torch.Tensor | int,
                order: torch.Tensor | None, budget: int | None) -> Selection:
         """Which blocks of a round go where: important, unimportant sent (most important first), unsent."""
-        if layout.block != self.block:
-            raise ValueError(f"layout block {layout.block} != sender block {self.block}")
         if flat.numel() != layout.numel:
             raise ValueError(f"bucket has {flat.numel()} elements, layout {layout.numel}")
         isz = flat.element_size()
@@ -494,22 +490,23 @@ class RoundSender:
         run_first = np.flatnonzero(brk)
         run_len = np.diff(np.append(run_first, len(blocks)))
         long_blk = run_len[run_id] >= LONG_RUN
-        full = geom.block_len[blocks] == self.block
+        block = geom.layout.block  # the round's own block size (its layout's: the codec's)
+        full = geom.block_len[blocks] == block
         out: list[tuple[bytes, memoryview]] = []
         hs = wire.HEADER_SIZE
         single = blocks[~long_blk & full]
         if len(single):
             off = geom.block_start[single]
-            cnt = np.full(len(single), self.block, dtype=np.int64)
+            cnt = np.full(len(single), block, dtype=np.int64)
             h = self._data_headers(len(single), Flags.IMPORTANT, 0, dt, common, single, off, cnt, isz)
-            buf = self._stage_rows(common["bucket"], common["round"], len(single), hs + self.block * isz)
+            buf = self._stage_rows(common["bucket"], common["round"], len(single), hs + block * isz)
             buf[:, :hs] = h.view(np.uint8).reshape(-1, hs)
-            gather_rows(raw, off * isz, self.block * isz, buf[:, hs:])
+            gather_rows(raw, off * isz, block * isz, buf[:, hs:])
             out.append((b"", buf.data.cast("B")))
         # zero-copy frames: long runs (cut at reliable_frame_bytes) and the partial blocks of short runs
         zc = blocks[long_blk | ~full]
         if len(zc):
-            per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
+            per_frame = max(1, self.reliable_frame_bytes // (block * isz))
             zbrk = np.ones(len(zc), dtype=bool)
             zbrk[1:] = (np.diff(zc) != 1) | ~long_blk[long_blk | ~full][1:]
             zrun = np.cumsum(zbrk) - 1
@@ -530,7 +527,7 @@ class RoundSender:
     def _whole(self, raw: np.ndarray, isz: int, dt: int, geom: Geometry, nb: int,
                common: dict[str, int]) -> list[tuple[bytes, memoryview]]:
         """Every block important (the frames :meth:`_runs` would cut from one long run, without its run finding)."""
-        per_frame = max(1, self.reliable_frame_bytes // (self.block * isz))
+        per_frame = max(1, self.reliable_frame_bytes // (geom.layout.block * isz))
         first = np.arange(0, nb, per_frame)
         last = np.minimum(first + per_frame - 1, nb - 1)
         off = geom.block_start[first]

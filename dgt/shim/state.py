@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+import warnings
 from typing import Any
 
 import torch
@@ -46,22 +47,28 @@ class DGTState:
         codec: a codec spec (``"dgt"``, ``"dgt:p=0.3"``, ``"dense"``, any registered codec) or a ``Codec``.
             ``"dense"`` makes the hook lossless. Default: DGT with p = p0 * loss_t / loss_0 once a loss is observed
             and p = 0.1 before (``DEFAULT_CODEC``).
-        choose: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
-            lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then).
-            None (default): on when ``codec`` is left at its default, off for an explicitly given codec; True, False,
-            or a ``DropChooser`` with its own settings.
+        chooser: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
+            lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
+            a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
+            warmup_iters)``, or ``"auto"`` (default): ``DropChooser(start=warmup_iters)`` for the default codec,
+            none for an explicitly given codec. Kept as the field ``state.chooser`` (a DropChooser or None).
         collective: ``"ring"`` (ring all-reduce) or ``"ps"`` (parameter server; ``server`` = a rank or
             ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
             buckets after iteration 1, and the first gradients are the least compressible).
-        transport: a ``TransportConfig`` or a dict of its fields (deadline, drop_fraction, DSCP, ...).
+        transport: a ``TransportConfig`` or a dict of its fields, a group as a dict of its fields
+            (``{"faults": {"drop_fraction": 0.1}}``).
         host: the address this rank's endpoint advertises (default: the route towards MASTER_ADDR, or DGT_HOST).
         timeout: seconds allowed for the rendezvous and the connections.
         store: the c10d store to meet on (default: the default group's store).
-        wire: the dtype of the lossy path on the wire: ``"auto"`` (default: ``"fp16"`` for the default codec,
-            ``"native"`` for an explicitly given one), ``"native"`` (the bucket's own), ``"fp16"`` or ``"bf16"``.
-            A float32/float64 bucket is divided by the world size and cast before the lossy collective (as torch's
-            ``fp16_compress_hook`` does) and cast back after; the lossless path is never cast (bit-exact).
+        wire_dtype: the dtype of the lossy path on the wire: ``"fp16"``, ``"bf16"`` (or a ``torch.dtype``),
+            ``"native"`` or None (the bucket's own), or ``"auto"`` (default: ``"fp16"`` for the default codec,
+            ``"native"`` for an explicitly given one). A float32/float64 bucket is divided by the world size and cast
+            before the lossy collective (as torch's ``fp16_compress_hook`` does) and cast back after; the lossless path
+            is never cast (bit-exact). Kept as the field ``state.wire_dtype`` (a torch.dtype, or None: not cast).
+
+    ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser=DropChooser(start=2))`` spelt out.
+    The keywords ``choose=`` and ``wire=`` of before issue 44 still work for one release, with a DeprecationWarning.
     """
 
     __slots__ = (
@@ -90,9 +97,11 @@ class DGTState:
         host: str | None = None,
         timeout: float = 60.0,
         store: dist.Store | None = None,
-        choose: bool | DropChooser | None = None,
-        wire: str | torch.dtype = "auto",
+        chooser: DropChooser | bool | str | None = "auto",
+        wire_dtype: str | torch.dtype | None = "auto",
+        **deprecated: Any,
     ) -> None:
+        chooser, wire_dtype = _deprecated_keywords(deprecated, chooser, wire_dtype)
         if collective not in COLLECTIVES:
             raise ValueError(f"collective must be one of {COLLECTIVES}, not {collective!r}")
         if warmup_iters < 0:
@@ -119,14 +128,16 @@ class DGTState:
         self._collectives: tuple[Any, Any] | None = None
         self._clear_iter = -1
         default = is_default_codec(codec)
-        self.wire_dtype = _wire_dtype(wire, default)
-        if choose is None:
-            choose = default
-        if choose is True:
-            choose = DropChooser(start=warmup_iters)
-        if choose and not self.codec.capabilities.lossy_tolerant:
-            choose = None  # a lossless codec has nothing to choose
-        self.chooser: DropChooser | None = choose or None
+        self.wire_dtype = _wire_dtype(wire_dtype, default)
+        if chooser == "auto":
+            chooser = default
+        elif isinstance(chooser, str):
+            raise ValueError(f"chooser must be a DropChooser, None, True, False or 'auto', not {chooser!r}")
+        if chooser is True:
+            chooser = DropChooser(start=warmup_iters)
+        if chooser and not self.codec.capabilities.lossy_tolerant:
+            chooser = None  # a lossless codec has nothing to choose
+        self.chooser: DropChooser | None = chooser or None
 
     # -- the loss feed ----------------------------------------------------------------------------------------
     def observe_loss(self, loss: float | torch.Tensor) -> None:
@@ -288,8 +299,9 @@ class DGTState:
 
     def __repr__(self) -> str:
         wire = "native" if self.wire_dtype is None else str(self.wire_dtype).replace("torch.", "")
+        chooser = "DropChooser(...)" if self.chooser is not None else "None"
         return (f"DGTState(codec={self.codec.name!r}, collective={self.collective!r}, warmup_iters={self.warmup_iters},"
-                f" wire={wire!r}, iter={self.iter})")
+                f" wire_dtype={wire!r}, chooser={chooser}, iter={self.iter})")
 
 
 def is_default_codec(codec: str | Codec) -> bool:
@@ -304,15 +316,33 @@ def is_default_codec(codec: str | Codec) -> bool:
         return False
 
 
-def _wire_dtype(wire: str | torch.dtype, default_codec: bool) -> torch.dtype | None:
+def _deprecated_keywords(given: dict[str, Any], chooser: Any, wire_dtype: Any) -> tuple[Any, Any]:
+    """``choose=`` and ``wire=`` (before issue 44) onto ``chooser`` and ``wire_dtype``, each with a warning."""
+    unknown = set(given) - {"choose", "wire"}
+    if unknown:
+        raise TypeError(f"DGTState() got unexpected keyword argument(s) {sorted(unknown)}")
+    for old, new in (("choose", "chooser"), ("wire", "wire_dtype")):
+        if old in given:
+            warnings.warn(f"DGTState({old}=...) is deprecated: write DGTState({new}=...) (the old keyword goes away "
+                          f"in the release after 0.1)", DeprecationWarning, stacklevel=3)
+    if "choose" in given:
+        chooser = "auto" if given["choose"] is None else given["choose"]
+    if "wire" in given:
+        wire_dtype = given["wire"]
+    return chooser, wire_dtype
+
+
+def _wire_dtype(wire: str | torch.dtype | None, default_codec: bool) -> torch.dtype | None:
+    if wire is None:
+        return None
     if isinstance(wire, torch.dtype):
         if wire not in WIRE_DTYPES.values():
-            raise ValueError(f"wire dtype must be torch.float16 or torch.bfloat16, not {wire}")
+            raise ValueError(f"wire_dtype must be torch.float16 or torch.bfloat16, not {wire}")
         return wire
     if wire == "auto":
         return torch.float16 if default_codec else None
     if wire not in WIRE_DTYPES:
-        raise ValueError(f"wire must be 'auto' or one of {sorted(WIRE_DTYPES)}, not {wire!r}")
+        raise ValueError(f"wire_dtype must be 'auto' or one of {sorted(WIRE_DTYPES)}, not {wire!r}")
     return WIRE_DTYPES[wire]
 
 

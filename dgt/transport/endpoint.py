@@ -97,19 +97,19 @@ class Endpoint:
         self.cfg = cfg or TransportConfig()
         self.host = host
         c = self.cfg
-        key = auth.session_key(self.token, auth.user_secret(c.secret))  # proves membership (handshakes)
-        mac = DatagramMac(key) if c.datagram_mac else None  # datagram MAC (issue 22), same key
+        key = auth.session_key(self.token, auth.user_secret(c.security.secret))  # proves membership (handshakes)
+        mac = DatagramMac(key) if c.security.datagram_mac else None  # datagram MAC (issue 22), same key
         # the receivers' landing buffers are the inbound part's (it installs its allocator)
         self.receiver = RoundReceiver(self.token, self.rank, limits=c.limits, deadline=c.deadline_policy(), mac=mac)
         self.bulk = BulkReceiver(c.limits.max_open_rounds, self.receiver.max_open_bytes, lambda *_: None)
         self.session = Session(self.rank, self.token, c, self.receiver, self.bulk)
         self.sockets = Sockets(self.rank, host, c)
         # the lossy ring hops' CPU gate, fed on this (the trio) thread with the readings the hops' worker returns
-        self.cpu_gate = CpuGate(c.cpu_gate) if c.cpu_gate else None
+        self.cpu_gate = CpuGate(c.congestion.cpu_gate) if c.congestion.cpu_gate else None
         # the hub dials stream lanes through the handshake and asks the links whether a peer's link is up; both are
         # built after it (they use it), so it reaches them through this face's wiring, the one place that knows
         # every part
-        self.streams = StreamHub(self.rank, self.token, c.connect_timeout or c.peer_timeout, self._dial_stream,
+        self.streams = StreamHub(self.rank, self.token, c.timeouts.connect or c.timeouts.peer, self._dial_stream,
                                  self._link_error, native=c.native_hops(), frame_bytes=c.limits.max_payload,
                                  hop_threads=c.hop_thread_count(), hop=self.sockets.hop,
                                  cpu_wait=self.cpu_gate is not None)
@@ -214,7 +214,7 @@ class Endpoint:
             return
         self.session.closing = True
         links = [ln for ln in self.links.table.values() if ln.error is None]
-        with trio.move_on_after(min(2.0, self.cfg.peer_timeout)):
+        with trio.move_on_after(min(2.0, self.cfg.timeouts.peer)):
             slots = [Slot() for _ in links]
             for ln, s in zip(links, slots):
                 ln.writer.push([control.control(self.token, self.rank, control.BYE)], slot=s)
@@ -241,7 +241,7 @@ class Endpoint:
         rc = self.receiver.counters
         gate = self.cpu_gate
         lanes = []
-        l0 = self.cfg.lanes[0]
+        l0 = self.cfg.lanes.specs[0]
         tcp = LaneStats(0, l0.name, l0.kind, l0.dscp, l0.so_priority)
         for link in self.links.table.values():
             tcp.tx_bytes += link.chan.tx_bytes
@@ -257,7 +257,7 @@ class Endpoint:
             tcp.rx_calls += chan.rx_calls
         lanes.append(tcp)
         for lane, ch in self.sockets.udp.items():
-            spec, cc = self.cfg.lanes[lane], ch.counters
+            spec, cc = self.cfg.lanes.specs[lane], ch.counters
             if lane == 1 and self.streams.hop is not None:  # the hop socket's datagrams are lane 1's too
                 cc = merged(cc, self.streams.hop.counters)
             lanes.append(LaneStats(

@@ -73,7 +73,7 @@ class Exchanges:
                 self.links.abort_scopes.add(scope)
                 try:
                     started = True  # streams.exchange owns the ticket from here, however it ends
-                    results = await self.hub.exchange(hops, timeout or self.cfg.peer_timeout, ticket)
+                    results = await self.hub.exchange(hops, timeout or self.cfg.timeouts.peer, ticket)
                     self._feed_cpu_gate(results)
                     return results
                 except (PeerClosed, BaseExceptionGroup) as exc:
@@ -82,7 +82,7 @@ class Exchanges:
                     if not _all_peer_closed(exc):
                         raise
                     peers = {p for h in hops for p in (h.send_to, h.recv_from) if p is not None}
-                    mismatch = await self.links.aborted(min(1.0, self.cfg.peer_timeout), dead=peers)
+                    mismatch = await self.links.aborted(min(1.0, self.cfg.timeouts.peer), dead=peers)
                     if mismatch is None:
                         gone = self.links.failure_of(peers)
                         if gone is not None:  # it names the rank that went away; the lane's error does not

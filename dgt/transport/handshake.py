@@ -73,7 +73,7 @@ class Handshake:
         accepts, so all-to-all or any subset connects without deadlock. PeerTimeout if a peer does not show up
         within ``timeout`` (default: connect_timeout, else peer_timeout)."""
         self.session.check_open()
-        timeout = timeout or self.cfg.connect_timeout or self.cfg.peer_timeout
+        timeout = timeout or self.cfg.timeouts.connect or self.cfg.timeouts.peer
         wanted = {}
         for rank, addr in peers.items():
             rank = int(rank)
@@ -113,7 +113,7 @@ class Handshake:
         """Open one direction of a stream lane to ``rank`` (see dgt.transport.streams): another connection, welcomed
         like the first."""
         link = self.links.link(rank)
-        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        timeout = self.cfg.timeouts.connect or self.cfg.timeouts.peer
         return await self._hello(rank, link.address.host, link.address.tcp_port, timeout, "a stream lane", stream=True,
                                  direction=direction)
 
@@ -123,7 +123,7 @@ class Handshake:
         message may follow right behind); the connection once welcomed. ``what``: the connection, for errors."""
         try:
             with trio.fail_after(timeout):
-                sock = await dial(host, port, self.cfg.lanes[0], timeout)
+                sock = await dial(host, port, self.cfg.lanes.specs[0], timeout)
                 chan = self._tcp_channel(sock, rank)
                 try:
                     dn = auth.nonce()
@@ -197,7 +197,7 @@ class Handshake:
                 self.receiver.counters.reject(f"accept:{errno.errorcode.get(exc.errno or 0, exc.errno)}")
                 await trio.sleep(0.05)  # the listener stays readable while the limit holds: do not spin
                 continue
-            if self.pending >= self.cfg.max_pending_handshakes:
+            if self.pending >= self.cfg.security.max_pending_handshakes:
                 self.receiver.counters.reject("handshake-cap")
                 sock.close()
                 continue
@@ -214,7 +214,7 @@ class Handshake:
 
     async def _handshake(self, sock: socket.socket) -> None:
         chan = self._tcp_channel(sock, -1)
-        timeout = self.cfg.connect_timeout or self.cfg.peer_timeout
+        timeout = self.cfg.timeouts.connect or self.cfg.timeouts.peer
         try:
             with trio.fail_after(timeout):
                 reader = FrameReader(chan, self.cfg.limits, self.token, staging=HANDSHAKE_STAGING)
@@ -284,7 +284,8 @@ class Handshake:
 
     def _tcp_channel(self, sock: socket.socket, rank: int) -> TcpChannel:
         c = self.cfg
-        chan = TcpChannel(sock, c.lanes[0], rcvbuf=c.tcp_rcvbuf, sndbuf=c.tcp_sndbuf, user_timeout=c.peer_timeout)
+        chan = TcpChannel(sock, c.lanes.specs[0], rcvbuf=c.sockets.tcp_rcvbuf, sndbuf=c.sockets.tcp_sndbuf,
+                          user_timeout=c.timeouts.peer)
         chan.label = f"rank {self.rank} <-> rank {rank}"
         return chan
 
@@ -300,16 +301,18 @@ class Handshake:
         pacer = None
         now = trio.current_time()
         # pace_shared: the budget this peer's TCP and UDP bytes both come off (the config checked pace_rate is set)
-        shared = TokenBucket(c.pace_rate, c.pace_burst, now) if c.pace_shared and c.pace_rate else None
-        if c.congestion_control:
-            top = min(c.pace_max, c.pace_rate or c.pace_max)  # a configured pace_rate is the start and the ceiling
-            cc = LedbatRate(min(c.pace_start, top), min(c.pace_min, top), top, target=c.cc_target)
-            pacer = Pacer(cc.rate, c.pace_burst, cc, now, shared=shared)
-        elif c.pace_rate:
-            pacer = Pacer(c.pace_rate, c.pace_burst, None, now, shared=shared)
+        shared = TokenBucket(c.pacing.rate, c.pacing.burst, now) if c.pacing.shared and c.pacing.rate else None
+        if c.congestion.enabled:
+            g = c.congestion
+            top = min(g.max_rate, c.pacing.rate or g.max_rate)  # a configured pacing rate is the start and the ceiling
+            cc = LedbatRate(min(g.start_rate, top), min(g.min_rate, top), top, target=g.target)
+            pacer = Pacer(cc.rate, c.pacing.burst, cc, now, shared=shared)
+        elif c.pacing.rate:
+            pacer = Pacer(c.pacing.rate, c.pacing.burst, None, now, shared=shared)
         sender = RoundSender(
-            self.token, self.rank, block=c.block, datagram_payload=c.payload_for(host),
-            reliable_frame_bytes=c.reliable_frame_bytes, lanes=len(c.lanes), error_feedback=c.error_feedback,
+            self.token, self.rank, datagram_payload=c.payload_for(host),
+            reliable_frame_bytes=c.sockets.reliable_frame_bytes, lanes=len(c.lanes.specs),
+            error_feedback=c.error_feedback,
             mac=self._mac, peer=rank,
         )  # fmt: skip
         link = Link(rank, addr, chan, reader, ReliableWriter(chan), sender, pacer, udp_addrs, last_ping=now)

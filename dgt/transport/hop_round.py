@@ -117,12 +117,12 @@ class HopRounds:
         rows, odd = _rows_of(plan)
         job = send = None
         if len(rows) or odd:
-            addr, pacer, burst = self._hop_addr(peer), link.pacer, self.cfg.pace_burst
+            addr, pacer, burst = self._hop_addr(peer), link.pacer, self.cfg.pacing.burst
             job = DatagramJob(peer, 1, bucket, round, rows, odd, addr)
             send = DatagramSend(rows, odd, addr, 1e12 if pacer is None else pacer.rate, burst,  # unpaced: 1 TB/s
                                 float(burst) if pacer is None else pacer.tokens(now),
                                 segments=hop.segments_per_send(rows.shape[1]), gso=hop.gso,
-                                limit=self.cfg.round_timeout or 10.0)
+                                limit=self.cfg.timeouts.round or 10.0)
         track = None
         if plan.unimportant_blocks:  # a report will come: it finds its track (none without datagrams: NO_REPORT)
             track = self.outbound.sending[key] = SendTrack(t0=now, cls=plan.cls, detached=True)
@@ -255,7 +255,7 @@ class HopRounds:
                 udp.counters.rx_bytes += end - start
             batch = decode_datagrams(rx.buf[start:end].data, sizes, self.cfg.limits, self.token)
             if self.inbound.drop_rng is not None:  # injected loss (TransportConfig.drop_fraction), as UDP ingress does
-                keep = self.inbound.drop_rng.random(len(sizes)) >= self.cfg.drop_fraction
+                keep = self.inbound.drop_rng.random(len(sizes)) >= self.cfg.faults.drop_fraction
                 self.inbound.rx_dropped_hook[1] = self.inbound.rx_dropped_hook.get(1, 0) + int((~keep).sum())
                 batch = wire.Batch(batch.headers[keep], batch.payload_pos[keep], batch.reason[keep], batch.buf)
             events += self.receiver.receive_datagrams(batch, 1, t + off)

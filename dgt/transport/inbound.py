@@ -53,7 +53,7 @@ class Inbound:
         self.landing: OrderedDict[Key, torch.Tensor] = OrderedDict()  # landing buffers, see post_recv
         self.opened: OrderedDict[Key, float] = OrderedDict()
         self._bytes_rx: dict[tuple[int, int], int] = {}
-        self.drop_rng = np.random.default_rng(c.drop_seed) if c.drop_fraction > 0 else None
+        self.drop_rng = np.random.default_rng(c.faults.drop_seed) if c.faults.drop_fraction > 0 else None
         self.rx_dropped_hook: dict[int, int] = dict.fromkeys(lanes, 0)
         self.lane_delivered: dict[int, list[int]] = {}
         session.receiver.allocator = self._allocate
@@ -165,8 +165,8 @@ class Inbound:
                 self.deadlines.poke()
 
     async def udp_ingress(self, lane: int, chan: UdpChannel) -> None:
-        accept = self._accept_source if self.cfg.check_source else None
-        frac = self.cfg.drop_fraction
+        accept = self._accept_source if self.cfg.security.check_source else None
+        frac = self.cfg.faults.drop_fraction
         while True:
             try:
                 mv, sizes = await chan.recv_batch(accept)
@@ -354,7 +354,7 @@ class Inbound:
             if out is not None and not self.receiver.is_open(key) and not self.bulk.is_open(key):
                 self.landing[key] = out
             try:
-                timeout = timeout or self.cfg.round_timeout
+                timeout = timeout or self.cfg.timeouts.round
                 with trio.fail_after(timeout) if timeout else nullcontext():
                     res = await slot.wait()
             except trio.TooSlowError:

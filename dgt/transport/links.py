@@ -228,8 +228,8 @@ class Links:
     async def liveness(self) -> None:
         """Ping idle links; declare a peer gone after peer_timeout without any byte from it."""
         c, me = self.cfg, self.rank
-        beat = c.heartbeat or c.peer_timeout / 4
-        tick = min(beat, c.peer_timeout / 10)
+        beat = c.timeouts.heartbeat or c.timeouts.peer / 4
+        tick = min(beat, c.timeouts.peer / 10)
         while True:
             await trio.sleep(tick)
             now = trio.current_time()
@@ -237,8 +237,8 @@ class Links:
                 if link.error is not None:
                     continue
                 silent = now - link.chan.last_rx
-                if silent >= c.peer_timeout - tick:
-                    why = f"rank {me}: rank {link.rank} silent for {silent:.2f} s (timeout {c.peer_timeout:g} s)"
+                if silent >= c.timeouts.peer - tick:
+                    why = f"rank {me}: rank {link.rank} silent for {silent:.2f} s (timeout {c.timeouts.peer:g} s)"
                     self.fail_peer(link.rank, PeerTimeout(why))
                 elif now - link.last_ping >= beat:
                     link.last_ping = now

@@ -236,8 +236,6 @@ class Outbound:
         if flat.device.type != "cpu" or not flat.is_contiguous():
             flat = flat.to("cpu").contiguous()
         layout = layout or self.session.layout(flat.numel())
-        if layout.block != self.cfg.block:
-            raise ValueError(f"layout block {layout.block} != configured block {self.cfg.block}")
         if flat.numel() != layout.numel:
             raise InputRejected(f"bucket has {flat.numel()} elements, its layout {layout.numel}")
         check_classes(cls, order, layout)
@@ -351,7 +349,7 @@ class Outbound:
         if copied:
             flat = link.sender.prepare(bucket, flat)
             link.dirty.discard(bucket)
-        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.reliable_frame_bytes, op)
+        frames = bulk_frames(self.token, self.rank, bucket, round, flat, self.cfg.sockets.reliable_frame_bytes, op)
         nblocks = self.session.layout(flat.numel()).nblocks
         stats = SendStats(peer, bucket, round, nblocks, 0, len(frames),
                           flat.numel() * flat.element_size() + len(frames) * wire.HEADER_SIZE, copied=copied)

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING
 
 from dgt.errors import PeerClosed
-from dgt.layout import BucketLayout
+from dgt.layout import DEFAULT_BLOCK, BucketLayout
 from dgt.transport.stats import TransportStats
 
 if TYPE_CHECKING:
@@ -55,8 +55,9 @@ class Session:
         self.nursery.start_soon(fn, *args)
 
     def layout(self, numel: int) -> BucketLayout:
-        """The flat layout of a bucket of ``numel`` elements in the configured block (the shared instance)."""
-        return BucketLayout.flat(numel, self.cfg.block)
+        """The flat layout of a bucket of ``numel`` elements in the default block, for a round sent without a layout
+        (the shared instance; a codec's part brings its own layout: the codec's block is the one source, issue 44)."""
+        return BucketLayout.flat(numel, DEFAULT_BLOCK)
 
     def bound(self, links: int) -> int:
         """How many per-round entries a table keyed by round may keep (posts, openings, notices): bounded by the open

@@ -24,20 +24,22 @@ class Sockets:
         self.rank = rank
         self.host = host
         c = cfg
-        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes[0], port=p), c.port_range, "TCP listener")
+        self.listener = bind_in_range(lambda p: TcpListener(host, c.lanes.specs[0], port=p), c.lanes.port_range,
+                                      "TCP listener")
         self.udp: dict[int, UdpChannel] = {}
 
         def udp_lane(spec: LaneSpec) -> Callable[[int], UdpChannel]:
-            return lambda p: UdpChannel(host, spec, gso=c.gso, gro=c.gro, rcvbuf=c.udp_rcvbuf, sndbuf=c.udp_sndbuf,
-                                        max_segments=c.gso_segments, batch_bytes=c.udp_batch_bytes, port=p)
+            s = c.sockets
+            return lambda p: UdpChannel(host, spec, gso=s.gso, gro=s.gro, rcvbuf=s.udp_rcvbuf, sndbuf=s.udp_sndbuf,
+                                        max_segments=s.gso_segments, batch_bytes=s.udp_batch_bytes, port=p)
 
         self.hop: UdpChannel | None = None
         try:
-            for lane in range(1, len(c.lanes)):
-                self.udp[lane] = bind_in_range(udp_lane(c.lanes[lane]), c.port_range, f"UDP lane {lane}")
-            if self.udp and c.stream_hops != "off":
+            for lane in range(1, len(c.lanes.specs)):
+                self.udp[lane] = bind_in_range(udp_lane(c.lanes.specs[lane]), c.lanes.port_range, f"UDP lane {lane}")
+            if self.udp and c.hops.mode != "off":
                 try:
-                    self.hop = bind_in_range(udp_lane(c.lanes[1]), c.port_range, "the hop socket")
+                    self.hop = bind_in_range(udp_lane(c.lanes.specs[1]), c.lanes.port_range, "the hop socket")
                 except OSError:  # no port left in the range: lossy hops run their rounds on the session link
                     self.hop = None
         except BaseException:
