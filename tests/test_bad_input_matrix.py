@@ -426,7 +426,7 @@ async def test_a_refusal_in_the_middle_of_a_multi_round_call_fails_both_ends_and
 
     cfg = TransportConfig(peer_timeout=PEER_TIMEOUT, stream_hops="off")
     xs = [torch.randn(4096, generator=torch.Generator().manual_seed(i)) for i in range(4)]
-    lay = BucketLayout([4096], cfg.block)
+    lay = BucketLayout([4096], DEFAULT_BLOCK)
     cls = torch.tensor([0, 1, 1, 1], dtype=torch.int8) if lossy else 0
     sent = {}
     t0 = time.monotonic()

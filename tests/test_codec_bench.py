@@ -44,7 +44,7 @@ def test_run_reports_every_codec_against_the_memory_pass() -> None:
         assert v["encode_s"] > 0 and v["decode_s"] > 0
         assert v["compression_ratio"] == pytest.approx(200_000 / v["bytes"])
         assert v["throughput_vs_memory_pass"] == pytest.approx(v["throughput_gbps"] / mem["throughput_gbps"])
-    assert res["codecs"]["qsgd:bits=8"]["bytes"] == 50_000 + 4 * 98
+    assert res["codecs"]["qsgd:bits=8"]["bytes"] == 50_000 + 4 * 98 + 1  # + the byte naming the dtype
     cached = next(v for n, v in res["codecs"].items() if "cached" in n)
     assert cached["bytes"] == 24 + 4 * 7500 + 8 * 7500  # (alpha + eps) N values' worth + header
 
@@ -52,7 +52,7 @@ def test_run_reports_every_codec_against_the_memory_pass() -> None:
 def test_custom_codec_list() -> None:
     res = bench.run(_args(numel=4096, repeat=1, device="cpu", codecs=["qsgd:bits=4", "olandraj:huffman=false"]))
     assert set(res["codecs"]) == {"qsgd:bits=4", "olandraj:huffman=false"}
-    assert res["codecs"]["qsgd:bits=4"]["compression_ratio"] == pytest.approx(4 * 4096 / (2048 + 32))
+    assert res["codecs"]["qsgd:bits=4"]["compression_ratio"] == pytest.approx(4 * 4096 / (2048 + 32 + 1))
 
 
 def test_every_registry_name_builds_and_round_trips() -> None:
