@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import trio
 
-from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+from dgt.collectives import DirectAllReduce, Gossip, Group, ParameterServer, RingAllReduce
 from dgt.errors import DgtError, InputRejected, RankMismatch
 from dgt.harness.groups import local_groups
 from dgt.harness.offline import OfflineTransport
@@ -26,12 +26,14 @@ from dgt.transport import TransportConfig
 
 PEER_TIMEOUT = 4.0
 BOUND = 2 * PEER_TIMEOUT + 5  # the whole case, group setup included: a hang fails here, it never blocks the suite
-COLLECTIVES = ["ring", "ps", "ps-sharded", "gossip"]
+COLLECTIVES = ["ring", "ps", "ps-sharded", "gossip", "direct"]
 
 
 def _build(kind, g, codec, op="sum"):
     if kind == "ring":
         return RingAllReduce(g, codec, op=op)
+    if kind == "direct":
+        return DirectAllReduce(g, codec, op=op)
     if kind == "gossip":
         return Gossip(g, codec)
     return ParameterServer(g, codec, op=op, server="sharded" if kind == "ps-sharded" else 0)

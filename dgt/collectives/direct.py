@@ -35,9 +35,10 @@ from functools import partial
 
 import torch
 
-from dgt.codecs.base import Part, Received
+from dgt.codecs.base import Codec, Part, Received
 from dgt.collectives.base import Collective, any_layout, tells_peers
 from dgt.collectives.chunks import Chunking
+from dgt.collectives.group import Group
 from dgt.collectives.parts import (
     as_received,
     check_op,
@@ -64,8 +65,8 @@ class DirectAllReduce(Collective):
     round_family = "direct"
     needs_summable = True
 
-    def __init__(self, *args, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, group: Group, codec: str | Codec = "dense", op: str = "mean") -> None:
+        super().__init__(group, codec, op)
         check_world(self.group.world, self.name)
         self._scratch: dict[tuple[int, int, torch.dtype, int], torch.Tensor] = {}
 
@@ -166,72 +167,84 @@ class DirectAllReduce(Collective):
     async def _coded(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int, stats: CollectiveStats) -> None:
         """``flat``: a working copy of the input; every chunk is encoded from it (and handed to the transport)
         before the owner's sum and the all-gather write it."""
+        with self.phase(stats, "reduce_scatter"):
+            template = await self._coded_rs(ch, flat, bucket_id, rnd, stats)
+        with self.phase(stats, "all_gather"):
+            await self._coded_ag(ch, flat, bucket_id, rnd, stats, template)
+
+    async def _coded_rs(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int,
+                        stats: CollectiveStats) -> list[Part]:
+        """The reduce-scatter: chunk j encoded (the codec classes its blocks: important ones reliable, the rest
+        droppable) and sent to rank j, every j at once; this rank's chunk summed. Returns parts of this call (the
+        geometry of a peer's parts)."""
         g = self.group
         ep = g.endpoint
         W, r = g.world, g.rank
         op = self.call_code
         mine = ch.chunk(flat, r)
-        others = [w for w in range(W) if w != r]
-        exact = self.codec.capabilities.summable
-        # the codec classes each chunk's blocks for the transport (important: reliable; the rest droppable)
         sent: dict[int, list[Part]] = {}
-        for j in others:
+        for j in range(W):
             piece = ch.chunk(flat, j)
-            if piece.numel():
+            if j != r and piece.numel():
                 sent[j] = self.codec.encode(piece, self.state(state_key(RS, bucket_id, j), piece, ch.segments[j]))
         template = next(iter(sent.values()), [])
+        like = like_parts(template, ch.segments[r], self.codec, mine)
         got: dict[int, list[Received]] = {}
 
-        async def rs_from(w: int, like: list[Part]) -> None:
-            got[w] = await recv_parts(ep, w, bucket_id, RS, 0, rnd, like, stats, device=mine.device, exact=exact,
-                                      op=op)
+        async def rs_from(w: int) -> None:
+            got[w] = await recv_parts(ep, w, bucket_id, RS, 0, rnd, like, stats, device=mine.device,
+                                      exact=self.codec.capabilities.summable, op=op)
 
-        with self.phase(stats, "reduce_scatter"):
-            like = like_parts(template, ch.segments[r], self.codec, mine)
-            async with open_nursery() as nursery:
-                for j, parts in sent.items():
-                    # the owner needs what arrives by the deadline, not the drop report: error feedback folds it in
-                    nursery.start_soon(partial(send_parts, ep, j, bucket_id, RS, 0, rnd, parts, stats,
-                                               wait_report=False, op=op))
-                if like:
-                    for w in others:
-                        nursery.start_soon(rs_from, w, like)
+        async with open_nursery() as nursery:
+            for j, parts in sent.items():
+                # the owner needs what arrives by the deadline, not the drop report: error feedback folds it in
+                nursery.start_soon(partial(send_parts, ep, j, bucket_id, RS, 0, rnd, parts, stats,
+                                           wait_report=False, op=op))
             if like:
-                terms = []
                 for w in range(W):
-                    if w == r:
-                        terms.append(mine)
-                        continue
-                    st = self.state(state_key(RS + "-rx", bucket_id, w), mine, ch.segments[r])
-                    terms.append(decode_parts(self.codec, got[w], st, mine, w, rnd))
-                self._reduce(mine, terms)
-        with self.phase(stats, "all_gather"):
-            parts = []
-            if like:
-                parts = self.codec.encode(mine, self.state(state_key(AG, bucket_id), mine, ch.segments[r]))
-                # the owner keeps exactly what the others decode (a cast on the wire rounds it)
-                own = self.state(state_key(AG + "-rx", bucket_id, r), mine, ch.segments[r])
-                mine.copy_(self.codec.decode([as_received(p) for p in parts], own, mine))
-            rx: dict[int, list[Received]] = {}
+                    if w != r:
+                        nursery.start_soon(rs_from, w)
+        if like:
+            terms = [mine if w == r else decode_parts(self.codec, got[w], self.state(
+                state_key(RS + "-rx", bucket_id, w), mine, ch.segments[r]), mine, w, rnd) for w in range(W)]
+            self._reduce(mine, terms)
+        return template or like
 
-            async def ag_from(j: int, like: list[Part]) -> None:
-                rx[j] = await recv_parts(ep, j, bucket_id, AG, 0, rnd, like, stats, device=mine.device, exact=exact,
-                                         op=op)
+    async def _coded_ag(self, ch: Chunking, flat: torch.Tensor, bucket_id: int, rnd: int, stats: CollectiveStats,
+                        template: list[Part]) -> None:
+        """The all-gather: this rank's reduced chunk, encoded, to every other rank at once on the reliable lane
+        (the owner keeps exactly what they decode: a cast on the wire rounds it); every other chunk from its
+        owner."""
+        g = self.group
+        ep = g.endpoint
+        W, r = g.world, g.rank
+        op = self.call_code
+        mine = ch.chunk(flat, r)
+        parts = []
+        if mine.numel():
+            parts = self.codec.encode(mine, self.state(state_key(AG, bucket_id), mine, ch.segments[r]))
+            own = self.state(state_key(AG + "-rx", bucket_id, r), mine, ch.segments[r])
+            mine.copy_(self.codec.decode([as_received(p) for p in parts], own, mine))
+        rx: dict[int, list[Received]] = {}
 
-            async with open_nursery() as nursery:
-                if parts:
-                    for w in others:
-                        nursery.start_soon(partial(send_parts, ep, w, bucket_id, AG, 0, rnd, parts, stats, True,
-                                                   wait_report=False, op=op))
-                for j in others:
-                    piece = ch.chunk(flat, j)
-                    if piece.numel():
-                        nursery.start_soon(ag_from, j, like_parts(parts or template, ch.segments[j], self.codec,
-                                                                  piece))
-            for j, recv in rx.items():
+        async def ag_from(j: int, like: list[Part]) -> None:
+            rx[j] = await recv_parts(ep, j, bucket_id, AG, 0, rnd, like, stats, device=mine.device,
+                                     exact=self.codec.capabilities.summable, op=op)
+
+        async with open_nursery() as nursery:
+            for j in range(W):
                 piece = ch.chunk(flat, j)
-                st = self.state(state_key(AG + "-rx", bucket_id, j), piece, ch.segments[j])
-                piece.copy_(decode_parts(self.codec, recv, st, piece, j, rnd))
+                if j == r:
+                    for w in range(W) if parts else ():
+                        if w != r:
+                            nursery.start_soon(partial(send_parts, ep, w, bucket_id, AG, 0, rnd, parts, stats, True,
+                                                       wait_report=False, op=op))
+                elif piece.numel():
+                    nursery.start_soon(ag_from, j, like_parts(parts or template, ch.segments[j], self.codec, piece))
+        for j, recv in rx.items():
+            piece = ch.chunk(flat, j)
+            st = self.state(state_key(AG + "-rx", bucket_id, j), piece, ch.segments[j])
+            piece.copy_(decode_parts(self.codec, recv, st, piece, j, rnd))
 
     # -- helpers -----------------------------------------------------------------------------------------------
     @staticmethod
