@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the lossless ring's hops run: on stream lanes with the native loop (auto: when built) or "
                    "its Python twin, or off: on the session link (see docs/transport.md)")
     p.add_argument("--collectives", default="ring,ps_sharded,ps_central",
-                   help="comma-separated DGT collectives to time against Gloo: ring, ps_sharded, ps_central")
+                   help="comma-separated DGT collectives to time against Gloo: ring, ps_sharded, ps_central, "
+                        "direct (the transpose all-reduce: two rounds whatever the world size)")
     p.add_argument("--hop-threads", default="0",
                    help="threads per native ring hop: 0 auto, 1, 2 (send half on its own thread); a list such as 1,2 "
                    "times the ring once per value in the same run, as ring/1t, ring/2t")
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 COLLECTIVES = ("ring", "ps_sharded", "ps_central")
+CHOICES = (*COLLECTIVES, "direct")  # direct: opt-in (not in the default list)
 
 
 def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...], stream_hops: str = "auto",
@@ -132,12 +134,13 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
 def _collectives(groups: dict, codecs: tuple[str, ...], collectives: tuple[str, ...]) -> dict:
     """The DGT collectives to time, by report key: each of ``collectives`` once per codec, on the first group; the
     ring once per group (hop-thread count) when there are several."""
-    from dgt.collectives import ParameterServer, RingAllReduce
+    from dgt.collectives import DirectAllReduce, ParameterServer, RingAllReduce
 
     g = next(iter(groups.values()))
     make = {"ring": lambda c: RingAllReduce(g, c, op="sum"),
             "ps_sharded": lambda c: ParameterServer(g, c, op="sum", server="sharded"),
-            "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0)}
+            "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0),
+            "direct": lambda c: DirectAllReduce(g, c, op="sum")}
     out = {}
     for codec in codecs:
         for name in collectives:
@@ -213,9 +216,9 @@ def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6 / 4)
     hops = getattr(args, "stream_hops", "auto")
     colls = tuple(c.strip() for c in getattr(args, "collectives", ",".join(COLLECTIVES)).split(",") if c.strip())
-    unknown = sorted(set(colls) - set(COLLECTIVES))
+    unknown = sorted(set(colls) - set(CHOICES))
     if unknown or not colls:
-        raise SystemExit(f"--collectives: unknown {unknown}; choose from {', '.join(COLLECTIVES)}")
+        raise SystemExit(f"--collectives: unknown {unknown}; choose from {', '.join(CHOICES)}")
     try:
         threads = tuple(dict.fromkeys(int(t) for t in str(getattr(args, "hop_threads", "0")).split(",")))
     except ValueError:
