@@ -112,15 +112,15 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
             eps = [gr.endpoint for gr in groups.values()]
             snap[0] = lambda: trio.from_thread.run_sync(_udp_now, eps, trio_token=portal)
 
-            def call(coll):
-                trio.from_thread.run(partial(coll.allreduce, x, 0, None, out=y), trio_token=portal)
+            def call(coll, bucket):
+                trio.from_thread.run(partial(coll.allreduce, x, bucket, None, out=y), trio_token=portal)
 
             def poison():
                 y.fill_(float("nan"))  # a method that left part of the buffer unwritten shows up as NaN
 
             methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
-            for name, coll in _collectives(groups, codecs, collectives).items():
-                methods[name] = (partial(call, coll), poison)
+            for name, (coll, bucket) in _collectives(groups, codecs, collectives).items():
+                methods[name] = (partial(call, coll, bucket), poison)
             await trio.to_thread.run_sync(trials, methods)
             transport.update(_lane_summary(g.endpoint.stats()))
 
@@ -132,8 +132,10 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
 
 
 def _collectives(groups: dict, codecs: tuple[str, ...], collectives: tuple[str, ...]) -> dict:
-    """The DGT collectives to time, by report key: each of ``collectives`` once per codec, on the first group; the
-    ring once per group (hop-thread count) when there are several."""
+    """The DGT collectives to time, by report key, each with its bucket id: each of ``collectives`` once per codec,
+    on the first group; the ring once per group (hop-thread count) when there are several. A bucket id per codec: the
+    transport keeps error feedback per key, and a lossless call on a key after lossy ones would deliver what they
+    kept back (the direct all-reduce's session-link posts) instead of this trial's sum."""
     from dgt.collectives import DirectAllReduce, ParameterServer, RingAllReduce
 
     g = next(iter(groups.values()))
@@ -142,13 +144,13 @@ def _collectives(groups: dict, codecs: tuple[str, ...], collectives: tuple[str, 
             "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0),
             "direct": lambda c: DirectAllReduce(g, c, op="sum")}
     out = {}
-    for codec in codecs:
+    for bucket, codec in enumerate(codecs):
         for name in collectives:
             if name == "ring" and len(groups) > 1:
                 for t, gt in groups.items():
-                    out[method_name(f"ring/{t}t", codec, codecs)] = RingAllReduce(gt, codec, op="sum")
+                    out[method_name(f"ring/{t}t", codec, codecs)] = (RingAllReduce(gt, codec, op="sum"), bucket)
             else:
-                out[method_name(name, codec, codecs)] = make[name](codec)
+                out[method_name(name, codec, codecs)] = (make[name](codec), bucket)
     return out
 
 

@@ -54,9 +54,11 @@ from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import RankMismatch, one_error, open_nursery, shape_mismatch
 
 RS, AG = "drs", "dag"  # the transport key phases of its two rounds (its own: a ring on the same group never meets them)
-# the step field of their keys: the coded rounds (step 0) and the lossless posts (step 1) never share a key, since the
-# transport keeps error feedback per key and adds a key's residual to its next send, a lossless post included
-CODED, PLAIN = 0, 1
+# the step field of their keys: one key per phase for every codec, so a peer that called with another codec sends on
+# the key this rank waits on and its call code tells (RankMismatch), instead of this rank waiting on a key nobody sends.
+# The transport keeps error feedback per key and adds a key's residual to its next send, a lossless post included: a
+# lossless call after lossy ones of the same bucket id delivers what they kept back (conserved, not exact that once)
+STEP = 0
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -111,7 +113,7 @@ class DirectAllReduce(Collective):
         ep = g.endpoint
         W, r = g.world, g.rank
         op = self.call_code
-        rs_key, ag_key = transport_key(bucket_id, RS, PLAIN), transport_key(bucket_id, AG, PLAIN)
+        rs_key, ag_key = transport_key(bucket_id, RS, STEP), transport_key(bucket_id, AG, STEP)
         mine = ch.chunk(flat, r)
         others = [w for w in range(W) if w != r]
         land = {w: self._scratch_for(mine, bucket_id, w) for w in others} if mine.numel() else {}
@@ -195,13 +197,13 @@ class DirectAllReduce(Collective):
         got: dict[int, list[Received]] = {}
 
         async def rs_from(w: int) -> None:
-            got[w] = await recv_parts(ep, w, bucket_id, RS, CODED, rnd, like, stats, device=mine.device,
+            got[w] = await recv_parts(ep, w, bucket_id, RS, STEP, rnd, like, stats, device=mine.device,
                                       exact=self.codec.capabilities.summable, op=op)
 
         async with open_nursery() as nursery:
             for j, parts in sent.items():
                 # the owner needs what arrives by the deadline, not the drop report: error feedback folds it in
-                nursery.start_soon(partial(send_parts, ep, j, bucket_id, RS, CODED, rnd, parts, stats,
+                nursery.start_soon(partial(send_parts, ep, j, bucket_id, RS, STEP, rnd, parts, stats,
                                            wait_report=False, op=op))
             if like:
                 for w in range(W):
@@ -231,7 +233,7 @@ class DirectAllReduce(Collective):
         rx: dict[int, list[Received]] = {}
 
         async def ag_from(j: int, like: list[Part]) -> None:
-            rx[j] = await recv_parts(ep, j, bucket_id, AG, CODED, rnd, like, stats, device=mine.device,
+            rx[j] = await recv_parts(ep, j, bucket_id, AG, STEP, rnd, like, stats, device=mine.device,
                                      exact=self.codec.capabilities.summable, op=op)
 
         async with open_nursery() as nursery:
@@ -240,7 +242,7 @@ class DirectAllReduce(Collective):
                 if j == r:
                     for w in range(W) if parts else ():
                         if w != r:
-                            nursery.start_soon(partial(send_parts, ep, w, bucket_id, AG, CODED, rnd, parts, stats,
+                            nursery.start_soon(partial(send_parts, ep, w, bucket_id, AG, STEP, rnd, parts, stats,
                                                        True, wait_report=False, op=op))
                 elif piece.numel():
                     nursery.start_soon(ag_from, j, like_parts(parts or template, ch.segments[j], self.codec, piece))
