@@ -353,11 +353,15 @@ def test_the_hook_on_auto_probes_the_direct_paths_and_takes_the_fastest():
             got = r0["results"][it][b]
             for r in range(1, world):
                 assert torch.equal(bits(res[r]["results"][it][b]), bits(got)), (it, b, r)
-            if r0["modes"][it] in ("plain", LOSSLESS, LOSSLESS_DIRECT):
-                torch.testing.assert_close(got, mean, rtol=1e-6, atol=1e-6)  # lossless: exact to float rounding
+            # lossless: exact to float rounding, except a lossless direct call after lossy direct ones, which also
+            # delivers what their error feedback held (one key per phase, docs/collectives.md)
+            folds = r0["modes"][it] == LOSSLESS_DIRECT and LOSSY_DIRECT in r0["modes"][:it]
+            if r0["modes"][it] in ("plain", LOSSLESS, LOSSLESS_DIRECT) and not folds:
+                torch.testing.assert_close(got, mean, rtol=1e-6, atol=1e-6)
             else:  # fp16 shares; how many droppable blocks arrive depends on the host's load (error feedback keeps
                 # the rest; the ring's lossy path measured 0.5-0.7 of elements within 0.05 on this 2-core host too)
                 assert torch.isfinite(got).all()
+    assert r0["modes"][3] == LOSSLESS_DIRECT  # (checked exact above: no lossy direct call before it)
 
 
 def test_the_hook_on_the_direct_all_reduce_with_its_default_codec():
