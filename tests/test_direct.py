@@ -12,7 +12,7 @@ import trio
 
 from dgt.collectives import DirectAllReduce, RingAllReduce
 from dgt.collectives.chunks import Chunking
-from dgt.collectives.direct import AG, RS, STEP
+from dgt.collectives.direct import AG, PHASE, RS
 from dgt.collectives.parts import transport_key
 from dgt.errors import DgtError
 from dgt.harness.groups import local_groups
@@ -159,7 +159,7 @@ async def _lossy_run(world: int, calls: int, dtype: torch.dtype, **cfg):
         for j in range(world):
             if j == r:
                 continue
-            res = g.endpoint._links[j].sender.residual(transport_key(0, RS, STEP, 0))
+            res = g.endpoint._links[j].sender.residual(transport_key(0, PHASE, RS, 0))
             if res is not None:
                 kept[ch.edges[j] : ch.edges[j + 1]] += res.reshape(-1).float()
         return [o.tensor for o in outs], [o.stats for o in outs], kept
@@ -214,7 +214,23 @@ async def test_direct_and_ring_on_one_group_do_not_meet():
         ref = sum(data(r, n, seed=k) for r in range(3))
         for r in range(3):
             torch.testing.assert_close(res[r][k], ref, rtol=1e-5, atol=1e-5)
-    assert transport_key(0, RS) != transport_key(0, "rs") and transport_key(0, AG) != transport_key(0, "ag")
+    keys = {transport_key(0, "rs"), transport_key(0, "ag"), transport_key(0, PHASE, RS), transport_key(0, PHASE, AG)}
+    assert len(keys) == 4
+
+
+async def test_the_highest_bucket_id_lossless_and_lossy():
+    """Its keys stay below the transport's send_bytes range at the highest bucket id (the hook's agreement bucket)."""
+    from dgt.collectives.parts import MAX_BUCKETS
+
+    async def fn(r, g):
+        return [(await DirectAllReduce(g, codec, op="sum").allreduce(data(r, 3000), MAX_BUCKETS - 1)).tensor
+                for codec in ("dense", "dgt:p=1.0")]
+
+    res = await on_every_rank(3, fn, cpu_gate=0.0)
+    ref = sum(data(r, 3000) for r in range(3))
+    for r in range(3):
+        for t in res[r]:
+            torch.testing.assert_close(t, ref, rtol=1e-5, atol=1e-5)
 
 
 async def test_a_lossless_call_after_lossy_ones_delivers_what_they_kept_back():
@@ -233,7 +249,7 @@ async def test_a_lossless_call_after_lossy_ones_delivers_what_they_kept_back():
         kept = torch.zeros(n)
         ch = Chunking(BucketLayout.of([n], g.endpoint.cfg.block), g.world)
         for j in range(g.world):
-            res = g.endpoint._links[j].sender.residual(transport_key(0, RS, STEP, 0)) if j != r else None
+            res = g.endpoint._links[j].sender.residual(transport_key(0, PHASE, RS, 0)) if j != r else None
             if res is not None:
                 kept[ch.edges[j] : ch.edges[j + 1]] += res.reshape(-1)
         return outs, other, kept

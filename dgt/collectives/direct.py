@@ -53,12 +53,12 @@ from dgt.collectives.parts import (
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import RankMismatch, one_error, open_nursery, shape_mismatch
 
-RS, AG = "drs", "dag"  # the transport key phases of its two rounds (its own: a ring on the same group never meets them)
-# the step field of their keys: one key per phase for every codec, so a peer that called with another codec sends on
-# the key this rank waits on and its call code tells (RankMismatch), instead of this rank waiting on a key nobody sends.
-# The transport keeps error feedback per key and adds a key's residual to its next send, a lossless post included: a
-# lossless call after lossy ones of the same bucket id delivers what they kept back (conserved, not exact that once)
-STEP = 0
+PHASE = "direct"  # the transport key phase of its rounds (its own: a ring on the same group never meets them)
+RS, AG = 0, 1  # the step field of their keys: the reduce-scatter's round and the all-gather's
+# One key per phase for every codec, so a peer that called with another codec sends on the key this rank waits on and
+# its call code tells (RankMismatch), instead of this rank waiting on a key nobody sends. The transport keeps error
+# feedback per key and adds a key's residual to its next send, a lossless post included: a lossless call after lossy
+# ones of the same bucket id delivers what they kept back (conserved, not exact that once)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -113,7 +113,7 @@ class DirectAllReduce(Collective):
         ep = g.endpoint
         W, r = g.world, g.rank
         op = self.call_code
-        rs_key, ag_key = transport_key(bucket_id, RS, STEP), transport_key(bucket_id, AG, STEP)
+        rs_key, ag_key = transport_key(bucket_id, PHASE, RS), transport_key(bucket_id, PHASE, AG)
         mine = ch.chunk(flat, r)
         others = [w for w in range(W) if w != r]
         land = {w: self._scratch_for(mine, bucket_id, w) for w in others} if mine.numel() else {}
@@ -191,19 +191,19 @@ class DirectAllReduce(Collective):
         for j in range(W):
             piece = ch.chunk(flat, j)
             if j != r and piece.numel():
-                sent[j] = self.codec.encode(piece, self.state(state_key(RS, bucket_id, j), piece, ch.segments[j]))
+                sent[j] = self.codec.encode(piece, self.state(state_key("drs", bucket_id, j), piece, ch.segments[j]))
         template = next(iter(sent.values()), [])
         like = like_parts(template, ch.segments[r], self.codec, mine)
         got: dict[int, list[Received]] = {}
 
         async def rs_from(w: int) -> None:
-            got[w] = await recv_parts(ep, w, bucket_id, RS, STEP, rnd, like, stats, device=mine.device,
+            got[w] = await recv_parts(ep, w, bucket_id, PHASE, RS, rnd, like, stats, device=mine.device,
                                       exact=self.codec.capabilities.summable, op=op)
 
         async with open_nursery() as nursery:
             for j, parts in sent.items():
                 # the owner needs what arrives by the deadline, not the drop report: error feedback folds it in
-                nursery.start_soon(partial(send_parts, ep, j, bucket_id, RS, STEP, rnd, parts, stats,
+                nursery.start_soon(partial(send_parts, ep, j, bucket_id, PHASE, RS, rnd, parts, stats,
                                            wait_report=False, op=op))
             if like:
                 for w in range(W):
@@ -211,7 +211,7 @@ class DirectAllReduce(Collective):
                         nursery.start_soon(rs_from, w)
         if like:
             terms = [mine if w == r else decode_parts(self.codec, got[w], self.state(
-                state_key(RS + "-rx", bucket_id, w), mine, ch.segments[r]), mine, w, rnd) for w in range(W)]
+                state_key("drs-rx", bucket_id, w), mine, ch.segments[r]), mine, w, rnd) for w in range(W)]
             self._reduce(mine, terms)
         return template or like
 
@@ -227,13 +227,13 @@ class DirectAllReduce(Collective):
         mine = ch.chunk(flat, r)
         parts = []
         if mine.numel():
-            parts = self.codec.encode(mine, self.state(state_key(AG, bucket_id), mine, ch.segments[r]))
-            own = self.state(state_key(AG + "-rx", bucket_id, r), mine, ch.segments[r])
+            parts = self.codec.encode(mine, self.state(state_key("dag", bucket_id), mine, ch.segments[r]))
+            own = self.state(state_key("dag-rx", bucket_id, r), mine, ch.segments[r])
             mine.copy_(self.codec.decode([as_received(p) for p in parts], own, mine))
         rx: dict[int, list[Received]] = {}
 
         async def ag_from(j: int, like: list[Part]) -> None:
-            rx[j] = await recv_parts(ep, j, bucket_id, AG, STEP, rnd, like, stats, device=mine.device,
+            rx[j] = await recv_parts(ep, j, bucket_id, PHASE, AG, rnd, like, stats, device=mine.device,
                                      exact=self.codec.capabilities.summable, op=op)
 
         async with open_nursery() as nursery:
@@ -242,13 +242,13 @@ class DirectAllReduce(Collective):
                 if j == r:
                     for w in range(W) if parts else ():
                         if w != r:
-                            nursery.start_soon(partial(send_parts, ep, w, bucket_id, AG, STEP, rnd, parts, stats,
+                            nursery.start_soon(partial(send_parts, ep, w, bucket_id, PHASE, AG, rnd, parts, stats,
                                                        True, wait_report=False, op=op))
                 elif piece.numel():
                     nursery.start_soon(ag_from, j, like_parts(parts or template, ch.segments[j], self.codec, piece))
         for j, recv in rx.items():
             piece = ch.chunk(flat, j)
-            st = self.state(state_key(AG + "-rx", bucket_id, j), piece, ch.segments[j])
+            st = self.state(state_key("dag-rx", bucket_id, j), piece, ch.segments[j])
             piece.copy_(decode_parts(self.codec, recv, st, piece, j, rnd))
 
     # -- helpers -----------------------------------------------------------------------------------------------
