@@ -56,8 +56,8 @@ class DGTState:
             or a ``DropChooser`` with its own settings.
         collective: ``"ring"`` (ring all-reduce), ``"direct"`` (the direct all-reduce: one reduce-scatter round
             and one all-gather round whatever the world size, :class:`~dgt.collectives.DirectAllReduce`), ``"auto"``
-            (the ring, and with the chooser on 3 or more ranks the direct all-reduce too, lossless and lossy: the
-            chooser probes the four paths and keeps the fastest) or ``"ps"`` (parameter server; ``server`` = a
+            (the default: the ring, and with the chooser on 3 or more ranks the direct all-reduce too, lossless and
+            lossy: the chooser probes the four paths and keeps the fastest) or ``"ps"`` (parameter server; ``server`` = a
             rank or ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
             buckets after iteration 1, and the first gradients are the least compressible).
@@ -87,7 +87,7 @@ class DGTState:
         self,
         process_group: dist.ProcessGroup | None = None,
         codec: str | Codec = DEFAULT_CODEC,
-        collective: str = "ring",
+        collective: str = "auto",
         *,
         warmup_iters: int = 2,
         server: int | str = 0,
