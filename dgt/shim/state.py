@@ -57,8 +57,9 @@ class DGTState:
         collective: ``"ring"`` (ring all-reduce), ``"direct"`` (the direct all-reduce: one reduce-scatter round
             and one all-gather round whatever the world size, :class:`~dgt.collectives.DirectAllReduce`), ``"auto"``
             (the default: the ring, and with the chooser on 3 or more ranks the direct all-reduce too, lossless and
-            lossy: the chooser probes the four paths and keeps the fastest) or ``"ps"`` (parameter server; ``server`` = a
-            rank or ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
+            lossy: the chooser probes the four paths and keeps the fastest) or ``"ps"`` (parameter server;
+            ``server`` = a rank or ``"sharded"``, ``normalize`` and ``lossy_pull`` as in
+            :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
             buckets after iteration 1, and the first gradients are the least compressible).
         transport: a ``TransportConfig`` or a dict of its fields (deadline, drop_fraction, DSCP, ...).
