@@ -20,7 +20,7 @@ import trio
 
 from dgt.codecs.base import BucketState
 from dgt.codecs.lowrank import LowRankCodec, reduce_in_process, set_shapes
-from dgt.collectives import Gossip, Group, ParameterServer, RingAllReduce
+from dgt.collectives import DirectAllReduce, Gossip, Group, ParameterServer, RingAllReduce
 from dgt.collectives.lowrank import LowRankAllReduce
 from dgt.collectives.model_server import ModelServer
 from dgt.errors import DgtError, InputRejected, RankMismatch
@@ -31,7 +31,7 @@ from dgt.transport import Congestion, Hops, Timeouts, TransportConfig
 
 PEER_TIMEOUT = 4.0
 BOUND = 2 * PEER_TIMEOUT + 5  # the whole case, group setup included: a hang fails here, it never blocks the suite
-COLLECTIVES = ["ring", "ps", "ps-sharded", "gossip"]
+COLLECTIVES = ["ring", "ps", "ps-sharded", "gossip", "direct"]
 
 
 def _build(kind, g, codec, op="sum"):
@@ -39,6 +39,8 @@ def _build(kind, g, codec, op="sum"):
         return LowRankAllReduce(g, codec, op=op) if codec.startswith("lowrank") else RingAllReduce(g, codec, op=op)
     if kind == "ring":
         return RingAllReduce(g, codec, op=op)
+    if kind == "direct":
+        return DirectAllReduce(g, codec, op=op)
     if kind == "gossip":
         return Gossip(g, codec)
     return ParameterServer(g, codec, op=op, server="sharded" if kind == "ps-sharded" else 0)

@@ -147,3 +147,12 @@ def test_the_cpu_gate_can_be_switched_off_for_a_run():
     assert all(t["cpu_gated_rounds"] == 0 and t["cpu_wait"] is None for t in out["transport"].values())
     with pytest.raises(SystemExit, match="cpu-gate"):
         allreduce.run(argparse.Namespace(ranks=2, mb=0.3, repeat=1, codec="dense", timeout=60.0, cpu_gate=1.5))
+
+
+def test_bench_times_the_direct_all_reduce_when_asked_lossless_and_lossy():
+    args = argparse.Namespace(ranks=3, mb=0.2, repeat=1, codec=["dense", "dgt:p=1.0"], timeout=240.0,
+                              stream_hops="auto", collectives="ring,direct")
+    out = allreduce.run(args)
+    assert set(out["seconds"]) == {"gloo", "ring[dense]", "direct[dense]", "ring[dgt:p=1.0]", "direct[dgt:p=1.0]"}
+    diffs = out["max_rel_diff_vs_gloo"]
+    assert all(d < 1e-5 for d in diffs.values()), diffs  # p=1: every block reliable, the sum exact

@@ -38,7 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="how the lossless ring's hops run: on stream lanes with the native loop (auto: when built) or "
                    "its Python twin, or off: on the session link (see docs/transport.md)")
     p.add_argument("--collectives", default="ring,ps_sharded,ps_central",
-                   help="comma-separated DGT collectives to time against Gloo: ring, ps_sharded, ps_central")
+                   help="comma-separated DGT collectives to time against Gloo: ring, ps_sharded, ps_central, "
+                        "direct (the transpose all-reduce: two rounds whatever the world size)")
     p.add_argument("--hop-threads", default="0",
                    help="threads per native ring hop: 0 auto, 1, 2 (send half on its own thread); a list such as 1,2 "
                    "times the ring once per value in the same run, as ring/1t, ring/2t")
@@ -50,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 COLLECTIVES = ("ring", "ps_sharded", "ps_central")
+CHOICES = (*COLLECTIVES, "direct")  # direct: opt-in (not in the default list)
 
 
 class _Trials:
@@ -126,15 +128,15 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
             eps = [gr.endpoint for gr in groups.values()]
             rec.snap = lambda: trio.from_thread.run_sync(_udp_now, eps, trio_token=portal)
 
-            def call(coll):
-                trio.from_thread.run(partial(coll.allreduce, x, 0, None, out=y), trio_token=portal)
+            def call(coll, bucket):
+                trio.from_thread.run(partial(coll.allreduce, x, bucket, None, out=y), trio_token=portal)
 
             def poison():
                 y.fill_(float("nan"))  # a method that left part of the buffer unwritten shows up as NaN
 
             methods = {"gloo": (partial(dist.all_reduce, y), partial(y.copy_, x))}
-            for name, coll in _collectives(groups, codecs, collectives).items():
-                methods[name] = (partial(call, coll), poison)
+            for name, (coll, bucket) in _collectives(groups, codecs, collectives).items():
+                methods[name] = (partial(call, coll, bucket), poison)
             await trio.to_thread.run_sync(rec.run, methods, dist.barrier)
             transport.update(_lane_summary(groups[hop_threads[0]].endpoint.stats()))
 
@@ -146,22 +148,25 @@ def _rank(rank: int, world: int, numel: int, repeat: int, codecs: tuple[str, ...
 
 
 def _collectives(groups: dict, codecs: tuple[str, ...], collectives: tuple[str, ...]) -> dict:
-    """The DGT collectives to time, by report key: each of ``collectives`` once per codec, on the first group; the
-    ring once per group (hop-thread count) when there are several."""
-    from dgt.collectives import ParameterServer, RingAllReduce
+    """The DGT collectives to time, by report key, each with its bucket id: each of ``collectives`` once per codec,
+    on the first group; the ring once per group (hop-thread count) when there are several. A bucket id per codec: the
+    transport keeps error feedback per key, and a lossless call on a key after lossy ones would deliver what they
+    kept back (the direct all-reduce's session-link posts) instead of this trial's sum."""
+    from dgt.collectives import DirectAllReduce, ParameterServer, RingAllReduce
 
     g = next(iter(groups.values()))
     make = {"ring": lambda c: RingAllReduce(g, c, op="sum"),
             "ps_sharded": lambda c: ParameterServer(g, c, op="sum", server="sharded"),
-            "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0)}
+            "ps_central": lambda c: ParameterServer(g, c, op="sum", server=0),
+            "direct": lambda c: DirectAllReduce(g, c, op="sum")}
     out = {}
-    for codec in codecs:
+    for bucket, codec in enumerate(codecs):
         for name in collectives:
             if name == "ring" and len(groups) > 1:
                 for t, gt in groups.items():
-                    out[method_name(f"ring/{t}t", codec, codecs)] = RingAllReduce(gt, codec, op="sum")
+                    out[method_name(f"ring/{t}t", codec, codecs)] = (RingAllReduce(gt, codec, op="sum"), bucket)
             else:
-                out[method_name(name, codec, codecs)] = make[name](codec)
+                out[method_name(name, codec, codecs)] = (make[name](codec), bucket)
     return out
 
 
@@ -229,9 +234,9 @@ def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6 / 4)
     hops = getattr(args, "stream_hops", "auto")
     colls = tuple(c.strip() for c in getattr(args, "collectives", ",".join(COLLECTIVES)).split(",") if c.strip())
-    unknown = sorted(set(colls) - set(COLLECTIVES))
+    unknown = sorted(set(colls) - set(CHOICES))
     if unknown or not colls:
-        raise SystemExit(f"--collectives: unknown {unknown}; choose from {', '.join(COLLECTIVES)}")
+        raise SystemExit(f"--collectives: unknown {unknown}; choose from {', '.join(CHOICES)}")
     try:
         threads = tuple(dict.fromkeys(int(t) for t in str(getattr(args, "hop_threads", "0")).split(",")))
     except ValueError:

@@ -2,6 +2,7 @@
 all-reduce, gossip; rendezvous via the c10d store."""
 
 from dgt.collectives.blocking import BlockingCollective
+from dgt.collectives.direct import DirectAllReduce
 from dgt.collectives.gossip import Gossip, ring_matrix
 from dgt.collectives.group import Group
 from dgt.collectives.model_server import ModelServer, ModelServerStats
@@ -10,5 +11,6 @@ from dgt.collectives.rendezvous import Rendezvous, rendezvous
 from dgt.collectives.ring import RingAllReduce
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 
-__all__ = ["BlockingCollective", "CollectiveResult", "CollectiveStats", "Gossip", "Group", "ModelServer",
-           "ModelServerStats", "ParameterServer", "Rendezvous", "RingAllReduce", "rendezvous", "ring_matrix"]
+__all__ = ["BlockingCollective", "CollectiveResult", "CollectiveStats", "DirectAllReduce", "Gossip", "Group",
+           "ModelServer", "ModelServerStats", "ParameterServer", "Rendezvous", "RingAllReduce", "rendezvous",
+           "ring_matrix"]

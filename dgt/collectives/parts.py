@@ -10,7 +10,8 @@ from dgt.errors import DgtError, RankMismatch, op_mismatch, open_nursery, shape_
 from dgt.layout import DEFAULT_BLOCK, BucketLayout
 from dgt.transport.checks import check_classes
 
-PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4}
+PHASES = {"push": 0, "pull": 1, "rs": 2, "ag": 3, "gossip": 4, "direct": 5}
+# (phase 6 and 7 of the highest bucket id would reach the send_bytes range: a new collective shares a phase by step)
 # the 32-bit transport bucket id, most significant first: bucket (14 bits) | phase (3) | step (12) | part (3)
 PART_BITS, STEP_BITS, PHASE_BITS, BUCKET_BITS = 3, 12, 3, 14
 MAX_PARTS = 1 << PART_BITS  # parts one codec emits per chunk

@@ -25,6 +25,10 @@ ARMS: dict[str, str] = {
                         "take them, see ddp_worker.runnable_batched_powersgd)",
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
+    "dgt-hook-direct": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"direct\"), dgt.shim.hook): the direct "
+                       "all-reduce (two rounds whatever the world size) instead of the ring",
+    "dgt-hook-auto": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"auto\"), dgt.shim.hook): the chooser "
+                     "probes ring and direct, lossless and lossy, and keeps the fastest",
     "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
                      "feeds DGT's p = p0 * loss_t / loss_0; without it p stays at the default's idle_p = 0.1)",
 }

@@ -17,6 +17,12 @@ rounds of both paths and keeps the faster one:
   of the other path and compares the last ``probe`` with the last ``probe`` iterations of the chosen one. While the
   choice stands the hold doubles (up to ``hold_max``); when it flips it falls back to ``hold``.
 
+With ``modes`` naming more paths (the hook's ``collective="auto"`` on 3 or more ranks adds the direct all-reduce,
+lossless and lossy: ``LOSSLESS_DIRECT``, ``LOSSY_DIRECT``), a window probes every mode and a re-probe every mode but
+the chosen one; the decision takes the fastest lossless mode as the baseline and the fastest lossy mode, which wins
+when it is below ``gain`` times that baseline (so between two lossless schedules the faster one is kept, and
+dropping must still buy a clear speed-up).
+
 Every rank runs the same schedule (a function of the iteration number and the agreed decisions), so their rounds
 line up. The class holds no clock and no network: :meth:`observe` takes measured seconds, :meth:`decide` the agreed
 figures, so its logic is tested with injected timings (tests/test_shim_chooser.py).
@@ -24,10 +30,15 @@ figures, so its logic is tested with injected timings (tests/test_shim_chooser.p
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass, field
 
 LOSSLESS, LOSSY = "lossless", "lossy"
+LOSSLESS_DIRECT, LOSSY_DIRECT = "lossless-direct", "lossy-direct"  # the same on the direct all-reduce
+LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT})
+DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
+ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)
 
 
 @dataclass
@@ -35,6 +46,7 @@ class DropChooser:
     """Chooses between the lossless and the lossy path per iteration (see the module docstring).
 
     ``start``: the first iteration it governs (the hook's ``warmup_iters``; earlier iterations are dense anyway).
+    ``modes``: the paths it chooses between (in this order in a probe window); lossless first, then lossy.
     """
 
     probe: int = 3
@@ -43,6 +55,7 @@ class DropChooser:
     hold: int = 50
     hold_max: int = 800
     start: int = 0
+    modes: tuple[str, ...] = (LOSSLESS, LOSSY)
     chosen: str | None = None  # None until the first window was decided
     window_start: int = -1  # the current (or next) probe window: its first iteration and its modes
     window: list[str] = field(default_factory=list)
@@ -57,9 +70,29 @@ class DropChooser:
     def __post_init__(self) -> None:
         if self.probe < 1 or self.settle < 0 or self.hold < 1 or self.hold_max < self.hold or not 0 < self.gain:
             raise ValueError("DropChooser needs probe >= 1, settle >= 0, 1 <= hold <= hold_max and gain > 0")
+        self.modes = tuple(self.modes)
+        if (len(set(self.modes)) != len(self.modes) or not set(self.modes) <= set(ALL_MODES)
+                or not any(m not in LOSSY_MODES for m in self.modes) or not any(m in LOSSY_MODES for m in self.modes)):
+            raise ValueError(f"DropChooser modes: distinct, of {ALL_MODES}, at least one lossless and one lossy")
         if not self.window and self.chosen is None:
-            self._plan(self.start, [LOSSLESS, LOSSY])
+            self._plan(self.start, list(self.modes))
             self._hold = self.hold
+
+    def offer(self, modes: tuple[str, ...]) -> bool:
+        """Choose between ``modes`` instead, if no iteration was observed yet (the hook learns the world size on its
+        first call); returns whether it took them. Every rank calls it at the same point, so windows stay aligned."""
+        if self.chosen is not None or any(self.iters.values()) or self._acc or tuple(modes) == self.modes:
+            return False
+        old = self.modes
+        self.modes = tuple(modes)
+        try:
+            self.__post_init__()
+        except ValueError:
+            self.modes = old
+            raise
+        self.window = []
+        self._plan(self.start, list(self.modes))
+        return True
 
     def _plan(self, first: int, modes: list[str]) -> None:
         """The probe window from iteration ``first``: ``settle`` untimed then ``probe`` timed iterations per mode."""
@@ -89,7 +122,7 @@ class DropChooser:
         for old in [k for k in self._acc if k < it]:  # an iteration whose last bucket never came (cannot happen)
             del self._acc[old]
         mode = self.mode(it)
-        self.iters[mode] += 1
+        self.iters[mode] = self.iters.get(mode, 0) + 1
         k = it - self.window_start
         if 0 <= k < len(self.window):
             if self.timed[k]:
@@ -98,10 +131,11 @@ class DropChooser:
             self._recent = (self._recent + [total])[-self.probe :]
 
     def local(self) -> list[float]:
-        """This rank's [lossless, lossy] median seconds per iteration for the window that just closed (from the
-        window's own iterations, else, for the chosen path, from its last iterations before the window)."""
+        """This rank's median seconds per iteration of each of ``modes`` ([lossless, lossy] by default) for the
+        window that just closed (from the window's own iterations, else, for the chosen path, from its last
+        iterations before the window)."""
         out = []
-        for mode in (LOSSLESS, LOSSY):
+        for mode in self.modes:
             xs = self._samples.get(mode) or (self._recent if mode == self.chosen else [])
             out.append(statistics.median(xs) if xs else float("nan"))
         return out
@@ -110,20 +144,26 @@ class DropChooser:
     def decide(self, it: int, agreed: list[float]) -> str:
         """Apply the figures every rank agreed on (the mean of :meth:`local` over ranks) at the close of the window
         ending at ``it``; plans the next window. Returns the chosen path."""
-        lossless, lossy = float(agreed[0]), float(agreed[1])
-        if lossy == lossy and lossless == lossless:  # (a NaN keeps the previous choice)
-            choice = LOSSY if lossy < self.gain * lossless else LOSSLESS
-        else:
-            choice = self.chosen or LOSSLESS
+        secs = {m: float(v) for m, v in zip(self.modes, agreed)}
+        # the fastest lossless and the fastest lossy mode with a figure (a NaN: that mode has none)
+        safe = min(((v, m) for m, v in secs.items() if m not in LOSSY_MODES and v == v), default=None)
+        risky = min(((v, m) for m, v in secs.items() if m in LOSSY_MODES and v == v), default=None)
+        if safe is not None and risky is not None:
+            choice = risky[1] if risky[0] < self.gain * safe[0] else safe[1]
+        else:  # (no figure on one side keeps the previous choice)
+            choice = self.chosen or self.modes[0]
         if self.chosen is not None:
             self._hold = min(self.hold_max, self._hold * 2) if choice == self.chosen else self.hold
-        self.decisions.append({"iter": it, "lossless_s": lossless, "lossy_s": lossy, "chosen": choice,
-                               "hold": self._hold})
+        entry = {"iter": it, "lossless_s": secs.get(LOSSLESS, math.nan), "lossy_s": secs.get(LOSSY, math.nan),
+                 "chosen": choice, "hold": self._hold}
+        if len(self.modes) > 2 or self.modes != (LOSSLESS, LOSSY):
+            entry["seconds"] = secs
+        self.decisions.append(entry)
         if choice != self.chosen:
             self._recent = []
         self.chosen = choice
         self._samples = {}
-        self._plan(it + 1 + self._hold, [LOSSY if choice == LOSSLESS else LOSSLESS])
+        self._plan(it + 1 + self._hold, [m for m in self.modes if m != choice])
         return choice
 
     def summary(self) -> dict:

@@ -53,13 +53,12 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
             torch.cuda.current_stream(buf.device).wait_event(ready)
         if clear:  # DDP rebuilt its buckets: the codec's per-bucket state describes tensors that no longer exist
             state.codec.load_state_dict({})
-        warm, main = state.collectives(group)
-        lossy = use_codec and state.lossy_now(it)
+        coll, lossy = state.pick(group, use_codec, it)
         t0 = time.perf_counter()
         if lossy:
-            res = await main.allreduce(state.lossy_input(buf, group.world), index, segments)
+            res = await coll.allreduce(state.lossy_input(buf, group.world), index, segments)
         else:
-            res = await warm.allreduce(buf, index, segments)
+            res = await coll.allreduce(buf, index, segments)
         seconds = time.perf_counter() - t0
         state.record(index, res.stats, use_codec, seconds, lossy)
         if use_codec and it is not None and state.chooser is not None:

@@ -21,12 +21,16 @@ from dgt.codecs.base import Codec
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
-from dgt.shim.chooser import LOSSY, DropChooser
+from dgt.shim.chooser import ALL_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, DropChooser
 from dgt.shim.net import group_connector
 
 logger = logging.getLogger(__name__)
 
-COLLECTIVES = ("ring", "ps")
+COLLECTIVES = ("ring", "ps", "direct", "auto")
+# collective="auto": the ring, and with the chooser on DIRECT_MIN_WORLD or more ranks the direct all-reduce as well,
+# lossless and lossy, each probed and kept where it measures fastest (docs/shim.md). On 2 ranks both schedules are the
+# same two transfers, so there is nothing to choose
+DIRECT_MIN_WORLD = 3
 # DGT's p = p0 * loss_t / loss_0 once the trainer feeds the loss (observe_loss); until then (and for the README's
 # one-line change, which never feeds it) a fixed p = 0.1 instead of p0 = 1, which would drop nothing: docs/shim.md
 DEFAULT_CODEC = "dgt:idle_p=0.1"
@@ -52,8 +56,12 @@ class DGTState:
             a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
             warmup_iters)``, or ``"auto"`` (default): ``DropChooser(start=warmup_iters)`` for the default codec,
             none for an explicitly given codec. Kept as the field ``state.chooser`` (a DropChooser or None).
-        collective: ``"ring"`` (ring all-reduce) or ``"ps"`` (parameter server; ``server`` = a rank or
-            ``"sharded"``, ``normalize`` and ``lossy_pull`` as in :class:`~dgt.collectives.ParameterServer`).
+        collective: ``"ring"`` (ring all-reduce), ``"direct"`` (the direct all-reduce: one reduce-scatter round
+            and one all-gather round whatever the world size, :class:`~dgt.collectives.DirectAllReduce`), ``"auto"``
+            (the default: the ring, and with the chooser on 3 or more ranks the direct all-reduce too, lossless and
+            lossy: the chooser probes the four paths and keeps the fastest) or ``"ps"`` (parameter server;
+            ``server`` = a rank or ``"sharded"``, ``normalize`` and ``lossy_pull`` as in
+            :class:`~dgt.collectives.ParameterServer`).
         warmup_iters: iterations reduced densely and losslessly before the codec takes over (DDP rebuilds its
             buckets after iteration 1, and the first gradients are the least compressible).
         transport: a ``TransportConfig`` or a dict of its fields, a group as a dict of its fields
@@ -79,15 +87,15 @@ class DGTState:
         # internal state (pickled)
         "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter", "chooser",
         # run time only (not pickled)
-        "_worker", "_collectives",
+        "_worker", "_collectives", "_direct",
     )
-    _RUNTIME = ("process_group", "store", "_worker", "_collectives")
+    _RUNTIME = ("process_group", "store", "_worker", "_collectives", "_direct")
 
     def __init__(
         self,
         process_group: dist.ProcessGroup | None = None,
         codec: str | Codec = DEFAULT_CODEC,
-        collective: str = "ring",
+        collective: str = "auto",
         *,
         warmup_iters: int = 2,
         server: int | str = 0,
@@ -126,6 +134,7 @@ class DGTState:
         self.last_stats: dict[int, dict] = {}
         self._worker: TrioWorker | None = None
         self._collectives: tuple[Any, Any] | None = None
+        self._direct: tuple[Any, Any] | None = None  # collective="auto": the direct pair, when the chooser offers it
         self._clear_iter = -1
         default = is_default_codec(codec)
         self.wire_dtype = _wire_dtype(wire_dtype, default)
@@ -177,12 +186,33 @@ class DGTState:
         if self._collectives is None or self._collectives[0].group is not group:
             op = "mean" if self.wire_dtype is None else "sum"
             self._collectives = (self._make(group, self.warmup_codec), self._make(group, self.codec, op))
+            self._direct = None
+            if self.collective == "auto" and self.chooser is not None and group.world >= DIRECT_MIN_WORLD:
+                self.chooser.offer(ALL_MODES)  # before its first iteration (the first call, on every rank alike)
         return self._collectives
 
-    def _make(self, group: Any, codec: Codec, op: str = "mean") -> Any:
-        from dgt.collectives import ParameterServer, RingAllReduce
+    def pick(self, group: Any, use_codec: bool, it: int | None) -> tuple[Any, bool]:
+        """(the collective, whether it is the lossy one) for a bucket of iteration ``it``: the warm-up and the
+        lossless path take the lossless collective, else the main one; on the direct all-reduce when the chooser's
+        mode for ``it`` says so (``collective="auto"``). Called in the worker thread, in job order."""
+        warm, main = self.collectives(group)
+        mode = LOSSLESS if not use_codec else LOSSY if self.chooser is None or it is None else self.chooser.mode(it)
+        lossy = mode in LOSSY_MODES
+        if mode not in DIRECT_MODES:
+            return (main if lossy else warm), lossy
+        if self._direct is None:
+            from dgt.collectives import DirectAllReduce
 
-        if self.collective == "ring":
+            op = "mean" if self.wire_dtype is None else "sum"
+            self._direct = (DirectAllReduce(group, self.warmup_codec), DirectAllReduce(group, self.codec, op=op))
+        return self._direct[1 if lossy else 0], lossy
+
+    def _make(self, group: Any, codec: Codec, op: str = "mean") -> Any:
+        from dgt.collectives import DirectAllReduce, ParameterServer, RingAllReduce
+
+        if self.collective == "direct":
+            return DirectAllReduce(group, codec, op=op)
+        if self.collective in ("ring", "auto"):
             ring = RingAllReduce(group, codec, op=op)
             ring.sparse_gather = codec.capabilities.lossy_tolerant  # the lossy path's all-gather: nonzero blocks only
             return ring
@@ -202,7 +232,7 @@ class DGTState:
     def lossy_now(self, it: int | None) -> bool:
         """Whether iteration ``it`` (past the warm-up) runs the configured codec: always without a chooser (or
         without an iteration number), else as the chooser plans. Called in the worker thread, in job order."""
-        return self.chooser is None or it is None or self.chooser.mode(it) == LOSSY
+        return self.chooser is None or it is None or self.chooser.mode(it) in LOSSY_MODES
 
     async def after_round(self, group: Any, it: int, last: bool, seconds: float) -> None:
         """Feed one bucket's collective time to the chooser (worker thread); at the close of a probe window (after
@@ -272,6 +302,7 @@ class DGTState:
             self._worker.close()
             self._worker = None
             self._collectives = None
+            self._direct = None
 
     # -- checkpointing ----------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
