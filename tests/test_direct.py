@@ -16,8 +16,8 @@ from dgt.collectives.direct import AG, PHASE, RS
 from dgt.collectives.parts import transport_key
 from dgt.errors import DgtError
 from dgt.harness.groups import local_groups
-from dgt.layout import BucketLayout
-from dgt.transport import TransportConfig
+from dgt.layout import DEFAULT_BLOCK, BucketLayout
+from dgt.transport import Congestion, Faults, Timeouts, TransportConfig
 
 BOUND = 60.0
 SEGMENTS = [3000, 5, 20000, 1500]  # uneven chunks: 24505 elements in 1024-element blocks
@@ -38,7 +38,7 @@ def data(rank: int, n: int, dtype: torch.dtype = torch.float32, seed: int = 0) -
 
 async def on_every_rank(world: int, fn, **cfg):
     """``fn(rank, group)`` on every rank of a fresh in-process group at once; the per-rank results."""
-    config = TransportConfig(peer_timeout=10.0, **cfg)
+    config = TransportConfig(timeouts=Timeouts(peer=10.0), **cfg)
     out: list = [None] * world
     with trio.fail_after(BOUND):
         async with local_groups(world, dist.HashStore(), config=config, timeout=BOUND, prefix="d") as groups:
@@ -133,7 +133,7 @@ async def test_lossy_at_p1_is_exact_and_identical_on_every_rank(world):
         coll = DirectAllReduce(g, "dgt:p=1.0", op="sum")
         return [(await coll.allreduce(data(r, n, seed=k), 0, SEGMENTS)).tensor for k in range(2)]
 
-    res = await on_every_rank(world, fn, cpu_gate=0.0)
+    res = await on_every_rank(world, fn, congestion=Congestion(cpu_gate=0.0))
     for k in range(2):
         ref = data(0, n, seed=k)
         for r in range(1, world):
@@ -154,23 +154,23 @@ async def _lossy_run(world: int, calls: int, dtype: torch.dtype, **cfg):
         barrier = DirectAllReduce(g, "dense", op="sum")
         await barrier.allreduce(torch.ones(4), 1)
         await trio.sleep(0.5)
-        ch = Chunking(BucketLayout.of(SEGMENTS, g.endpoint.cfg.block), world)
+        ch = Chunking(BucketLayout.of(SEGMENTS, DEFAULT_BLOCK), world)
         kept = torch.zeros(n, dtype=torch.float32)
         for j in range(world):
             if j == r:
                 continue
-            res = g.endpoint._links[j].sender.residual(transport_key(0, PHASE, RS, 0))
+            res = g.endpoint.links.table[j].sender.residual(transport_key(0, PHASE, RS, 0))
             if res is not None:
                 kept[ch.edges[j] : ch.edges[j + 1]] += res.reshape(-1).float()
         return [o.tensor for o in outs], [o.stats for o in outs], kept
 
-    return await on_every_rank(world, fn, cpu_gate=0.0, deadline="fixed:0.5", **cfg)
+    return await on_every_rank(world, fn, congestion=Congestion(cpu_gate=0.0), deadline="fixed:0.5", **cfg)
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
 async def test_lossy_with_drops_is_identical_on_every_rank_and_conserves_the_input(world):
     calls = 3
-    res = await _lossy_run(world, calls, torch.float32, drop_fraction=0.3, drop_seed=1)
+    res = await _lossy_run(world, calls, torch.float32, faults=Faults(drop_fraction=0.3, drop_seed=1))
     n = sum(SEGMENTS)
     dropped = sum(res[r][1][k].dropped for r in range(world) for k in range(calls))
     assert dropped > 0  # (the case: blocks were lost)
@@ -187,7 +187,7 @@ async def test_lossy_with_drops_is_identical_on_every_rank_and_conserves_the_inp
 async def test_lossy_fp16_wire_identical_on_every_rank():
     """The hook's default: fp16 buckets through the lossy codec; the owner accumulates in float32."""
     world = 3
-    res = await _lossy_run(world, 2, torch.float16, drop_fraction=0.2, drop_seed=2)
+    res = await _lossy_run(world, 2, torch.float16, faults=Faults(drop_fraction=0.2, drop_seed=2))
     n = sum(SEGMENTS)
     for k in range(2):
         out = res[0][0][k]
@@ -226,7 +226,7 @@ async def test_the_highest_bucket_id_lossless_and_lossy():
         return [(await DirectAllReduce(g, codec, op="sum").allreduce(data(r, 3000), MAX_BUCKETS - 1)).tensor
                 for codec in ("dense", "dgt:p=1.0")]
 
-    res = await on_every_rank(3, fn, cpu_gate=0.0)
+    res = await on_every_rank(3, fn, congestion=Congestion(cpu_gate=0.0))
     ref = sum(data(r, 3000) for r in range(3))
     for r in range(3):
         for t in res[r]:
@@ -247,14 +247,15 @@ async def test_a_lossless_call_after_lossy_ones_delivers_what_they_kept_back():
         other = (await dense.allreduce(data(r, n, seed=9), 1)).tensor
         await trio.sleep(0.5)  # (every drop report is in)
         kept = torch.zeros(n)
-        ch = Chunking(BucketLayout.of([n], g.endpoint.cfg.block), g.world)
+        ch = Chunking(BucketLayout.of([n], DEFAULT_BLOCK), g.world)
         for j in range(g.world):
-            res = g.endpoint._links[j].sender.residual(transport_key(0, PHASE, RS, 0)) if j != r else None
+            res = g.endpoint.links.table[j].sender.residual(transport_key(0, PHASE, RS, 0)) if j != r else None
             if res is not None:
                 kept[ch.edges[j] : ch.edges[j + 1]] += res.reshape(-1)
         return outs, other, kept
 
-    res = await on_every_rank(2, fn, drop_fraction=0.2, drop_seed=3, cpu_gate=0.0, deadline="fixed:0.5")
+    res = await on_every_rank(2, fn, faults=Faults(drop_fraction=0.2, drop_seed=3), congestion=Congestion(cpu_gate=0.0),
+                              deadline="fixed:0.5")
     for k in range(calls):
         assert torch.equal(bits(res[0][0][k]), bits(res[1][0][k]))
     total = sum(data(r, n, seed=k) for r in range(2) for k in range(calls))
