@@ -29,6 +29,8 @@ ARMS: dict[str, str] = {
                        "all-reduce (two rounds whatever the world size) instead of the ring",
     "dgt-hook-auto": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"auto\"), dgt.shim.hook): the chooser "
                      "probes ring and direct, lossless and lossy, and keeps the fastest",
+    "dgt-hook-ring": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"ring\"), dgt.shim.hook): the ring only "
+                     "(the default before collective=\"auto\"), lossless or lossy as the chooser finds",
     "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
                      "feeds DGT's p = p0 * loss_t / loss_0; without it p stays at the default's idle_p = 0.1)",
 }

@@ -86,11 +86,11 @@ def attach_arm(arm: str, ddp: Any) -> Any:
                 "fp16-powersgd": default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)}[arm]
         ddp.register_comm_hook(state, hook)
         return state
-    if arm in ("dgt-hook", "dgt-hook-loss", "dgt-hook-direct", "dgt-hook-auto"):
+    if arm in ("dgt-hook", "dgt-hook-loss", "dgt-hook-direct", "dgt-hook-auto", "dgt-hook-ring"):
         import dgt.shim
 
-        state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if arm.endswith(("-direct", "-auto"))
-                                     else {}))
+        variant = arm.endswith(("-direct", "-auto", "-ring"))  # DGTState(collective=...) named by the arm
+        state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")
