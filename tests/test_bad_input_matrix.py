@@ -143,6 +143,38 @@ def _small_mismatch_cases():
             yield pytest.param(kind, codec, "dtype", "auto", 3, 1, 50, id=f"{kind}-{codec}-dtype-auto-w3-n50")
 
 
+@pytest.mark.parametrize("odd", [0, 1])
+async def test_a_model_server_rank_with_another_pull_codec_raises_rank_mismatch(odd):
+    """The push codec agrees (dense) and one rank (the server, or the worker) was built with a Slim-DP pull: the
+    pull's frames carry the pull codec's id, so the worker raises RankMismatch naming the codecs on the first pulled
+    message. The server's step ends once its pull is sent (nothing comes back in a step), so it learns of it from the
+    worker's abort and raises the same RankMismatch at its next step, at once. Before, the pull carried the push
+    codec's id: the ranks raised RankMismatch too, but named it "different sizes or dtypes" (a pull that did not
+    fit), not the codecs they disagree on."""
+    async def fn(r, g):
+        pull = "slimdp:alpha=0.3,eps=0.15,q=3" if r == odd else "dense"
+        x = torch.ones(5000)
+        ms = ModelServer(g, "dense", pull=pull, model=x, lr=0.1)
+        steps = 0
+        try:
+            for _ in range(2):
+                await ms.step(torch.full_like(x, 0.5), x.clone())
+                steps += 1
+        except RankMismatch as exc:
+            return exc, steps
+        return "returned", steps
+
+    res = await _on_every_rank(2, "auto", fn, error_feedback=False)
+    (server, server_steps), _ = res[0]
+    (worker, worker_steps), _ = res[1]
+    for r, (outcome, took) in enumerate(res):
+        assert took < PEER_TIMEOUT, (r, took, outcome)
+    assert isinstance(worker, RankMismatch) and worker_steps == 0, (worker, worker_steps)
+    assert "different codecs (dense / slimdp)" in str(worker)
+    assert isinstance(server, RankMismatch) and server_steps == 1, (server, server_steps)
+    assert "different codecs (dense / slimdp)" in str(server)
+
+
 @pytest.mark.parametrize("kind,codec,what,streams,world,odd,n",
                          [pytest.param(*c.values, 5000, id=c.id) for c in _mismatch_cases()]
                          + list(_small_mismatch_cases()))

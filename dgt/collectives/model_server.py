@@ -32,7 +32,7 @@ from dgt.collectives.base import Collective, _refuse, plain_input, tells_peers
 from dgt.collectives.group import Group
 from dgt.collectives.parts import as_received, check_op, decode_parts, send_parts, transport_key
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
-from dgt.errors import DgtError, InputRejected, RankMismatch, one_error, open_nursery, shape_mismatch
+from dgt.errors import DgtError, InputRejected, RankMismatch, call_code, one_error, open_nursery, shape_mismatch
 from dgt.wire import HEADER_SIZE
 
 
@@ -134,6 +134,9 @@ class ModelServer(Collective):
                     and not c.capabilities.transport_feedback:
                 raise ValueError(f"codec {c.name!r} must not get the transport's error feedback (lost blocks folded "
                                  f"into the next round): open the group with TransportConfig(error_feedback=False)")
+        # the pull's frames carry the pull codec's id (the push's carry the push codec's): a rank built with another
+        # pull codec meets RankMismatch on the first pulled message, as with another push codec
+        self.pull_code = call_code("sum", self.pull_codec.name)
         self.is_server = group.rank == server
         self.w = flat.clone() if self.is_server else None
         self.push_tx_state = self._state()
@@ -289,7 +292,11 @@ class ModelServer(Collective):
         # its rounds, so ranks may close their endpoints right after the last step
         # the call code (the push codec and op) in every frame: a peer that called with another codec raises
         # RankMismatch on the first message, and so does every rank (tells_peers)
-        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, parts, stats, op=self.call_code)
+        await send_parts(self.group.endpoint, peer, self.bucket_id, phase, 0, rnd, parts, stats, op=self._code(phase))
+
+    def _code(self, phase: str) -> int:
+        """The call code of ``phase``'s messages: the push codec's, or the pull codec's for the pull."""
+        return self.pull_code if phase == "pull" else self.call_code
 
     async def _recv(self, peer: int, phase: str, rnd: int, codec: Codec, stats: ModelServerStats) -> list[Received]:
         """The parts ``peer`` sent, in the codec's block geometry, on this collective's device."""
@@ -298,7 +305,7 @@ class ModelServer(Collective):
         results: list = []
         if codec.capabilities.header_part:  # header first: it says how many parts follow and how they are cut
             results.append(await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, 0), rnd))
-            check_op(self.call_code, results[0].codec, rnd)
+            check_op(self._code(phase), results[0].codec, rnd)
             try:
                 geometry = codec.wire_parts(results[0].data, like)
             except (ValueError, RuntimeError, IndexError) as exc:  # a header for another model
@@ -311,7 +318,7 @@ class ModelServer(Collective):
 
         async def one(i: int) -> None:
             results[i] = await ep.recv_round(peer, transport_key(self.bucket_id, phase, 0, i), rnd)
-            check_op(self.call_code, results[i].codec, rnd)  # on arrival: another codec's other parts never come
+            check_op(self._code(phase), results[i].codec, rnd)  # on arrival: another codec's other parts never come
 
         async with open_nursery() as nursery:
             for i in range(len(geometry)):
