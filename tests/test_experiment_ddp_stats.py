@@ -237,7 +237,10 @@ def test_new_torch_arms_train_with_two_seeds_on_loopback_tiny(tmp_path):
         for h in r["hook"]:  # steps 11 and 12 were compressed on every rank
             assert h["iter"] == 12 and h["start_powerSGD_iter"] == 10
             assert 0 < h["numel_after_compression"] < h["numel_before_compression"]
-            assert bool(h["workarounds"]) == (r["arm"] == "batched-powersgd" and torch_rejects_2d)
+            # every PowerSGD arm: its gradient in one DDP bucket (ddp_options); batched: _orthogonalize where needed
+            assert any("bucket_cap_mb" in w for w in h["workarounds"])
+            orth = [w for w in h["workarounds"] if "_orthogonalize" in w]
+            assert bool(orth) == (r["arm"] == "batched-powersgd" and torch_rejects_2d)
     batched = res["runs"][2]["hook"][0]
     per_layer = res["runs"][1]["hook"][0]
     assert batched["numel_after_compression"] < per_layer["numel_after_compression"]  # one square matrix per bucket
