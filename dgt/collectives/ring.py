@@ -287,14 +287,14 @@ class RingAllReduce(Collective):
         return sorted({(g.rank - 1) % g.world, (g.rank + 1) % g.world} - {g.rank})
 
     def _post(self, landings: list, bucket_id: int, phase: str, rnd: int, first: int = 0,
-              zero_lost: bool = True, hold: bool = False) -> None:
+              zero_lost: bool = True) -> None:
         """Post (or, with None entries, withdraw) the landing buffers of steps ``first``, ``first + 1``... of
-        ``phase`` (``zero_lost``, ``hold``: see ``post_recv``)."""
+        ``phase`` (``zero_lost``: see ``post_recv``; a held landing is the transport's lossy hop's own)."""
         g = self.group
         for s, buf in enumerate(landings, first):
             if buf is None or buf.numel():
                 g.endpoint.post_recv((g.rank - 1) % g.world, transport_key(bucket_id, phase, s, 0), rnd, buf,
-                                     zero_lost=zero_lost, hold=hold)
+                                     zero_lost=zero_lost)
 
     def _scratch_for(self, mine: torch.Tensor, step: int) -> torch.Tensor:
         """Where reduce-scatter step ``step`` receives (then adds from): one buffer per step, reused across rounds,
