@@ -38,6 +38,23 @@ def test_goodput_during_counts_only_the_windows_and_bins_in_proportion():
         FlowResult(sent={}, received={"bytes": 0}).goodput_during([0.0], [1.0])
 
 
+def test_a_flow_says_when_the_host_took_the_machine_away(monkeypatch):
+    """FlowResult.disturbed: steal above the share of the machine's CPU time over the flow's wall time."""
+    from dgt.netem.crosstraffic import host_steal_s
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    quiet = FlowResult(sent={}, received={}, host_steal_s=0.05, wall_s=2.0)  # 1.25 % of 4 CPU-seconds
+    stolen = FlowResult(sent={}, received={}, host_steal_s=0.2, wall_s=2.0)  # 5 %
+    assert not quiet.disturbed() and stolen.disturbed()
+    assert quiet.disturbed(share=0.01) and not stolen.disturbed(share=0.06)
+    assert not FlowResult(sent={}, received={}).disturbed()  # no figures (an older result, or no steal column)
+    first = host_steal_s()
+    if first is None:
+        pytest.skip("this kernel reports no steal time in /proc/stat")
+    time.sleep(0.02)
+    assert host_steal_s() >= first >= 0.0
+
+
 def test_cross_flow_takes_the_training_iterations_until_the_target_and_the_report_shows_both_runs():
     # the flow gets 2000 B/bin while the run is idle (start-up, evaluation pauses) and 500 B/bin during iterations
     bins = [2000] * 100

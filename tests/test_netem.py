@@ -76,6 +76,15 @@ def _mbit(bps: float) -> float:
     return round(bps / 1e6, 1)
 
 
+def _host_took_every_try(tries: list) -> None:
+    """Skip, naming the figures, when every try of a rate measurement fell short while the hypervisor was taking
+    this VM's CPUs away (FlowResult.disturbed): nothing in the machine ran then, shaper timers included, so the
+    shortfall cannot be put on the emulator. A try that fell short on an undisturbed host fails the test."""
+    if tries and all(r.disturbed() for r in tries):
+        pytest.skip("every try ran while the host took this VM's CPUs away (steal " +
+                    ", ".join(f"{r.host_steal_s:.2f} s in {r.wall_s:.1f} s" for r in tries) + ")")
+
+
 # ---- topology lifecycle ---------------------------------------------------------------------------------------
 
 
@@ -163,15 +172,23 @@ def test_delay_needs_netem(prefix: str, kernel: dict[str, bool]) -> None:
 def test_tcp_bulk_rate_matches_100mbit(prefix: str) -> None:
     from dgt.netem import Flow, Topology
 
+    tries = []
     with Topology(hosts=2, rate="100mbit", prefix=prefix) as topo:
-        for port in (5201, 5211):  # a second flow before calling the shaper off: see test_dumbbell_bottleneck
+        # up to four flows before calling the shaper off: see test_dumbbell_bottleneck (CI at 469695c: 64.3 and
+        # 58.0 Mbit/s in two tries, the runs before it 95)
+        for port in (5201, 5211, 5221, 5231):
             res = Flow(topo, 0, 1, proto="tcp", duration=2.5, port=port).start().wait()
+            tries.append(res)
             got = res.goodput_bps
-            print(f"TCP goodput through a 100mbit link: {_mbit(got)} Mbit/s (sender {_mbit(res.sent['rate_bps'])})")
-            if 90e6 <= got <= 110e6:
+            print(f"TCP goodput through a 100mbit link: {_mbit(got)} Mbit/s (sender {_mbit(res.sent['rate_bps'])}; "
+                  f"host steal {res.host_steal_s} s in {res.wall_s:.1f} s)")
+            if 90e6 <= got <= 110e6 or got > 110e6:
                 break
+    assert got <= 110e6, got  # above the rate is the shaper's fault whatever the host does
+    if got < 90e6:
+        _host_took_every_try(tries)
     # goodput is below the L2 rate by the headers (1448/1514 = 95.6 %); the tolerance is 10 % of the rate
-    assert 90e6 <= got <= 110e6
+    assert 90e6 <= got <= 110e6, [(_mbit(r.goodput_bps), r.host_steal_s) for r in tries]
 
 
 def _ef_under_le_flood(prefix: str, priority: bool) -> tuple[float, dict]:
@@ -233,7 +250,7 @@ def test_dumbbell_bottleneck(prefix: str) -> None:
         busy_s = across.sent["elapsed_s"] + 1000 * 1442 * 8 / 40e6
         shaped = crossed * 8 / busy_s
         print(f"  the bottleneck passed {crossed} B = {_mbit(shaped)} Mbit/s; sender: {across.sent}; "
-              f"sink: {across.received}")
+              f"sink: {across.received}; host steal {across.host_steal_s} s in {across.wall_s:.1f} s")
         return across, bn, shaped
 
     with Topology(hosts=4, dumbbell=True, bottleneck=LinkSpec.make(rate="40mbit"), prefix=prefix) as topo:
@@ -241,10 +258,17 @@ def test_dumbbell_bottleneck(prefix: str) -> None:
         # UDP offered at twice the bottleneck: what arrives is the shaper's rate, free of TCP's loss-recovery swings
         # (a TCP flow through the 1000-packet queue measured 16-38 Mbit/s over six runs on this 2-core box). HTB
         # releases packets from kernel timers, which lag while the VM's host takes its CPUs away (10.8 and 32.4
-        # Mbit/s seen that way, 40.0 in the runs around them): a second flow is tried before calling the shaper off.
-        across, bn, shaped = attempt(topo)
-        if not 0.85 * 40e6 <= shaped <= 1.05 * 40e6:
+        # Mbit/s seen that way, 40.0 in the runs around them; CI at 469695c: 33.2 and 33.0): up to four flows are
+        # tried before calling the shaper off, and when every one ran while the host took the CPUs away the test
+        # skips with the figures.
+        tries = []
+        for _ in range(4):
             across, bn, shaped = attempt(topo)
+            tries.append(across)
+            if shaped >= 0.85 * 40e6:
+                break
+        if shaped < 0.85 * 40e6:
+            _host_took_every_try(tries)
         beside = Flow(topo, 0, 1, proto="tcp", duration=1.0, port=5203).start().wait().goodput_bps
     got = across.goodput_bps
     print(f"dumbbell: UDP at 80mbit across a 40mbit bottleneck arrives at {_mbit(got)} Mbit/s; "

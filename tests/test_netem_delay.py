@@ -180,6 +180,19 @@ def _delay_rows(topo: Any) -> list[dict[str, Any]]:
     return [ln["delay"] for ln in topo.stats()["links"] if ln["delay"]]
 
 
+def _late(topo: Any, since: list[tuple[float, int]] | None = None) -> Any:
+    """The relays' (late_sum, sent) per link direction, fresh (one stats period is waited for); with `since`, the
+    mean lateness per frame in each direction since then, summed over the directions: what a frame crossing each
+    direction once was held past its due time."""
+    if not topo.relay_delay:
+        return [] if since is None else 0.0
+    time.sleep(0.6)  # the relays rewrite their counters every 0.5 s
+    now = [(float(r["late_sum"]), int(r["sent"])) for r in _delay_rows(topo)]
+    if since is None:
+        return now
+    return sum((a[0] - b[0]) / (a[1] - b[1]) for a, b in zip(now, since) if a[1] > b[1])
+
+
 # ---- acceptance ------------------------------------------------------------------------------------------------
 
 
@@ -189,12 +202,22 @@ def test_ping_rtt_status_and_cleanup(prefix: str) -> None:
     from dgt.netem import Topology, nsutil
 
     with Topology(hosts=2, delay="25ms", prefix=prefix) as topo:
-        rtts = np.array(topo.call(0, icmp_ping, topo.hosts[1].addr, 12, 0.02, timeout=30))[2:]  # ARP first
-        print(f"ping RTT ms: median {np.median(rtts) * 1e3:.2f} min {rtts.min() * 1e3:.2f} "
-              f"max {rtts.max() * 1e3:.2f} (backend {'relay' if topo.relay_delay else 'netem'})")
         # the relay backend is a user-space process per direction: each of the 4 crossings adds its wake-up and
-        # copy time, 1.5-1.9 ms in all on this 2-core VM (median of 10 pings, main d62e7d8 and after, 4 runs each)
-        slack = 0.003 if topo.relay_delay else 0.002
+        # copy time, 1.5-1.9 ms in all on this 2-core VM (median of 10 pings, main d62e7d8 and after, 4 runs each).
+        # On a loaded host the relay also wakes late: it counts, per frame, how long after its due time it let the
+        # frame go (late_sum), and that measured lateness is allowed on top. A delay line that held frames too
+        # long would not be excused by it (lateness is counted from the due time). CI at 469695c saw a median of
+        # 103.2 ms on a loaded host, so up to three rounds of pings are tried.
+        for _ in range(3):
+            before = _late(topo)
+            rtts = np.array(topo.call(0, icmp_ping, topo.hosts[1].addr, 12, 0.02, timeout=30))[2:]  # ARP first
+            late = _late(topo, since=before)
+            slack = 0.003 + late if topo.relay_delay else 0.002
+            print(f"ping RTT ms: median {np.median(rtts) * 1e3:.2f} min {rtts.min() * 1e3:.2f} "
+                  f"max {rtts.max() * 1e3:.2f} (backend {'relay' if topo.relay_delay else 'netem'}; the relays' "
+                  f"measured lateness {late * 1e3:.2f} ms per round trip)")
+            if -0.002 <= np.median(rtts) - 0.100 <= slack:
+                break
         assert -0.002 <= np.median(rtts) - 0.100 <= slack, rtts
         assert rtts.min() >= 0.100 - 0.0005, rtts
         rows = _delay_rows(topo)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import select
 import signal
 import socket
@@ -39,6 +40,19 @@ def _rate_arg(value: str | int | None) -> int | None:
 
 
 # ---- the child programs ----------------------------------------------------------------------------------
+
+
+def host_steal_s() -> float | None:
+    """CPU seconds the hypervisor has taken from this (virtual) machine since boot, summed over its CPUs (the
+    ``steal`` column of /proc/stat); None where the kernel does not say. While it grows, nothing in the machine ran:
+    not the flows, not the shaper's timers, so a rate measured across such a gap is the host's doing, not the
+    emulator's."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError):
+        return None
 
 
 def _udp_rcvbuf_errors() -> int:
@@ -252,6 +266,16 @@ class FlowResult:
 
     sent: dict[str, Any]
     received: dict[str, Any]
+    host_steal_s: float | None = None  # CPU seconds the hypervisor took from this machine while the flow ran
+    wall_s: float | None = None  # seconds from start() to the end of wait()
+
+    def disturbed(self, share: float = 0.02) -> bool:
+        """Whether the hypervisor took more than ``share`` of this machine's CPU time (all its CPUs) while the flow
+        ran: the flow, the shaper's timers and the sink all stood still meanwhile, so a rate below the link's says
+        more about the host than about the emulation. False where the kernel reports no steal time."""
+        if self.host_steal_s is None or not self.wall_s:
+            return False
+        return self.host_steal_s > share * self.wall_s * (os.cpu_count() or 1)
 
     @property
     def goodput_bps(self) -> float:
@@ -309,11 +333,14 @@ class Flow:
     idle: float = 0.5  # the sink stops after this long without data once some has arrived (UDP, or no connection)
     _procs: list[subprocess.Popen] = field(default_factory=list, repr=False)
     _stopped: bool = field(default=False, repr=False)
+    _steal0: float | None = field(default=None, repr=False)
+    _t0: float = field(default=0.0, repr=False)
 
     def start(self) -> Flow:
         if self.proto not in ("tcp", "udp"):
             raise ValueError("proto must be tcp or udp")
         py = [sys.executable, "-m", "dgt.netem.crosstraffic"]
+        self._steal0, self._t0 = host_steal_s(), time.monotonic()
         sink = self.topo.popen(self.dst, py + ["sink", "--proto", self.proto, "--port", str(self.port),
                                               "--duration", str(self.duration + 3.0), "--bin", str(self.bin_s),
                                               "--idle", str(self.idle)],
@@ -362,7 +389,10 @@ class Flow:
             elif proc.returncode != 0 or not lines:
                 raise RuntimeError(f"flow {name} side failed (rc {proc.returncode}): {stderr.strip()[-500:]}")
             out[name] = json.loads(lines[-1])
-        return FlowResult(sent=out["sent"], received=out["received"])
+        steal = host_steal_s()
+        stolen = None if steal is None or self._steal0 is None else steal - self._steal0
+        return FlowResult(sent=out["sent"], received=out["received"], host_steal_s=stolen,
+                          wall_s=time.monotonic() - self._t0)
 
     def stop(self, wait: bool = True) -> FlowResult | None:
         """End the flow now: the sender stops and reports, the sink reports once the data has drained.
