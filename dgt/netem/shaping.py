@@ -61,16 +61,9 @@ def _quantum(rate_bytes: float) -> int:
     return int(min(max(rate_bytes / 10, MTU), 200_000))
 
 
-BURST_S = 0.005  # seconds of the rate a class may send at once after it was not served on time
-
-
 def _burst(rate_bytes: float) -> int:
-    # HTB releases a class's packets from a kernel timer and the veth's softirq; when the host runs them late (a
-    # loaded 2-core VM: ksoftirqd competes with the user's processes at nice 0), a class can send at most its burst
-    # at once, so every late wake-up longer than the burst loses link time for good. About 5 ms at the rate plus a
-    # frame, at least two frames: lateness up to 5 ms is made up (CI at 469695c measured 58-64 Mbit/s through a
-    # 100mbit link with the earlier 1 ms), and a 5 ms burst is what a real token-bucket shaper lets through.
-    return int(max(rate_bytes * BURST_S + MTU, 2 * MTU))
+    # about 1 ms at the rate, at least two full frames: enough to keep a shaped veth busy, small enough to be fair
+    return int(max(rate_bytes * 0.001 + MTU, 2 * MTU))
 
 
 def _netem_args(spec: LinkSpec, with_loss: bool) -> dict[str, Any]:
