@@ -37,6 +37,8 @@ ARMS: dict[str, str] = {
                         "warmup_iters=10), dgt.shim.hook): powersgd's algorithm (rank-1 P/Q factors, error feedback, "
                         "warm start, 10 dense iterations first, matrices compressed only where it is 2x or better) "
                         "on DGT's transport, DDP's default buckets",
+    "dgt-hook-lowrank-direct": "dgt-hook-lowrank with collective=\"direct\": the P and Q factors summed by the direct "
+                               "all-reduce (two rounds whatever the world size) instead of the ring",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

@@ -97,10 +97,11 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
-    if arm == "dgt-hook-lowrank":
+    if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-direct"):
         import dgt.shim
 
-        state = dgt.shim.DGTState(codec=LOWRANK_CODEC, warmup_iters=POWERSGD["start_powerSGD_iter"])
+        coll = "direct" if arm.endswith("-direct") else "auto"
+        state = dgt.shim.DGTState(codec=LOWRANK_CODEC, collective=coll, warmup_iters=POWERSGD["start_powerSGD_iter"])
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")
