@@ -252,3 +252,20 @@ def test_shapes_of_conv_weights_are_read_as_out_by_rest():
     set_shapes(st, shapes)
     mats = codec.plan(st).matrices
     assert [(m.rows, m.cols) for m in mats] == [(8, 27), (32, 288), (4, 32)]
+
+
+def test_a_low_rank_state_pickles_with_its_factors_and_error_feedback():
+    import pickle
+
+    from dgt.shim import DGTState
+
+    st = DGTState(codec="lowrank:rank=1,residual_p=0.2,block=16")
+    g = torch.randn(40 * 30 + 30, generator=torch.Generator().manual_seed(0))
+    bs = st.codec.state_for(0, g)
+    set_shapes(bs, [(40, 30), (30,)])
+    reduce_in_process([st.codec], [bs], [g])
+    back = pickle.loads(pickle.dumps(st))
+    assert back.low_rank and back.transport == {"error_feedback": False} and back.chooser is None
+    vals = back.codec.state_dict()[0].values
+    assert torch.equal(vals["ef"], bs.values["ef"]) and bool(vals["ef"].any())
+    assert torch.equal(vals["q"][0], bs.values["q"][0])  # the warm start survives the checkpoint

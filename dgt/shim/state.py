@@ -54,7 +54,11 @@ class DGTState:
         process_group: the group whose ranks take part (None: the default group, resolved on first use).
         codec: a codec spec (``"dgt"``, ``"dgt:p=0.3"``, ``"dense"``, any registered codec) or a ``Codec``.
             ``"dense"`` makes the hook lossless. Default: DGT with p = p0 * loss_t / loss_0 once a loss is observed
-            and p = 0.1 before (``DEFAULT_CODEC``).
+            and p = 0.1 before (``DEFAULT_CODEC``). ``"lowrank:rank=1"`` (any ``lowrank`` spec): PowerSGD's rank-r
+            P/Q factors with error feedback and the warm start, driven by
+            :class:`~dgt.collectives.lowrank.LowRankAllReduce` with each gradient's shape (docs/shim.md "Low rank");
+            it takes collective ``"ring"``, ``"direct"`` or ``"auto"`` (the ring), no chooser and no wire dtype, and
+            with ``residual_p`` the state turns the transport's error feedback off.
         chooser: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
             lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
             a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
