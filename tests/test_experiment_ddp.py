@@ -177,7 +177,7 @@ def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
     from dgt.cli import main
 
     out = str(tmp_path / "res")
-    arms = ["dgt-hook-lowrank", "dgt-hook-lowrank-direct"]
+    arms = ["dgt-hook-lowrank", "dgt-hook-lowrank-ring"]
     rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "12", "--eval-every",
                "12", "--target", "0.99", "--arms", ",".join(arms), "--out", out])
     assert rc == 0

@@ -75,8 +75,11 @@ def _train(rank: int, state, steps: int, bucket_cap_mb: float = 0.005) -> dict:
         opt.zero_grad()
         loss.backward()
         opt.step()
+    assert state._collectives is not None
+    warm, main = state._collectives
     out = {"log": log, "params": [p.detach().clone() for p in ddp.module.parameters()],
-           "totals": dict(state.totals), "resets": state.bucket_resets, "iter": state.iter}
+           "totals": dict(state.totals), "resets": state.bucket_resets, "iter": state.iter,
+           "collectives": (type(warm).__name__, type(main).__name__, getattr(main, "inner", None))}
     state.close()
     return out
 
@@ -89,10 +92,10 @@ def _ranks(rank: int, world: int) -> dict:
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
-    # the ring (collective="auto" picks it), no warm-up: DDP's bucket rebuild after iteration 1 hits the codec
-    out["ring"] = _train(rank, dgt.shim.DGTState(codec="lowrank:rank=1", warmup_iters=0), STEPS)
-    # the direct all-reduce for P and Q, after 2 dense iterations
-    out["direct"] = _train(rank, dgt.shim.DGTState(codec="lowrank:rank=1", collective="direct", warmup_iters=2), STEPS)
+    # the ring, no warm-up: DDP's bucket rebuild after iteration 1 hits the codec
+    out["ring"] = _train(rank, dgt.shim.DGTState(codec="lowrank:rank=1", collective="ring", warmup_iters=0), STEPS)
+    # the direct all-reduce for P and Q (collective="auto" picks it), after 2 dense iterations
+    out["direct"] = _train(rank, dgt.shim.DGTState(codec="lowrank:rank=1", warmup_iters=2), STEPS)
     # the DGT residual split: the state turns the transport's error feedback off
     st = dgt.shim.DGTState(codec="lowrank:rank=1,residual_p=0.3,block=64", warmup_iters=1)
     out["residual_transport"] = st.transport
@@ -127,6 +130,8 @@ def _calls(runs, variant):
 def test_every_rank_applies_the_same_bits_and_the_codecs_mean(runs, variant):
     calls = _calls(runs, variant)
     warm = 0 if variant == "ring" else 2
+    # the dense warm-up on the ring; P and Q on the ring (collective="ring") or the direct all-reduce ("auto")
+    assert runs[0][variant]["collectives"] == ("RingAllReduce", "LowRankAllReduce", variant)
     assert runs[0][variant]["iter"] == STEPS
     indices = {c[0]["index"] for c in calls}
     assert len(indices) >= 2, "the small bucket cap gives DDP several buckets"

@@ -36,9 +36,10 @@ ARMS: dict[str, str] = {
     "dgt-hook-lowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(codec=\"lowrank:rank=1,min_ratio=2\", "
                         "warmup_iters=10), dgt.shim.hook): powersgd's algorithm (rank-1 P/Q factors, error feedback, "
                         "warm start, 10 dense iterations first, matrices compressed only where it is 2x or better) "
-                        "on DGT's transport, DDP's default buckets",
-    "dgt-hook-lowrank-direct": "dgt-hook-lowrank with collective=\"direct\": the P and Q factors summed by the direct "
-                               "all-reduce (two rounds whatever the world size) instead of the ring",
+                        "on DGT's transport, DDP's default buckets; P and Q summed by the direct all-reduce "
+                        "(collective=\"auto\")",
+    "dgt-hook-lowrank-ring": "dgt-hook-lowrank with collective=\"ring\": the P and Q factors summed by the ring "
+                             "(2(n-1) transfers in series) instead of the direct all-reduce",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

@@ -97,10 +97,10 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
-    if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-direct"):
+    if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-ring"):
         import dgt.shim
 
-        coll = "direct" if arm.endswith("-direct") else "auto"
+        coll = "ring" if arm.endswith("-ring") else "auto"
         state = dgt.shim.DGTState(codec=LOWRANK_CODEC, collective=coll, warmup_iters=POWERSGD["start_powerSGD_iter"])
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state

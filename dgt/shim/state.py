@@ -39,9 +39,11 @@ DEFAULT_CODEC = "dgt:idle_p=0.1"
 # dtype for an explicitly given codec. The lossless path (warm-up, the chooser's fallback, codec="dense") never casts
 WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                "bfloat16": torch.bfloat16}
-# the low-rank codec's P and Q reductions: on the ring or the direct all-reduce, as ``collective`` names
-# (``"auto"``: see docs/shim.md "Low rank" for the measurement behind it); "ps" cannot drive the codec
-LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "ring"}
+# the low-rank codec's P and Q reductions: on the ring or the direct all-reduce, as ``collective`` names; "auto": the
+# direct all-reduce (its small payloads wait on latency, and it has 2 rounds in series where the ring has 2(n-1): on
+# the wan profile 0.52 s a step against the ring's 0.79 s, on fifo the same 0.059 s; docs/shim.md "Low rank"; on 2
+# ranks both are the same two transfers). The dense warm-up stays on the ring. "ps" cannot drive the codec
+LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
 AGREE_BUCKET = 16383  # the bucket id of the chooser's agreement all-reduce (DDP's buckets are numbered from 0)
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
@@ -57,7 +59,8 @@ class DGTState:
             and p = 0.1 before (``DEFAULT_CODEC``). ``"lowrank:rank=1"`` (any ``lowrank`` spec): PowerSGD's rank-r
             P/Q factors with error feedback and the warm start, driven by
             :class:`~dgt.collectives.lowrank.LowRankAllReduce` with each gradient's shape (docs/shim.md "Low rank");
-            it takes collective ``"ring"``, ``"direct"`` or ``"auto"`` (the ring), no chooser and no wire dtype, and
+            it takes collective ``"ring"``, ``"direct"`` or ``"auto"`` (P and Q on the direct all-reduce, the
+            warm-up on the ring), no chooser and no wire dtype, and
             with ``residual_p`` the state turns the transport's error feedback off.
         chooser: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
             lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
