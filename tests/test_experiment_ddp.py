@@ -168,3 +168,27 @@ def test_every_arm_trains_on_loopback_tiny(tmp_path):
     assert "| dgt-backend |" in text and "NOT emulated" in text
     with open(os.path.join(out, "accuracy_vs_time.png"), "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
+    """The two low-rank hook arms past their 10 dense iterations (torch's start_powerSGD_iter): the P/Q factors go
+    over DGT's reliable lane and nothing is dropped."""
+    from dgt.cli import main
+
+    out = str(tmp_path / "res")
+    arms = ["dgt-hook-lowrank", "dgt-hook-lowrank-ring"]
+    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "12", "--eval-every",
+               "12", "--target", "0.99", "--arms", ",".join(arms), "--out", out])
+    assert rc == 0
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    assert [r["arm"] for r in res["runs"]] == arms
+    for r in res["runs"]:
+        s = r["summary"]
+        assert s["iterations"] == 12 and len(r["steps"]) == 12 and s["step_mean"] > 0, r["arm"]
+        for d in r["dgt"]:
+            # 10 dense warm-up iterations, then 2 compressed ones; every bucket on the reliable lane, none dropped
+            assert d["codec_buckets"] >= 2 and d["buckets"] >= 12 and d["dropped"] == 0, d
+            assert int(d["lanes"]["0"]) > 0 and int(d["lanes"].get("1", 0)) == 0, d
+            assert d["choice"] is None  # no chooser on the low-rank path

@@ -1,12 +1,13 @@
 """The low-rank all-reduce over the DGT transport: :class:`~dgt.codecs.lowrank.LowRankCodec`'s three reductions as
-ring all-reduces on one group.
+all-reduces on one group.
 
-1. the P factors: a lossless ring (dense, reliable lane);
-2. the Q factors, the 1-D tensors and (with ``residual_p``) the residual's block means: a lossless ring;
+1. the P factors: a lossless ring, or with ``inner="direct"`` the direct all-reduce (dense, reliable lane);
+2. the Q factors, the 1-D tensors and (with ``residual_p``) the residual's block means: the same, lossless;
 3. (``residual_p > 0``) the packed residual blocks: a lossy ring whose every block rides the droppable lane
    (:class:`~dgt.codecs.lowrank.DroppableCodec`); its all-gather is reliable, so every rank lands the same sum.
 
-Every reduction ends with the same tensor on every rank (the ring's all-gather sends the owner's reduced chunk), the
+Every reduction ends with the same tensor on every rank (the ring's and the direct all-reduce's all-gather send the
+owner's reduced chunk; the direct one adds the ranks' terms in rank order, as :func:`reduce_in_process`), the
 codec orthonormalises that identical P and every rank computes the same result from identical factors: the result
 is bit-identical across ranks (``tests/test_codec_lowrank.py``). Lost residual blocks are not sent again: the
 transport's error feedback would fold them into positions that mean other blocks next call, so a group with it on is
@@ -23,6 +24,7 @@ from dgt.codecs.base import Codec
 from dgt.codecs.lowrank import DroppableCodec, LowRankCodec, set_shapes
 from dgt.codecs.registry import make_codec
 from dgt.collectives.base import _refuse, plain_input
+from dgt.collectives.direct import DirectAllReduce
 from dgt.collectives.group import Group
 from dgt.collectives.parts import MAX_BUCKETS
 from dgt.collectives.ring import RingAllReduce
@@ -38,9 +40,11 @@ class LowRankAllReduce:
 
     name = "low-rank all-reduce"
 
-    def __init__(self, group: Group, codec: str | Codec = "lowrank", op: str = "mean") -> None:
+    def __init__(self, group: Group, codec: str | Codec = "lowrank", op: str = "mean", inner: str = "ring") -> None:
         if op not in ("sum", "mean"):
             raise ValueError("op must be 'sum' or 'mean'")
+        if inner not in ("ring", "direct"):
+            raise ValueError(f"inner must be 'ring' or 'direct', not {inner!r}")
         c = make_codec(codec)
         if not isinstance(c, LowRankCodec):
             raise CodecMismatch(f"the {self.name} drives the lowrank codec, not {c.name!r}")
@@ -51,7 +55,11 @@ class LowRankAllReduce:
             raise CodecMismatch(f"codec {c.name!r} must not get the transport's error feedback (lost residual blocks "
                                 f"would be folded into other blocks' places): open the group with "
                                 f"TransportConfig(error_feedback=False)")
-        self._dense = RingAllReduce(group, "dense", op="sum")
+        # the P and Q(+dense) reductions: a ring (2(n-1) transfers in series) or the direct all-reduce (2, each rank
+        # exchanging with all at once: fewer waits on a high-latency link for these small payloads)
+        self._dense: RingAllReduce | DirectAllReduce = (RingAllReduce(group, "dense", op="sum") if inner == "ring"
+                                                        else DirectAllReduce(group, "dense", op="sum"))
+        self.inner = inner
         self._residual = RingAllReduce(group, DroppableCodec(c.block), op="sum") if c.residual_p > 0 else None
         # every frame of the three rings carries this call's op and codec (lowrank / lowrank+dgt), not the inner
         # rings' own (sum, dense): a rank that called with another op, codec or collective raises RankMismatch on
@@ -79,8 +87,10 @@ class LowRankAllReduce:
         except InputRejected as exc:
             # refused before any traffic: the peers' first ring of this call (P, or Q when no tensor is a matrix)
             # fails at once with RankMismatch, as with the other collectives; every rank refusing leaves it usable
+            family = self._dense.round_family
+            assert family is not None
             for ring_bucket in (base, base + 1):
-                await _refuse(self._dense, exc, "ring", ring_bucket, self.group.round_of("ring", ring_bucket))
+                await _refuse(self._dense, exc, family, ring_bucket, self.group.round_of(family, ring_bucket))
             raise
         stats = CollectiveStats()
         p = c.begin(bucket, st)
@@ -99,7 +109,8 @@ class LowRankAllReduce:
         return CollectiveResult(out.view_as(bucket), stats)
 
     @staticmethod
-    async def _reduce(ring: RingAllReduce, t: torch.Tensor, bucket_id: int, stats: CollectiveStats) -> torch.Tensor:
+    async def _reduce(ring: RingAllReduce | DirectAllReduce, t: torch.Tensor, bucket_id: int,
+                      stats: CollectiveStats) -> torch.Tensor:
         if t.numel() == 0:  # no matrix in the bucket (or no residual block): nothing to send, on every rank alike
             return t
         res = await ring.allreduce(t, bucket_id)

@@ -33,6 +33,13 @@ ARMS: dict[str, str] = {
                      "(the default before collective=\"auto\"), lossless or lossy as the chooser finds",
     "dgt-hook-loss": "dgt-hook + state.observe_loss(loss) every step (docs/shim.md's optional second line, which "
                      "feeds DGT's p = p0 * loss_t / loss_0; without it p stays at the default's idle_p = 0.1)",
+    "dgt-hook-lowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(codec=\"lowrank:rank=1,min_ratio=2\", "
+                        "warmup_iters=10), dgt.shim.hook): powersgd's algorithm (rank-1 P/Q factors, error feedback, "
+                        "warm start, 10 dense iterations first, matrices compressed only where it is 2x or better) "
+                        "on DGT's transport, DDP's default buckets; P and Q summed by the direct all-reduce "
+                        "(collective=\"auto\")",
+    "dgt-hook-lowrank-ring": "dgt-hook-lowrank with collective=\"ring\": the P and Q factors summed by the ring "
+                             "(2(n-1) transfers in series) instead of the direct all-reduce",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

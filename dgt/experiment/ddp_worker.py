@@ -27,6 +27,10 @@ from dgt.experiment.workloads import Workload, build_workload
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
+# the dgt-hook-lowrank arm: torch's POWERSGD on DGT's transport (rank 1; min_ratio 2 is PowerSGDState's default
+# min_compression_rate; error feedback and the warm start are the codec's defaults; the dense warm-up is
+# start_powerSGD_iter)
+LOWRANK_CODEC = "lowrank:rank=1,min_ratio=2"
 WORKAROUNDS: list[str] = []  # what this process changed in torch to run its arm (hook_counters reports it)
 
 
@@ -91,6 +95,13 @@ def attach_arm(arm: str, ddp: Any) -> Any:
 
         variant = arm.endswith(("-direct", "-auto", "-ring"))  # DGTState(collective=...) named by the arm
         state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
+        ddp.register_comm_hook(state, dgt.shim.hook)
+        return state
+    if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-ring"):
+        import dgt.shim
+
+        coll = "ring" if arm.endswith("-ring") else "auto"
+        state = dgt.shim.DGTState(codec=LOWRANK_CODEC, collective=coll, warmup_iters=POWERSGD["start_powerSGD_iter"])
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")

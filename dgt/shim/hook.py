@@ -23,22 +23,27 @@ def hook(state: DGTState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     """Average ``bucket`` over the ranks through DGT; returns at once with a future completed by the worker."""
     buf = bucket.buffer()
     index = bucket.index()
-    segments = [g.numel() for g in bucket.gradients()]
+    grads = bucket.gradients()
+    segments = [g.numel() for g in grads]
+    # the low-rank codec reads every gradient of >= 2 dimensions as a matrix (shape[0] x the rest): it needs shapes
+    shapes = [tuple(g.shape) for g in grads] if state.low_rank else None
     clear = state.note_bucket(index, buf.numel(), buf.dtype, segments)
     use_codec = state.past_warmup
     it, last = state.iter, bucket.is_last()
     if last:
         state.iter += 1
-    return submit(state, buf, index, segments, use_codec=use_codec, clear=clear, it=it, last=last)
+    return submit(state, buf, index, segments, shapes=shapes, use_codec=use_codec, clear=clear, it=it, last=last)
 
 
 def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] | None = None, *,
-           use_codec: bool = True, clear: bool = False, it: int | None = None,
-           last: bool = True) -> torch.futures.Future[torch.Tensor]:
+           shapes: list[tuple[int, ...]] | None = None, use_codec: bool = True, clear: bool = False,
+           it: int | None = None, last: bool = True) -> torch.futures.Future[torch.Tensor]:
     """Queue the mean all-reduce of ``buf`` (a flat tensor) on the state's worker (also usable without DDP):
     with the state's codec, or densely and losslessly when ``use_codec`` is False; ``clear`` drops the codec's
     per-bucket state first. ``it``/``last``: the training iteration and whether ``buf`` is its last bucket; with
-    them the state's chooser (if any) picks the lossless or the lossy path and times the round."""
+    them the state's chooser (if any) picks the lossless or the lossy path and times the round. ``shapes``: the
+    shapes of the tensors packed in ``buf``, in order, for the low-rank codec (which compresses those with two or
+    more dimensions; None: ``buf`` is one 1-D tensor, sent dense); the other codecs take ``segments``."""
     devices = None
     ready = None
     if buf.device.type == "cuda":
@@ -55,7 +60,9 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
             state.codec.load_state_dict({})
         coll, lossy = state.pick(group, use_codec, it)
         t0 = time.perf_counter()
-        if lossy:
+        if lossy and state.low_rank:
+            res = await coll.allreduce(buf, index, shapes)
+        elif lossy:
             res = await coll.allreduce(state.lossy_input(buf, group.world), index, segments)
         else:
             res = await coll.allreduce(buf, index, segments)

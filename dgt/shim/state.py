@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dgt.codecs.base import Codec
+from dgt.codecs.lowrank import LowRankCodec
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
@@ -38,6 +39,11 @@ DEFAULT_CODEC = "dgt:idle_p=0.1"
 # dtype for an explicitly given codec. The lossless path (warm-up, the chooser's fallback, codec="dense") never casts
 WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                "bfloat16": torch.bfloat16}
+# the low-rank codec's P and Q reductions: on the ring or the direct all-reduce, as ``collective`` names; "auto": the
+# direct all-reduce (its small payloads wait on latency, and it has 2 rounds in series where the ring has 2(n-1): on
+# the wan profile 0.52 s a step against the ring's 0.79 s, on fifo the same 0.059 s; docs/shim.md "Low rank"; on 2
+# ranks both are the same two transfers). The dense warm-up stays on the ring. "ps" cannot drive the codec
+LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
 AGREE_BUCKET = 16383  # the bucket id of the chooser's agreement all-reduce (DDP's buckets are numbered from 0)
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
@@ -50,7 +56,12 @@ class DGTState:
         process_group: the group whose ranks take part (None: the default group, resolved on first use).
         codec: a codec spec (``"dgt"``, ``"dgt:p=0.3"``, ``"dense"``, any registered codec) or a ``Codec``.
             ``"dense"`` makes the hook lossless. Default: DGT with p = p0 * loss_t / loss_0 once a loss is observed
-            and p = 0.1 before (``DEFAULT_CODEC``).
+            and p = 0.1 before (``DEFAULT_CODEC``). ``"lowrank:rank=1"`` (any ``lowrank`` spec): PowerSGD's rank-r
+            P/Q factors with error feedback and the warm start, driven by
+            :class:`~dgt.collectives.lowrank.LowRankAllReduce` with each gradient's shape (docs/shim.md "Low rank");
+            it takes collective ``"ring"``, ``"direct"`` or ``"auto"`` (P and Q on the direct all-reduce, the
+            warm-up on the ring), no chooser and no wire dtype, and
+            with ``residual_p`` the state turns the transport's error feedback off.
         chooser: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
             lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
             a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
@@ -117,6 +128,8 @@ class DGTState:
         self.process_group = process_group
         self.store = store
         self.codec = make_codec(codec)
+        if isinstance(self.codec, LowRankCodec):
+            chooser, wire_dtype, transport = _low_rank_options(self.codec, collective, chooser, wire_dtype, transport)
         self.warmup_codec = make_codec("dense")
         self.collective = collective
         self.server = server
@@ -207,9 +220,19 @@ class DGTState:
             self._direct = (DirectAllReduce(group, self.warmup_codec), DirectAllReduce(group, self.codec, op=op))
         return self._direct[1 if lossy else 0], lossy
 
+    @property
+    def low_rank(self) -> bool:
+        """Whether the configured codec is the low-rank one (PowerSGD factors): its main collective is a
+        :class:`~dgt.collectives.lowrank.LowRankAllReduce`, which takes the bucket's tensor shapes."""
+        return isinstance(self.codec, LowRankCodec)
+
     def _make(self, group: Any, codec: Codec, op: str = "mean") -> Any:
         from dgt.collectives import DirectAllReduce, ParameterServer, RingAllReduce
 
+        if isinstance(codec, LowRankCodec):
+            from dgt.collectives.lowrank import LowRankAllReduce
+
+            return LowRankAllReduce(group, codec, op=op, inner=LOW_RANK_INNER[self.collective])
         if self.collective == "direct":
             return DirectAllReduce(group, codec, op=op)
         if self.collective in ("ring", "auto"):
@@ -361,6 +384,38 @@ def _deprecated_keywords(given: dict[str, Any], chooser: Any, wire_dtype: Any) -
     if "wire" in given:
         wire_dtype = given["wire"]
     return chooser, wire_dtype
+
+
+def _low_rank_options(codec: LowRankCodec, collective: str, chooser: Any, wire_dtype: Any, transport: Any
+                      ) -> tuple[Any, Any, Any]:
+    """(chooser, wire_dtype, transport) for the low-rank codec, or a ValueError saying what it cannot take: the
+    parameter server (it does not drive the codec's two dependent reductions), a chooser (nothing is dropped on the
+    factors' path: there is no lossless/lossy choice to time), a wire dtype (the factors stay in the bucket's float32
+    or float64). With ``residual_p > 0`` the group's transport gets ``error_feedback=False`` (the residual blocks it
+    loses must not be folded into other blocks' places; the codec keeps its own error feedback): set here when the
+    transport is not given or given as a dict without the key; a dict or TransportConfig asking for it is refused."""
+    if collective not in LOW_RANK_INNER:
+        raise ValueError(f"codec {codec.name!r} runs on collective 'ring', 'direct' or 'auto', not {collective!r} "
+                         f"(the parameter server does not drive the low-rank codec's two dependent reductions)")
+    if chooser not in ("auto", None, False):
+        raise ValueError(f"codec {codec.name!r} takes no chooser (its factors are never dropped: there is no lossless "
+                         f"or lossy path to choose); leave chooser='auto' or pass None")
+    if wire_dtype not in ("auto", "native", None):
+        raise ValueError(f"codec {codec.name!r} takes no wire_dtype (its P and Q factors travel in the bucket's own "
+                         f"float32/float64); leave wire_dtype='auto' or pass 'native' or None")
+    if codec.residual_p > 0:
+        if transport is None:
+            transport = {"error_feedback": False}
+        elif isinstance(transport, dict):
+            if transport.get("error_feedback", False):
+                raise ValueError(f"codec {codec.name!r} needs the transport's error feedback off (lost residual "
+                                 f"blocks would be folded into other blocks' places): drop error_feedback=True")
+            transport = {**transport, "error_feedback": False}
+        elif getattr(transport, "error_feedback", False):
+            raise ValueError(f"codec {codec.name!r} needs TransportConfig(error_feedback=False) (lost residual blocks "
+                             f"would be folded into other blocks' places), or pass the transport as a dict and the "
+                             f"state turns it off")
+    return None, None, transport
 
 
 def _wire_dtype(wire: str | torch.dtype | None, default_codec: bool) -> torch.dtype | None:
