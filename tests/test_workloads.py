@@ -233,3 +233,37 @@ def test_report_of_a_family_judges_the_steps_goal_not_issue_19s():
     assert "124 / 100 = 1.24x (goal <= 1.2x): NOT met" in text
     text = render(results([run("gloo", 100), run("dgt-hook", 400)]))
     assert "dgt-hook did not reach the target" in text
+
+
+def test_report_of_several_seeds_judges_the_steps_goal_on_the_median_and_each_seed():
+    # the goal line once read one summary per arm, so with --seeds it judged only the last seed
+    from dgt.experiment.ddp_report import render
+    from dgt.experiment.ddp_runner import summarize
+
+    def run(arm, seed, n_to_target, target=2.8):
+        evals = [{"it": i, "train_time": 0.5 * i, "val_loss": 3.0 if i < n_to_target else 2.7, "wire": None}
+                 for i in range(4, 200, 4)]
+        rank = {"steps": [0.5] * 196, "evals": evals, "train_time": 98.0, "stop_reason": "target", "dgt": {}}
+        return {"arm": arm, "seed": seed, "summary": summarize([rank], target, "val_loss")}
+
+    def results(runs):
+        return {"config": DDPConfig(model="gpt").to_dict(), "profile": "priority", "profile_description": "d",
+                "network": {"mode": "netem", "description": "n", "why_not_netem": None},
+                "dataset": {"name": "stdlib-bytes"}, "model": {"parameters": 10, "gradient_bytes": 40},
+                "workload": {"family": "gpt", "optimizer": "AdamW", "metric": "val_loss"}, "seeds": [0, 1, 2],
+                "arms": dict(ARMS), "runs": runs, "ratios": {}}
+
+    runs = [run("gloo", 0, 100), run("dgt-hook", 0, 116), run("gloo", 1, 120), run("dgt-hook", 1, 160),
+            run("gloo", 2, 100), run("dgt-hook", 2, 400)]
+    text = render(results(runs))
+    assert "- dgt-hook steps to target vs Gloo, median over 3 seeds: 160 / 100 = 1.60x (goal <= 1.2x): NOT met" in text
+    assert "- seed 0: dgt-hook steps to target vs Gloo: 116 / 100 = 1.16x (goal <= 1.2x): met" in text
+    assert "- seed 1: dgt-hook steps to target vs Gloo: 160 / 120 = 1.33x (goal <= 1.2x): NOT met" in text
+    assert "- seed 2: dgt-hook did not reach the target: no steps ratio." in text
+    runs[3] = run("dgt-hook", 1, 400)  # the hook misses on two seeds of three: no median
+    text = render(results(runs))
+    assert "- median over 3 seeds: dgt-hook did not reach the target on at least half of them: no steps ratio." in text
+    assert "- seed 0: dgt-hook steps to target vs Gloo: 116 / 100 = 1.16x (goal <= 1.2x): met" in text
+    runs = [run("gloo", 0, 100), run("dgt-hook", 0, 108), run("gloo", 1, 120), run("dgt-hook", 1, 124)]
+    text = render(results(runs))
+    assert "median over 2 seeds: 116 / 110 = 1.05x (goal <= 1.2x): met" in text

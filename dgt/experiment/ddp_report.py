@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from dgt.experiment.console import fmt_bytes
-from dgt.experiment.ddp_stats import aggregate
+from dgt.experiment.ddp_stats import aggregate, censored_spread
 from dgt.experiment.ddp_stats import ratios as median_ratios
 
 # issue #19's acceptance: dgt-hook time to target <= 0.75x Gloo (priority), <= 0.85x (fifo); step <= 0.7x (priority)
@@ -193,19 +193,44 @@ def _split(run: dict[str, Any]) -> list[str]:
 
 
 def _steps_goal(results: dict[str, Any]) -> list[str]:
-    """Issue #43 (the resnet and gpt families): the DGT hook reaches the target in at most 1.2x Gloo's steps."""
-    by = {r["arm"]: r["summary"] for r in results["runs"] if r.get("summary")}
-    gloo, hook = by.get("gloo"), by.get("dgt-hook")
-    if gloo is None or hook is None:
+    """Issue #43 (the resnet and gpt families): the DGT hook reaches the target in at most 1.2x Gloo's steps. One
+    seed: that run's steps. Several: the median steps over the seeds (a seed that did not reach the target counts as
+    slower than every seed that did, as in the table), then each seed against its own Gloo run."""
+    seeds: list[Any] = []
+    by: dict[tuple[Any, str], dict[str, Any]] = {}
+    for r in results["runs"]:
+        if r.get("summary"):
+            by[(r.get("seed"), r["arm"])] = r["summary"]
+            if r.get("seed") not in seeds:
+                seeds.append(r.get("seed"))
+    pairs = [(s, by[(s, "gloo")], by[(s, "dgt-hook")]) for s in seeds if (s, "gloo") in by and (s, "dgt-hook") in by]
+    if not pairs:
         return []
+    head = ["", "## Against the goal of issue #43", ""]
+    if len(pairs) == 1:
+        return head + [_steps_line("", pairs[0][1], pairs[0][2])]
+    g_it = censored_spread([g["iterations"] for _, g, _ in pairs], [bool(g["reached"]) for _, g, _ in pairs])
+    h_it = censored_spread([h["iterations"] for _, _, h in pairs], [bool(h["reached"]) for _, _, h in pairs])
+    if g_it["median"] is None or h_it["median"] is None:
+        got = "gloo" if g_it["median"] is None else "dgt-hook"
+        line = (f"- median over {len(pairs)} seeds: {got} did not reach the target on at least half of them: "
+                "no steps ratio.")
+    else:
+        ratio = h_it["median"] / g_it["median"]
+        verdict = "met" if ratio <= STEPS_GOAL else "NOT met"
+        line = (f"- dgt-hook steps to target vs Gloo, median over {len(pairs)} seeds: {h_it['median']:g} / "
+                f"{g_it['median']:g} = {ratio:.2f}x (goal <= {STEPS_GOAL}x): {verdict}")
+    return head + [line] + [_steps_line(f"seed {s}: ", g, h) for s, g, h in pairs]
+
+
+def _steps_line(prefix: str, gloo: dict[str, Any], hook: dict[str, Any]) -> str:
     if not (gloo["reached"] and hook["reached"]):
         got = "gloo" if not gloo["reached"] else "dgt-hook"
-        return ["", "## Against the goal of issue #43", "", f"- {got} did not reach the target: no steps ratio."]
+        return f"- {prefix}{got} did not reach the target: no steps ratio."
     ratio = hook["iterations"] / gloo["iterations"]
     verdict = "met" if ratio <= STEPS_GOAL else "NOT met"
-    return ["", "## Against the goal of issue #43", "",
-            f"- dgt-hook steps to target vs Gloo: {hook['iterations']} / {gloo['iterations']} = {ratio:.2f}x "
-            f"(goal <= {STEPS_GOAL}x): {verdict}"]
+    return (f"- {prefix}dgt-hook steps to target vs Gloo: {hook['iterations']} / {gloo['iterations']} = {ratio:.2f}x "
+            f"(goal <= {STEPS_GOAL}x): {verdict}")
 
 
 def _goals(results: dict[str, Any]) -> list[str]:
