@@ -404,6 +404,8 @@ def _low_rank_options(codec: LowRankCodec, collective: str, chooser: Any, wire_d
         raise ValueError(f"codec {codec.name!r} takes no wire_dtype (its P and Q factors travel in the bucket's own "
                          f"float32/float64); leave wire_dtype='auto' or pass 'native' or None")
     if codec.residual_p > 0:
+        from dgt.transport import TransportConfig  # lazily, as dgt.shim.net does: the shim imports without it
+
         if transport is None:
             transport = {"error_feedback": False}
         elif isinstance(transport, dict):
@@ -411,7 +413,7 @@ def _low_rank_options(codec: LowRankCodec, collective: str, chooser: Any, wire_d
                 raise ValueError(f"codec {codec.name!r} needs the transport's error feedback off (lost residual "
                                  f"blocks would be folded into other blocks' places): drop error_feedback=True")
             transport = {**transport, "error_feedback": False}
-        elif getattr(transport, "error_feedback", False):
+        elif isinstance(transport, TransportConfig) and transport.error_feedback:
             raise ValueError(f"codec {codec.name!r} needs TransportConfig(error_feedback=False) (lost residual blocks "
                              f"would be folded into other blocks' places), or pass the transport as a dict and the "
                              f"state turns it off")
