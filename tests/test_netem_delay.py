@@ -268,6 +268,7 @@ def test_tcp_through_shaped_delayed_link(prefix: str) -> None:
     assert all(r.get("overflow", 0) == 0 for r in rows), rows
 
 
+@pytest.mark.slow  # the delay line's own capacity; the shaped case above covers delay with a rate in the default run
 def test_tcp_through_unshaped_delayed_link(prefix: str) -> None:
     """Unshaped, 25 ms each link direction: the delay line is not the bottleneck (>= 200 Mbit/s)."""
     from dgt.netem import Topology
