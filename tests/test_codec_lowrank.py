@@ -334,6 +334,7 @@ def test_tiny_training_reaches_the_target(spec):
     assert res["ratio"] >= 5.0
 
 
+@pytest.mark.slow  # default suite time (CI 10:20); the slow set runs it in CI
 def test_experiment_codecs_runs_the_lowrank_arms_tiny(tmp_path):
     """``dgt experiment codecs --codecs dense,lowrank,lowrank-dgt`` on loopback, 2 processes, 4 steps: both arms
     train over the real transport and hand far fewer bytes to it than dense; lowrank-dgt adds its residual blocks."""

@@ -39,6 +39,7 @@ def test_netem_asked_for_without_it_is_a_clear_error(monkeypatch, capsys):
     assert not os.path.exists("/tmp/dgt-codecs-never-written")
 
 
+@pytest.mark.slow  # default suite time (CI 10:20); the slow set runs it in CI
 def test_every_codec_over_the_transport_tiny(tmp_path):
     k, iters = 2, 10
     # batch 64: a shard of digits is 9 steps per epoch, so Oland-Raj averages once within the 10 steps

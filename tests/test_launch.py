@@ -19,6 +19,7 @@ def _stuck_on_odd_ranks(rank: int, world: int) -> int:
 # Ranks fork from a server that has imported torch, but a cold server imports it first (seconds on a loaded 2-core CI
 # machine): the timeout leaves room for that, so the odd rank is surely inside its sleep (and the even one done) when
 # the time runs out.
+@pytest.mark.slow  # default suite time (CI 10:20); the slow set runs it in CI
 def test_a_rank_past_the_timeout_is_reported_with_its_stack():
     t0 = time.monotonic()
     with pytest.raises(RankFailed, match="(?s)rank 1: missing Timeout.*_stuck_on_odd_ranks") as failed:

@@ -207,6 +207,7 @@ def test_dense_push_and_pull_equal_the_simulation(one_thread):
     assert all(st["bytes_sent"] == {0: 2 * 4 * n} for st in serving[0]["stats"])  # two dense pulls
 
 
+@pytest.mark.slow  # default suite time (CI 10:20); the slow set runs it in CI
 def test_explorer_loss_keeps_training_and_the_accounting_adds_up(one_thread):
     world, rounds, lr, seed = 3, 60, 0.1, 0
     cfg = {"error_feedback": False, "drop_fraction": 0.25, "drop_seed": 7}

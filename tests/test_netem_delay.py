@@ -259,12 +259,25 @@ def test_jitter_spread_matches_uniform(prefix: str) -> None:
 def test_tcp_through_shaped_delayed_link(prefix: str) -> None:
     """100 Mbit/s, 25 ms each link direction (RTT 100 ms): >= 90 % of the rate once the window has grown."""
     from dgt.netem import Topology
+    from dgt.netem.crosstraffic import host_steal_s
 
+    # up to three flows before calling the emulation off (CI at ba34ff2: 70.5 Mbit/s once, on an otherwise passing
+    # run); a shortfall while the hypervisor took the VM's CPUs in every try skips with the figures (test_netem.py)
+    tries = []
     with Topology(hosts=2, rate="100mbit", delay="25ms", prefix=prefix) as topo:
-        rate = tcp_rate(topo, 0, 1, duration=4.0, warmup=2.0)
+        for port in (5601, 5611, 5621):
+            steal0, t0 = host_steal_s(), time.monotonic()
+            rate = tcp_rate(topo, 0, 1, duration=4.0, warmup=2.0, port=port)
+            steal = None if steal0 is None else host_steal_s() - steal0
+            tries.append((rate, steal, time.monotonic() - t0))
+            print(f"tcp shaped 100mbit + 25ms/link: {rate / 1e6:.1f} Mbit/s after 2 s (host steal {steal} s)")
+            if rate >= 0.90 * 100e6:
+                break
         rows = _delay_rows(topo)
-    print(f"tcp shaped 100mbit + 25ms/link: {rate / 1e6:.1f} Mbit/s after 2 s")
-    assert rate >= 0.90 * 100e6, rate
+    if rate < 0.90 * 100e6 and all(st is not None and st > 0.02 * wall * (os.cpu_count() or 1)
+                                   for _, st, wall in tries):
+        pytest.skip(f"every try ran while the host took this VM's CPUs away: {tries}")
+    assert rate >= 0.90 * 100e6, tries
     assert all(r.get("overflow", 0) == 0 for r in rows), rows
 
 
