@@ -55,6 +55,14 @@ def host_steal_s() -> float | None:
         return None
 
 
+def disturbed(steal_s: float | None, wall_s: float | None, share: float = 0.02) -> bool:
+    """Whether ``steal_s`` CPU seconds taken by the hypervisor over ``wall_s`` seconds are more than ``share`` of this
+    machine's CPU time (all its CPUs); False without figures."""
+    if steal_s is None or not wall_s:
+        return False
+    return steal_s > share * wall_s * (os.cpu_count() or 1)
+
+
 def _udp_rcvbuf_errors() -> int:
     """UDP RcvbufErrors of this namespace: datagrams the sink itself was too slow for (not emulated loss)."""
     try:
@@ -273,9 +281,7 @@ class FlowResult:
         """Whether the hypervisor took more than ``share`` of this machine's CPU time (all its CPUs) while the flow
         ran: the flow, the shaper's timers and the sink all stood still meanwhile, so a rate below the link's says
         more about the host than about the emulation. False where the kernel reports no steal time."""
-        if self.host_steal_s is None or not self.wall_s:
-            return False
-        return self.host_steal_s > share * self.wall_s * (os.cpu_count() or 1)
+        return disturbed(self.host_steal_s, self.wall_s, share)
 
     @property
     def goodput_bps(self) -> float:
