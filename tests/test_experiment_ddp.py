@@ -192,3 +192,28 @@ def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
             assert d["codec_buckets"] >= 2 and d["buckets"] >= 12 and d["dropped"] == 0, d
             assert int(d["lanes"]["0"]) > 0 and int(d["lanes"].get("1", 0)) == 0, d
             assert d["choice"] is None  # no chooser on the low-rank path
+
+
+@pytest.mark.slow
+def test_choose_lowrank_arm_probes_the_low_rank_path_on_loopback_tiny(tmp_path):
+    """The dgt-hook-choose-lowrank arm (DGTState(chooser="lowrank")) on 2 workers: after the 2 dense iterations its
+    chooser probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures,
+    low rank weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path."""
+    from dgt.cli import main
+
+    out = str(tmp_path / "res")
+    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "16", "--eval-every",
+               "16", "--target", "0.99", "--arms", "dgt-hook-choose-lowrank", "--out", out])
+    assert rc == 0
+    with open(os.path.join(out, "results.json")) as f:
+        res = json.load(f)
+    (run,) = res["runs"]
+    assert run["summary"]["iterations"] == 16
+    decisions = []
+    for d in run["dgt"]:
+        assert d["paths"]["lowrank"]["buckets"] >= 4 and d["paths"]["lossy"]["buckets"] >= 4, d["paths"]
+        (first,) = d["choice"]["decisions"]
+        assert first["iter"] == 13 and set(first["seconds"]) == {"lossless", "lossy", "lowrank"}
+        assert first["lowrank_weighed_s"] == pytest.approx(1.5 * first["seconds"]["lowrank"])
+        decisions.append(first)
+    assert all(dec == decisions[0] for dec in decisions), "every rank decides on the same agreed figures"

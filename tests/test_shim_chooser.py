@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dgt.collectives.launch import run_ranks
-from dgt.shim.chooser import LOSSLESS, LOSSY, DropChooser
+from dgt.shim.chooser import LOSSLESS, LOSSY, LOWRANK, DropChooser
 
 
 def _run(ch: DropChooser, iters: range, seconds, buckets: int = 2) -> list[str]:
@@ -103,6 +103,61 @@ def test_nan_figures_keep_the_choice_and_bad_settings_are_refused():
         DropChooser(hold=10, hold_max=5)
     with pytest.raises(ValueError):
         DropChooser(settle=-1)
+
+
+def test_the_low_rank_mode_is_weighed_by_its_steps_prior():
+    """A low-rank iteration counts lowrank_steps (default 1.5) times its seconds: it needs more steps to target."""
+    modes = (LOSSLESS, LOSSY, LOWRANK)
+    secs = {LOSSLESS: 1.0, LOSSY: 0.8, LOWRANK: 0.5}
+    ch = DropChooser(probe=1, settle=0, hold=4, start=0, modes=modes)
+    assert ch.lowrank_steps == 1.5
+    assert _run(ch, range(3), lambda it, m: secs[m]) == list(modes)
+    d = ch.decisions[0]
+    assert ch.chosen == LOWRANK  # 0.5 x 1.5 = 0.75 < 0.8 (lossy) and < 0.9 x 1.0 (lossless)
+    assert d["lowrank_weighed_s"] == pytest.approx(0.75) and d["seconds"][LOWRANK] == pytest.approx(0.5)
+    ch = DropChooser(probe=1, settle=0, hold=4, start=0, modes=modes, lowrank_steps=1.7)
+    _run(ch, range(3), lambda it, m: secs[m])
+    assert ch.chosen == LOSSY  # 0.85 > 0.8
+    # against the lossless path alone it must still clear the gain: 0.62 x 1.5 = 0.93 > 0.9
+    ch = DropChooser(probe=1, settle=0, hold=4, start=0, modes=(LOSSLESS, LOWRANK))
+    _run(ch, range(2), lambda it, m: 1.0 if m == LOSSLESS else 0.62)
+    assert ch.chosen == LOSSLESS
+    ch = DropChooser(probe=1, settle=0, hold=4, start=0, modes=(LOSSLESS, LOWRANK))
+    _run(ch, range(2), lambda it, m: 1.0 if m == LOSSLESS else 0.58)
+    assert ch.chosen == LOWRANK and ch.mode(2) == LOWRANK and ch.iters[LOWRANK] == 1
+    for bad in (0.0, -1.0, math.inf, math.nan):
+        with pytest.raises(ValueError, match="lowrank_steps"):
+            DropChooser(modes=modes, lowrank_steps=bad)
+    with pytest.raises(ValueError, match="at least one lossless"):
+        DropChooser(modes=(LOSSY, LOWRANK))
+
+
+def test_state_chooser_lowrank_adds_the_low_rank_path():
+    import pickle
+
+    from dgt.codecs.lowrank import LowRankCodec
+    from dgt.shim import DGTState
+    from dgt.shim.state import CHOOSER_LOW_RANK
+
+    st = DGTState(chooser="lowrank")
+    assert st.chooser.modes == (LOSSLESS, LOSSY, LOWRANK) and st.chooser.start == 2
+    assert isinstance(st.lowrank_codec, LowRankCodec) and st.lowrank_codec.name == "lowrank"
+    assert CHOOSER_LOW_RANK == "lowrank:rank=1,min_ratio=2" and st.lowrank_codec.rank == 1
+    assert st.needs_shapes and not st.low_rank and st.wire_dtype == torch.float16
+    plain = DGTState()
+    assert plain.lowrank_codec is None and not plain.needs_shapes and LOWRANK not in plain.chooser.modes
+    assert DGTState(chooser="lowrank", warmup_iters=5).chooser.start == 5
+    # a DropChooser given with the mode gets the codec too; a lossless codec has nothing to choose
+    assert DGTState(chooser=DropChooser(modes=(LOSSLESS, LOWRANK))).lowrank_codec is not None
+    dense = DGTState(codec="dense", chooser="lowrank")
+    assert dense.chooser is None and dense.lowrank_codec is None
+    with pytest.raises(ValueError, match="collective 'ring', 'direct' or 'auto'"):
+        DGTState(chooser="lowrank", collective="ps")
+    with pytest.raises(ValueError, match="'auto' or 'lowrank'"):
+        DGTState(chooser="fastest")
+    back = pickle.loads(pickle.dumps(st))
+    assert back.chooser.modes == st.chooser.modes and isinstance(back.lowrank_codec, LowRankCodec)
+    assert back._lowrank is None
 
 
 def test_default_state_chooses_and_an_explicit_codec_does_not():

@@ -23,6 +23,7 @@ from dgt.collectives.launch import run_ranks
 
 WORLD = 3
 STEPS = 6
+CHOOSE_STEPS = 16  # chooser variant: warm-up 1, window 1-5, low rank 6-7, re-probe 8-11, low rank 12-15
 
 
 def _model() -> torch.nn.Module:
@@ -39,8 +40,11 @@ def _batches(rank: int, steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 def _recording(log: list[dict]):
     """dgt.shim.hook, recording each call: iteration, bucket index, shapes, input, whether the codec's state was
-    cleared (DDP rebuilt its buckets), the output and the codec's error feedback of that bucket after the call."""
+    cleared (DDP rebuilt its buckets), the output, the chooser's mode (None without a chooser) and the low-rank
+    codec's error feedback of that bucket after the call (the configured codec's, or the chooser's low-rank path's)."""
     import dgt.shim
+    from dgt.shim.chooser import LOWRANK
+    from dgt.shim.state import LOWRANK_BUCKETS
 
     def rec_hook(state, bucket):
         before = state._clear_iter
@@ -49,10 +53,15 @@ def _recording(log: list[dict]):
         fut = dgt.shim.hook(state, bucket)
         entry["clear"] = state._clear_iter != before
 
-        def done(f):
+        def done(f):  # (run by the worker as it completes this call, before its next job)
             out = f.value()
             entry["output"] = out.clone()
-            st = state.codec.state_dict().get(entry["index"])
+            entry["mode"] = None if state.chooser is None or not entry["codec"] else \
+                state.last_stats[entry["index"]]["mode"]  # (this call's: the chooser's schedule moved on at a decision)
+            if entry["mode"] == LOWRANK:
+                st = state.lowrank_codec.state_dict().get(LOWRANK_BUCKETS + entry["index"])
+            else:
+                st = state.codec.state_dict().get(entry["index"])
             ef = None if st is None else st.values.get("ef")
             entry["ef"] = None if ef is None or not entry["codec"] else ef.clone()
             log.append(entry)
@@ -79,6 +88,7 @@ def _train(rank: int, state, steps: int, bucket_cap_mb: float = 0.005) -> dict:
     warm, main = state._collectives
     out = {"log": log, "params": [p.detach().clone() for p in ddp.module.parameters()],
            "totals": dict(state.totals), "resets": state.bucket_resets, "iter": state.iter,
+           "decisions": None if state.chooser is None else list(state.chooser.decisions),
            "collectives": (type(warm).__name__, type(main).__name__, getattr(main, "inner", None))}
     state.close()
     return out
@@ -88,6 +98,7 @@ def _ranks(rank: int, world: int) -> dict:
     import torch.distributed as dist
 
     import dgt.shim
+    from dgt.shim.chooser import LOSSLESS, LOSSY, LOWRANK, DropChooser
     from dgt.shim.hook import submit
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -100,6 +111,10 @@ def _ranks(rank: int, world: int) -> dict:
     st = dgt.shim.DGTState(codec="lowrank:rank=1,residual_p=0.3,block=64", warmup_iters=1)
     out["residual_transport"] = st.transport
     out["residual"] = _train(rank, st, 4)
+    # the default hook whose chooser also has the low-rank path, with a steps prior that makes it win; one iteration
+    # per mode in the probe windows (on 3 ranks: the ring and the direct all-reduce, lossless and lossy, and low rank)
+    ch = DropChooser(start=1, probe=1, settle=0, hold=2, modes=(LOSSLESS, LOSSY, LOWRANK), lowrank_steps=1e-6)
+    out["chosen"] = _train(rank, dgt.shim.DGTState(chooser=ch, warmup_iters=1), CHOOSE_STEPS)
     # a bucket id past the low-rank all-reduce's range: a clear error on every rank, no hang
     st = dgt.shim.DGTState(codec="lowrank:rank=1", warmup_iters=0)
     try:
@@ -135,20 +150,37 @@ def test_every_rank_applies_the_same_bits_and_the_codecs_mean(runs, variant):
     assert runs[0][variant]["iter"] == STEPS
     indices = {c[0]["index"] for c in calls}
     assert len(indices) >= 2, "the small bucket cap gives DDP several buckets"
-    matrices = 0
-    # the in-process reference: one codec per rank, one state per (rank, bucket), cleared where the hook cleared
-    codecs = [make_codec("lowrank:rank=1") for _ in range(WORLD)]
-    states: list[dict[int, BucketState]] = [{} for _ in range(WORLD)]
     for call in calls:
         c0 = call[0]
         for c in call[1:]:  # the same output, bit for bit, on every rank
             assert torch.equal(c["output"], c0["output"]), (c0["iter"], c0["index"])
-        inputs = [c["input"] for c in call]
         if not c0["codec"]:  # the dense warm-up: the plain mean
             assert c0["iter"] < warm
-            torch.testing.assert_close(c0["output"], sum(inputs) / WORLD, rtol=1e-5, atol=1e-6)
-            continue
-        assert c0["iter"] >= warm
+            torch.testing.assert_close(c0["output"], sum(c["input"] for c in call) / WORLD, rtol=1e-5, atol=1e-6)
+        else:
+            assert c0["iter"] >= warm
+    assert _check_low_rank_calls([c for c in calls if c[0]["codec"]], "lowrank:rank=1") > 0, \
+        "conv and linear weights were compressed"
+    for r in range(1, WORLD):  # the replicas stay identical
+        for a, b in zip(runs[r][variant]["params"], runs[0][variant]["params"]):
+            assert torch.equal(a, b)
+    t = runs[0][variant]["totals"]
+    assert t["codec_buckets"] == sum(1 for c in calls if c[0]["codec"]) > 0
+    assert t["bytes_sent"].get(0, 0) > 0 and t["bytes_sent"].get(1, 0) == 0 and t["dropped"] == 0
+
+
+def _check_low_rank_calls(calls, spec: str) -> int:
+    """Every call of ``calls`` (each a tuple of the ranks' entries, in order) ran the low-rank codec ``spec``: its
+    output is what :func:`reduce_in_process` computes from the same inputs and the same per-bucket history (cleared
+    where the hook cleared), the hook's error feedback is the reference's, and conservation holds over the ranks.
+    Returns the number of matrices compressed."""
+    matrices = 0
+    # the in-process reference: one codec per rank, one state per (rank, bucket), cleared where the hook cleared
+    codecs = [make_codec(spec) for _ in range(WORLD)]
+    states: list[dict[int, BucketState]] = [{} for _ in range(WORLD)]
+    for call in calls:
+        c0 = call[0]
+        inputs = [c["input"] for c in call]
         if any(c["clear"] for c in call):
             assert all(c["clear"] for c in call)
             for r in range(WORLD):
@@ -175,13 +207,41 @@ def test_every_rank_applies_the_same_bits_and_the_codecs_mean(runs, variant):
         # compression happened: the error feedback is not all zero once a matrix was approximated
         if codecs[0].plan(sts[0]).matrices:
             assert any(bool(e.any()) for e in ef_after)
-    assert matrices > 0, "conv and linear weights were compressed"
-    for r in range(1, WORLD):  # the replicas stay identical
-        for a, b in zip(runs[r][variant]["params"], runs[0][variant]["params"]):
+    return matrices
+
+
+def test_the_chooser_can_pick_the_low_rank_path_and_every_rank_applies_the_same_bits(runs):
+    """DGTState(chooser=...) with the LOWRANK mode: the ranks probe five paths, agree, pick low rank (its steps
+    prior set to win here), re-probe the others and keep it; every call gives every rank the same bits, the low-rank
+    calls are the codec's mean with conservation, over its own bucket ids, and the other paths still average."""
+    from dgt.shim.chooser import ALL_MODES, LOWRANK
+    from dgt.shim.state import CHOOSER_LOW_RANK
+
+    calls = _calls(runs, "chosen")
+    r0 = runs[0]["chosen"]
+    assert all(runs[r]["chosen"]["decisions"] == r0["decisions"] for r in range(WORLD)), "agreed decisions"
+    assert [d["chosen"] for d in r0["decisions"]] == [LOWRANK, LOWRANK]
+    assert set(r0["decisions"][0]["seconds"]) == set(ALL_MODES) | {LOWRANK}  # offered on 3 ranks: all five
+    assert r0["decisions"][0]["lowrank_weighed_s"] < min(r0["decisions"][0]["seconds"].values())
+    modes = [c[0]["mode"] for c in calls]
+    for call in calls:
+        for c in call[1:]:
+            assert torch.equal(c["output"], call[0]["output"]), (call[0]["iter"], call[0]["index"], call[0]["mode"])
+    assert {m for m in modes if m is not None} == set(ALL_MODES) | {LOWRANK}
+    low = [c for c in calls if c[0]["mode"] == LOWRANK]
+    assert {c[0]["iter"] for c in low} == {5, 6, 7, 12, 13, 14, 15}
+    assert _check_low_rank_calls(low, CHOOSER_LOW_RANK) > 0
+    for call in calls:  # the lossless paths (warm-up, probes) are the plain mean; lossy ones are finite
+        mean = sum(c["input"] for c in call) / WORLD
+        if call[0]["mode"] in (None, "lossless", "lossless-direct"):
+            torch.testing.assert_close(call[0]["output"], mean, rtol=1e-5, atol=1e-6)
+        assert torch.isfinite(call[0]["output"]).all()
+    for r in range(1, WORLD):
+        for a, b in zip(runs[r]["chosen"]["params"], r0["params"]):
             assert torch.equal(a, b)
-    t = runs[0][variant]["totals"]
-    assert t["codec_buckets"] == sum(1 for c in calls if c[0]["codec"]) > 0
-    assert t["bytes_sent"].get(0, 0) > 0 and t["bytes_sent"].get(1, 0) == 0 and t["dropped"] == 0
+    paths = r0["totals"]["paths"]
+    assert paths[LOWRANK]["buckets"] == len(low) and paths["lossy"]["buckets"] > 0
+    assert r0["totals"]["choice"]["iters"][LOWRANK] == 3  # the summary as of the last decision (iteration 11)
 
 
 def test_bucket_rebuild_resets_the_codec_and_the_factors_are_smaller(runs):

@@ -97,6 +97,12 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
+    if arm == "dgt-hook-choose-lowrank":
+        import dgt.shim
+
+        state = dgt.shim.DGTState(chooser="lowrank")
+        ddp.register_comm_hook(state, dgt.shim.hook)
+        return state
     if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-ring"):
         import dgt.shim
 

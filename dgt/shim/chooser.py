@@ -17,6 +17,14 @@ rounds of both paths and keeps the faster one:
   of the other path and compares the last ``probe`` with the last ``probe`` iterations of the chosen one. While the
   choice stands the hold doubles (up to ``hold_max``); when it flips it falls back to ``hold``.
 
+With ``LOWRANK`` among the modes (``DGTState(chooser="lowrank")``, opt-in) the chooser also times the low-rank
+path (PowerSGD's rank-1 P/Q factors, :class:`~dgt.collectives.lowrank.LowRankAllReduce` on the direct all-reduce).
+Its seconds per iteration are weighed by ``lowrank_steps`` before the comparison: a low-rank step carries less of the
+gradient, so it needs more of them to the same accuracy. ``lowrank_steps`` is a prior, not a measurement of this run
+(the hook sees no loss): PowerSGD rank 1 needed 1.26-1.70x Gloo's steps to target on the three model families
+(docs/experiment-ddp.md), and the DGT lossy path about 1.0x. Low rank is treated as a lossy mode (it must also beat
+``gain`` times the lossless baseline).
+
 With ``modes`` naming more paths (the hook's ``collective="auto"`` on 3 or more ranks adds the direct all-reduce,
 lossless and lossy: ``LOSSLESS_DIRECT``, ``LOSSY_DIRECT``), a window probes every mode and a re-probe every mode but
 the chosen one; the decision takes the fastest lossless mode as the baseline and the fastest lossy mode, which wins
@@ -36,9 +44,14 @@ from dataclasses import dataclass, field
 
 LOSSLESS, LOSSY = "lossless", "lossy"
 LOSSLESS_DIRECT, LOSSY_DIRECT = "lossless-direct", "lossy-direct"  # the same on the direct all-reduce
-LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT})
+LOWRANK = "lowrank"  # PowerSGD's rank-r factors (DGTState(chooser="lowrank")): a lossy mode, weighed by lowrank_steps
+LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT, LOWRANK})
 DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
-ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)
+ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)  # what collective="auto" offers on 3+ ranks
+KNOWN_MODES = ALL_MODES + (LOWRANK,)
+# the low-rank mode's prior: its steps to target relative to the other paths' (PowerSGD rank 1 against Gloo, medians of
+# 3 seeds at 40 Mbit: ResNet 146/116 = 1.26x, GPT 252/148 = 1.70x; AlexNet/digits 180/136 = 1.32x, one seed)
+LOWRANK_STEPS = 1.5
 
 
 @dataclass
@@ -47,6 +60,7 @@ class DropChooser:
 
     ``start``: the first iteration it governs (the hook's ``warmup_iters``; earlier iterations are dense anyway).
     ``modes``: the paths it chooses between (in this order in a probe window); lossless first, then lossy.
+    ``lowrank_steps``: the weight of the ``LOWRANK`` mode's seconds per iteration in the decision (module docstring).
     """
 
     probe: int = 3
@@ -56,6 +70,7 @@ class DropChooser:
     hold_max: int = 800
     start: int = 0
     modes: tuple[str, ...] = (LOSSLESS, LOSSY)
+    lowrank_steps: float = LOWRANK_STEPS
     chosen: str | None = None  # None until the first window was decided
     window_start: int = -1  # the current (or next) probe window: its first iteration and its modes
     window: list[str] = field(default_factory=list)
@@ -68,12 +83,14 @@ class DropChooser:
     iters: dict[str, int] = field(default_factory=lambda: {LOSSLESS: 0, LOSSY: 0})
 
     def __post_init__(self) -> None:
-        if self.probe < 1 or self.settle < 0 or self.hold < 1 or self.hold_max < self.hold or not 0 < self.gain:
-            raise ValueError("DropChooser needs probe >= 1, settle >= 0, 1 <= hold <= hold_max and gain > 0")
+        if (self.probe < 1 or self.settle < 0 or self.hold < 1 or self.hold_max < self.hold or not 0 < self.gain
+                or not 0 < self.lowrank_steps < math.inf):
+            raise ValueError("DropChooser needs probe >= 1, settle >= 0, 1 <= hold <= hold_max, gain > 0 and a finite "
+                             "lowrank_steps > 0")
         self.modes = tuple(self.modes)
-        if (len(set(self.modes)) != len(self.modes) or not set(self.modes) <= set(ALL_MODES)
+        if (len(set(self.modes)) != len(self.modes) or not set(self.modes) <= set(KNOWN_MODES)
                 or not any(m not in LOSSY_MODES for m in self.modes) or not any(m in LOSSY_MODES for m in self.modes)):
-            raise ValueError(f"DropChooser modes: distinct, of {ALL_MODES}, at least one lossless and one lossy")
+            raise ValueError(f"DropChooser modes: distinct, of {KNOWN_MODES}, at least one lossless and one lossy")
         if not self.window and self.chosen is None:
             self._plan(self.start, list(self.modes))
             self._hold = self.hold
@@ -145,9 +162,11 @@ class DropChooser:
         """Apply the figures every rank agreed on (the mean of :meth:`local` over ranks) at the close of the window
         ending at ``it``; plans the next window. Returns the chosen path."""
         secs = {m: float(v) for m, v in zip(self.modes, agreed)}
+        # what each mode's seconds count for: the low-rank mode's weighed by its steps prior
+        cost = {m: v * self.lowrank_steps if m == LOWRANK else v for m, v in secs.items()}
         # the fastest lossless and the fastest lossy mode with a figure (a NaN: that mode has none)
-        safe = min(((v, m) for m, v in secs.items() if m not in LOSSY_MODES and v == v), default=None)
-        risky = min(((v, m) for m, v in secs.items() if m in LOSSY_MODES and v == v), default=None)
+        safe = min(((v, m) for m, v in cost.items() if m not in LOSSY_MODES and v == v), default=None)
+        risky = min(((v, m) for m, v in cost.items() if m in LOSSY_MODES and v == v), default=None)
         if safe is not None and risky is not None:
             choice = risky[1] if risky[0] < self.gain * safe[0] else safe[1]
         else:  # (no figure on one side keeps the previous choice)
@@ -158,6 +177,8 @@ class DropChooser:
                  "chosen": choice, "hold": self._hold}
         if len(self.modes) > 2 or self.modes != (LOSSLESS, LOSSY):
             entry["seconds"] = secs
+        if LOWRANK in secs:
+            entry["lowrank_weighed_s"] = cost[LOWRANK]
         self.decisions.append(entry)
         if choice != self.chosen:
             self._recent = []

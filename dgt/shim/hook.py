@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 
 from dgt.collectives.worker import for_cpp
-from dgt.shim.state import DGTState
+from dgt.shim.chooser import LOSSY_MODES, LOWRANK
+from dgt.shim.state import LOWRANK_BUCKETS, DGTState
 
 
 def hook(state: DGTState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -26,7 +27,7 @@ def hook(state: DGTState, bucket: dist.GradBucket) -> torch.futures.Future[torch
     grads = bucket.gradients()
     segments = [g.numel() for g in grads]
     # the low-rank codec reads every gradient of >= 2 dimensions as a matrix (shape[0] x the rest): it needs shapes
-    shapes = [tuple(g.shape) for g in grads] if state.low_rank else None
+    shapes = [tuple(g.shape) for g in grads] if state.needs_shapes else None
     clear = state.note_bucket(index, buf.numel(), buf.dtype, segments)
     use_codec = state.past_warmup
     it, last = state.iter, bucket.is_last()
@@ -41,9 +42,10 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
     """Queue the mean all-reduce of ``buf`` (a flat tensor) on the state's worker (also usable without DDP):
     with the state's codec, or densely and losslessly when ``use_codec`` is False; ``clear`` drops the codec's
     per-bucket state first. ``it``/``last``: the training iteration and whether ``buf`` is its last bucket; with
-    them the state's chooser (if any) picks the lossless or the lossy path and times the round. ``shapes``: the
-    shapes of the tensors packed in ``buf``, in order, for the low-rank codec (which compresses those with two or
-    more dimensions; None: ``buf`` is one 1-D tensor, sent dense); the other codecs take ``segments``."""
+    them the state's chooser (if any) picks the lossless, the lossy (or the low-rank) path and times the round.
+    ``shapes``: the shapes of the tensors packed in ``buf``, in order, for the low-rank codec (which compresses
+    those with two or more dimensions; None: ``buf`` is one 1-D tensor, sent dense); the other codecs take
+    ``segments``."""
     devices = None
     ready = None
     if buf.device.type == "cuda":
@@ -57,17 +59,20 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
             torch.cuda.set_device(buf.device)
             torch.cuda.current_stream(buf.device).wait_event(ready)
         if clear:  # DDP rebuilt its buckets: the codec's per-bucket state describes tensors that no longer exist
-            state.codec.load_state_dict({})
-        coll, lossy = state.pick(group, use_codec, it)
+            state.clear_codecs()
+        coll, mode = state.pick(group, use_codec, it)
+        lossy = mode in LOSSY_MODES
         t0 = time.perf_counter()
-        if lossy and state.low_rank:
+        if mode == LOWRANK:  # the chooser's low-rank path: native dtype, mean, bucket ids apart from the rings'
+            res = await coll.allreduce(buf, LOWRANK_BUCKETS + index, shapes)
+        elif lossy and state.low_rank:
             res = await coll.allreduce(buf, index, shapes)
         elif lossy:
             res = await coll.allreduce(state.lossy_input(buf, group.world), index, segments)
         else:
             res = await coll.allreduce(buf, index, segments)
         seconds = time.perf_counter() - t0
-        state.record(index, res.stats, use_codec, seconds, lossy)
+        state.record(index, res.stats, use_codec, seconds, lossy, mode)
         if use_codec and it is not None and state.chooser is not None:
             await state.after_round(group, it, last, seconds)
         return res.tensor.to(buf.dtype).view_as(buf)

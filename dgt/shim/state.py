@@ -22,7 +22,7 @@ from dgt.codecs.lowrank import LowRankCodec
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
-from dgt.shim.chooser import ALL_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, DropChooser
+from dgt.shim.chooser import ALL_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, LOWRANK, DropChooser
 from dgt.shim.net import group_connector
 
 logger = logging.getLogger(__name__)
@@ -44,6 +44,14 @@ WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, 
 # the wan profile 0.52 s a step against the ring's 0.79 s, on fifo the same 0.059 s; docs/shim.md "Low rank"; on 2
 # ranks both are the same two transfers). The dense warm-up stays on the ring. "ps" cannot drive the codec
 LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
+# chooser="lowrank": the codec of the chooser's low-rank path (PowerSGDState's defaults: rank 1, and only matrices that
+# the factors compress at least 2x; torch's min_compression_rate=2)
+CHOOSER_LOW_RANK = "lowrank:rank=1,min_ratio=2"
+# ... and its bucket ids: DDP bucket i runs as low-rank bucket LOWRANK_BUCKETS + i, i.e. transport bucket ids from
+# 3 * LOWRANK_BUCKETS on, apart from the ids the ring and the direct all-reduce use for the same bucket (the
+# transport adds a bucket id's error-feedback residual to the next round of that id, and the low-rank path's rounds
+# have other sizes and meanings)
+LOWRANK_BUCKETS = 4096
 AGREE_BUCKET = 16383  # the bucket id of the chooser's agreement all-reduce (DDP's buckets are numbered from 0)
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
@@ -66,7 +74,11 @@ class DGTState:
             lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
             a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
             warmup_iters)``, or ``"auto"`` (default): ``DropChooser(start=warmup_iters)`` for the default codec,
-            none for an explicitly given codec. Kept as the field ``state.chooser`` (a DropChooser or None).
+            none for an explicitly given codec, or ``"lowrank"``: that chooser with the low-rank path as one more
+            mode (``CHOOSER_LOW_RANK``, PowerSGD's rank-1 factors with error feedback on the direct all-reduce, its
+            time per iteration weighed by the chooser's ``lowrank_steps`` prior; docs/shim.md "Low rank"). Kept as
+            the field ``state.chooser`` (a DropChooser or None); ``state.lowrank_codec`` is the low-rank path's codec
+            when a chooser has that mode.
         collective: ``"ring"`` (ring all-reduce), ``"direct"`` (the direct all-reduce: one reduce-scatter round
             and one all-gather round whatever the world size, :class:`~dgt.collectives.DirectAllReduce`), ``"auto"``
             (the default: the ring, and with the chooser on 3 or more ranks the direct all-reduce too, lossless and
@@ -97,10 +109,11 @@ class DGTState:
         "host", "timeout", "wire_dtype",
         # internal state (pickled)
         "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter", "chooser",
+        "lowrank_codec",
         # run time only (not pickled)
-        "_worker", "_collectives", "_direct",
+        "_worker", "_collectives", "_direct", "_lowrank",
     )
-    _RUNTIME = ("process_group", "store", "_worker", "_collectives", "_direct")
+    _RUNTIME = ("process_group", "store", "_worker", "_collectives", "_direct", "_lowrank")
 
     def __init__(
         self,
@@ -148,18 +161,17 @@ class DGTState:
         self._worker: TrioWorker | None = None
         self._collectives: tuple[Any, Any] | None = None
         self._direct: tuple[Any, Any] | None = None  # collective="auto": the direct pair, when the chooser offers it
+        self._lowrank: Any = None  # the chooser's low-rank path: its LowRankAllReduce, built on first use
         self._clear_iter = -1
         default = is_default_codec(codec)
         self.wire_dtype = _wire_dtype(wire_dtype, default)
-        if chooser == "auto":
-            chooser = default
-        elif isinstance(chooser, str):
-            raise ValueError(f"chooser must be a DropChooser, None, True, False or 'auto', not {chooser!r}")
-        if chooser is True:
-            chooser = DropChooser(start=warmup_iters)
-        if chooser and not self.codec.capabilities.lossy_tolerant:
-            chooser = None  # a lossless codec has nothing to choose
-        self.chooser: DropChooser | None = chooser or None
+        self.chooser: DropChooser | None = _chooser(chooser, default, warmup_iters, self.codec)
+        self.lowrank_codec: LowRankCodec | None = None
+        if self.chooser is not None and LOWRANK in self.chooser.modes:
+            if collective not in LOW_RANK_INNER:
+                raise ValueError(f"the chooser's low-rank path runs on collective 'ring', 'direct' or 'auto', not "
+                                 f"{collective!r}")
+            self.lowrank_codec = make_codec(CHOOSER_LOW_RANK)  # type: ignore[assignment]
 
     # -- the loss feed ----------------------------------------------------------------------------------------
     def observe_loss(self, loss: float | torch.Tensor) -> None:
@@ -200,31 +212,53 @@ class DGTState:
             op = "mean" if self.wire_dtype is None else "sum"
             self._collectives = (self._make(group, self.warmup_codec), self._make(group, self.codec, op))
             self._direct = None
+            self._lowrank = None
             if self.collective == "auto" and self.chooser is not None and group.world >= DIRECT_MIN_WORLD:
-                self.chooser.offer(ALL_MODES)  # before its first iteration (the first call, on every rank alike)
+                extra = (LOWRANK,) if LOWRANK in self.chooser.modes else ()
+                self.chooser.offer(ALL_MODES + extra)  # before its first iteration (the first call, on every rank)
         return self._collectives
 
-    def pick(self, group: Any, use_codec: bool, it: int | None) -> tuple[Any, bool]:
-        """(the collective, whether it is the lossy one) for a bucket of iteration ``it``: the warm-up and the
-        lossless path take the lossless collective, else the main one; on the direct all-reduce when the chooser's
-        mode for ``it`` says so (``collective="auto"``). Called in the worker thread, in job order."""
+    def pick(self, group: Any, use_codec: bool, it: int | None) -> tuple[Any, str]:
+        """(the collective, its mode) for a bucket of iteration ``it``: the warm-up and the lossless path take the
+        lossless collective (mode ``LOSSLESS``), else the main one (``LOSSY``); on the direct all-reduce when the
+        chooser's mode for ``it`` says so (``collective="auto"``), on the low-rank all-reduce for its ``LOWRANK``
+        mode. Called in the worker thread, in job order."""
         warm, main = self.collectives(group)
         mode = LOSSLESS if not use_codec else LOSSY if self.chooser is None or it is None else self.chooser.mode(it)
+        if mode == LOWRANK:
+            if self._lowrank is None:
+                from dgt.collectives.lowrank import LowRankAllReduce
+
+                self._lowrank = LowRankAllReduce(group, self.lowrank_codec, op="mean",  # type: ignore[arg-type]
+                                                 inner=LOW_RANK_INNER[self.collective])
+            return self._lowrank, mode
         lossy = mode in LOSSY_MODES
         if mode not in DIRECT_MODES:
-            return (main if lossy else warm), lossy
+            return (main if lossy else warm), mode
         if self._direct is None:
             from dgt.collectives import DirectAllReduce
 
             op = "mean" if self.wire_dtype is None else "sum"
             self._direct = (DirectAllReduce(group, self.warmup_codec), DirectAllReduce(group, self.codec, op=op))
-        return self._direct[1 if lossy else 0], lossy
+        return self._direct[1 if lossy else 0], mode
 
     @property
     def low_rank(self) -> bool:
         """Whether the configured codec is the low-rank one (PowerSGD factors): its main collective is a
         :class:`~dgt.collectives.lowrank.LowRankAllReduce`, which takes the bucket's tensor shapes."""
         return isinstance(self.codec, LowRankCodec)
+
+    @property
+    def needs_shapes(self) -> bool:
+        """Whether the hook must pass the buckets' tensor shapes: the configured codec or the chooser's low-rank
+        path reads matrices."""
+        return self.low_rank or self.lowrank_codec is not None
+
+    def clear_codecs(self) -> None:
+        """DDP rebuilt its buckets: drop every codec's per-bucket state (worker thread)."""
+        self.codec.load_state_dict({})
+        if self.lowrank_codec is not None:
+            self.lowrank_codec.load_state_dict({})
 
     def _make(self, group: Any, codec: Codec, op: str = "mean") -> Any:
         from dgt.collectives import DirectAllReduce, ParameterServer, RingAllReduce
@@ -287,11 +321,13 @@ class DGTState:
         return True
 
     def record(self, index: int, stats: CollectiveStats, use_codec: bool, seconds: float,
-               lossy: bool | None = None) -> None:
+               lossy: bool | None = None, mode: str | None = None) -> None:
         """Fold one bucket's collective statistics into the running totals (called in the worker thread).
         ``codec_buckets`` counts the buckets past the dense warm-up, ``lossy_buckets`` those of them that ran the
-        configured codec (``lossy``, default ``use_codec``; the chooser may have sent the others lossless)."""
+        configured codec or the chooser's low-rank path (``lossy``, default ``use_codec``; the chooser may have
+        sent the others lossless); ``mode`` ``LOWRANK``: the low-rank path (its own entry in ``paths``)."""
         lossy = use_codec if lossy is None else lossy
+        low = mode == LOWRANK
         t = self.totals
         t["buckets"] += 1
         t["codec_buckets"] += int(use_codec)
@@ -301,14 +337,18 @@ class DGTState:
         t["seconds"] += seconds
         for lane, b in stats.bytes_sent.items():
             t["bytes_sent"][lane] = t["bytes_sent"].get(lane, 0) + b
-        path = t.setdefault("paths", {}).setdefault("lossy" if lossy else "lossless", {"buckets": 0, "seconds": 0.0})
+        name = LOWRANK if low else "lossy" if lossy else "lossless"
+        path = t.setdefault("paths", {}).setdefault(name, {"buckets": 0, "seconds": 0.0})
         path["buckets"] += 1
         path["seconds"] += seconds
         for name, sec in stats.phases.items():
             path[name] = path.get(name, 0.0) + sec
-        entry = {"codec": self.codec.name if lossy else "dense", "seconds": seconds, "blocks": stats.blocks,
+        codec = self.lowrank_codec.name if low and self.lowrank_codec else self.codec.name if lossy else "dense"
+        entry = {"codec": codec, "seconds": seconds, "blocks": stats.blocks,
                  "dropped": stats.dropped, "bytes_sent": dict(stats.bytes_sent)}
-        p = self.codec.current_p() if lossy else None
+        if mode is not None:
+            entry["mode"] = mode
+        p = self.codec.current_p() if lossy and not low else None
         if p is not None:
             entry["p"] = p
         self.last_stats[index] = entry
@@ -326,6 +366,7 @@ class DGTState:
             self._worker = None
             self._collectives = None
             self._direct = None
+            self._lowrank = None
 
     # -- checkpointing ----------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:
@@ -337,6 +378,7 @@ class DGTState:
             setattr(self, slot, None)
         self.wire_dtype = None  # (checkpoints from before the wire option: the lossy path was not cast)
         self.chooser = None  # (checkpoints from before the chooser)
+        self.lowrank_codec = None  # (checkpoints from before the chooser's low-rank path)
         for k, v in state.items():
             setattr(self, k, v)
         if dist.is_initialized():
@@ -418,6 +460,21 @@ def _low_rank_options(codec: LowRankCodec, collective: str, chooser: Any, wire_d
                              f"would be folded into other blocks' places), or pass the transport as a dict and the "
                              f"state turns it off")
     return None, None, transport
+
+
+def _chooser(chooser: Any, default: bool, warmup_iters: int, codec: Codec) -> DropChooser | None:
+    """The state's chooser from its ``chooser`` argument (DGTState's docstring); None for a lossless codec."""
+    if chooser == "auto":
+        chooser = default
+    elif chooser == "lowrank":
+        chooser = DropChooser(start=warmup_iters, modes=(LOSSLESS, LOSSY, LOWRANK))
+    elif isinstance(chooser, str):
+        raise ValueError(f"chooser must be a DropChooser, None, True, False, 'auto' or 'lowrank', not {chooser!r}")
+    if chooser is True:
+        chooser = DropChooser(start=warmup_iters)
+    if chooser and not codec.capabilities.lossy_tolerant:
+        chooser = None  # a lossless codec has nothing to choose
+    return chooser or None
 
 
 def _wire_dtype(wire: str | torch.dtype | None, default_codec: bool) -> torch.dtype | None:
