@@ -103,6 +103,72 @@ async def test_mean_in_place_and_into_out_on_float32(world):
             assert torch.equal(bits(t), bits(res[0][0]))
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int64])
+async def test_one_round_for_small_buckets_gives_the_two_round_bits(world, dtype):
+    """one_round_bytes: a bucket up to that size goes whole to every peer in one round and every rank sums in rank
+    order: the same bits as the two-round schedule and the dense reference; in place and into ``out``; a larger
+    bucket keeps the two rounds."""
+    n, big = 700, 5000
+    small_bytes = n * torch.tensor([], dtype=dtype).element_size()
+
+    async def fn(r, g):
+        one = DirectAllReduce(g, "dense", op="sum", one_round_bytes=small_bytes)
+        two = DirectAllReduce(g, "dense", op="sum")
+        x = data(r, n, dtype)
+        a = await one.allreduce(x.clone(), 0)
+        b = await two.allreduce(x.clone(), 1)
+        out = torch.zeros(n, dtype=dtype)
+        c = (await one.allreduce(x.clone(), 2, out=out)).tensor
+        assert c.data_ptr() == out.data_ptr()
+        y = x.clone()
+        d = (await one.allreduce(y, 3, out=y)).tensor  # in place: sent from, then overwritten
+        e = await one.allreduce(data(r, big, dtype), 4)  # above the threshold: two rounds
+        return a, b, c, d, e
+
+    res = await on_every_rank(world, fn)
+    ref = data(0, n, dtype)
+    for r in range(1, world):
+        ref = ref + data(r, n, dtype) if dtype != torch.float16 else (ref.float() + data(r, n, dtype).float()).half()
+    for r in range(world):
+        a, b, c, d, e = res[r]
+        assert set(a.stats.phases) == {"one_round"} and "reduce_scatter" in b.stats.phases
+        assert "reduce_scatter" in e.stats.phases and "one_round" not in e.stats.phases
+        assert a.stats.bytes_sent[0] == (world - 1) * small_bytes
+        for t in (a.tensor, c, d):
+            assert torch.equal(bits(t), bits(b.tensor)), (world, dtype, r)
+        if dtype != torch.float16:
+            assert torch.equal(bits(a.tensor), bits(ref))
+        assert torch.equal(bits(res[r][4].tensor), bits(res[0][4].tensor))
+    with pytest.raises(ValueError, match="one_round_bytes"):
+        DirectAllReduce(None, "dense", one_round_bytes=-1)  # type: ignore[arg-type]
+
+
+async def test_ranks_that_disagree_on_one_round_fail_with_a_clear_error():
+    """A rank that sends a small bucket whole while the others cut it in chunks: every rank raises, none hangs."""
+    async def fn(r, g):
+        coll = DirectAllReduce(g, "dense", op="sum", one_round_bytes=1 << 20 if r == 0 else 0)
+        return await coll.allreduce(data(r, 3000), 0)
+
+    out: list = [None] * 3
+
+    async def run(r, g):
+        try:
+            out[r] = await fn(r, g)
+        except DgtError as exc:
+            out[r] = exc
+
+    config = TransportConfig(timeouts=Timeouts(peer=5.0))
+    with trio.fail_after(BOUND):
+        async with local_groups(3, dist.HashStore(), config=config, timeout=BOUND, prefix="m") as groups:
+            async with trio.open_nursery() as nursery:
+                for r in range(3):
+                    nursery.start_soon(run, r, groups[r])
+    from dgt.errors import RankMismatch
+
+    assert all(isinstance(o, RankMismatch) and "different sizes" in str(o) for o in out), out
+
+
 @pytest.mark.parametrize("world", [3, 4])
 @pytest.mark.parametrize("codec", ["dense", "dgt:p=1.0"])
 async def test_empty_chunks_small_and_empty_buckets(world, codec):
