@@ -23,7 +23,7 @@ from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
 from dgt.shim.chooser import ALL_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, LOWRANK, DropChooser
-from dgt.shim.net import group_connector
+from dgt.shim.net import group_connector, transport_config
 
 logger = logging.getLogger(__name__)
 
@@ -446,19 +446,12 @@ def _low_rank_options(codec: LowRankCodec, collective: str, chooser: Any, wire_d
         raise ValueError(f"codec {codec.name!r} takes no wire_dtype (its P and Q factors travel in the bucket's own "
                          f"float32/float64); leave wire_dtype='auto' or pass 'native' or None")
     if codec.residual_p > 0:
-        from dgt.transport import TransportConfig  # lazily, as dgt.shim.net does: the shim imports without it
-
-        if transport is None:
-            transport = {"error_feedback": False}
-        elif isinstance(transport, dict):
-            if transport.get("error_feedback", False):
-                raise ValueError(f"codec {codec.name!r} needs the transport's error feedback off (lost residual "
-                                 f"blocks would be folded into other blocks' places): drop error_feedback=True")
-            transport = {**transport, "error_feedback": False}
-        elif isinstance(transport, TransportConfig) and transport.error_feedback:
-            raise ValueError(f"codec {codec.name!r} needs TransportConfig(error_feedback=False) (lost residual blocks "
-                             f"would be folded into other blocks' places), or pass the transport as a dict and the "
-                             f"state turns it off")
+        if transport is None or (isinstance(transport, dict) and "error_feedback" not in transport):
+            transport = {**(transport or {}), "error_feedback": False}
+        elif transport_config(transport).error_feedback:
+            raise ValueError(f"codec {codec.name!r} needs the transport's error feedback off (lost residual blocks "
+                             f"would be folded into other blocks' places): pass error_feedback=False (or "
+                             f"TransportConfig(error_feedback=False)), or leave the key out and the state turns it off")
     return None, None, transport
 
 
