@@ -144,15 +144,7 @@ class DirectAllReduce(Collective):
                     if piece.numel():
                         pending.append(ep.post_send(j, rs_key, rnd, piece, op=op))
                         stats.add_sent(0, piece.numel() * piece.element_size())
-
-                async def rs_from(w: int) -> None:
-                    res = await ep.recv_round(w, rs_key, rnd, out=land[w])
-                    stats.add_round(res.stats)
-                    check_op(op, res.codec, rnd)
-
-                async with open_nursery() as nursery:
-                    for w in land:
-                        nursery.start_soon(rs_from, w)
+                await self._land_all(land, rs_key, rnd, stats)
                 if mine.numel():
                     self._reduce(mine, [land[w] if w != r else ch.chunk(src, r) for w in range(W)])
             with self.phase(stats, "all_gather"):
@@ -160,16 +152,8 @@ class DirectAllReduce(Collective):
                     for w in others:  # the reduced chunk to every other rank at once
                         pending.append(ep.post_send(w, ag_key, rnd, mine, op=op))
                         stats.add_sent(0, mine.numel() * mine.element_size())
-
-                async def ag_from(j: int) -> None:
-                    res = await ep.recv_round(j, ag_key, rnd, out=ch.chunk(flat, j))
-                    stats.add_round(res.stats)
-                    check_op(op, res.codec, rnd)
-
-                async with open_nursery() as nursery:
-                    for j in others:
-                        if ch.chunk(flat, j).numel():
-                            nursery.start_soon(ag_from, j)
+                await self._land_all({j: ch.chunk(flat, j) for j in others if ch.chunk(flat, j).numel()}, ag_key,
+                                     rnd, stats)
                 for p in pending:
                     await p.wait()  # the caller may overwrite its input (or read ``flat``) once this returns
         except BaseException:
@@ -200,15 +184,7 @@ class DirectAllReduce(Collective):
             with self.phase(stats, "one_round"):
                 pending = [ep.post_send(j, key, rnd, src, op=op) for j in others]
                 stats.add_sent(0, len(others) * src.numel() * src.element_size())
-
-                async def from_peer(w: int) -> None:
-                    res = await ep.recv_round(w, key, rnd, out=land[w])
-                    stats.add_round(res.stats)
-                    check_op(op, res.codec, rnd)
-
-                async with open_nursery() as nursery:
-                    for w in others:
-                        nursery.start_soon(from_peer, w)
+                await self._land_all(land, key, rnd, stats)
                 for p in pending:
                     await p.wait()  # before the sum overwrites ``flat``, which may be the input sent from in place
                 self._reduce(flat, [land[w] if w != r else src for w in range(W)])
@@ -301,6 +277,20 @@ class DirectAllReduce(Collective):
             piece.copy_(decode_parts(self.codec, recv, st, piece, j, rnd))
 
     # -- helpers -----------------------------------------------------------------------------------------------
+    async def _land_all(self, into: dict[int, torch.Tensor], key: int, rnd: int, stats: CollectiveStats) -> None:
+        """Receive round ``rnd`` of ``key`` from every peer of ``into`` at once, each landed in its buffer (posted
+        before), its op checked against this call's."""
+        ep, op = self.group.endpoint, self.call_code
+
+        async def land(w: int) -> None:
+            res = await ep.recv_round(w, key, rnd, out=into[w])
+            stats.add_round(res.stats)
+            check_op(op, res.codec, rnd)
+
+        async with open_nursery() as nursery:
+            for w in into:
+                nursery.start_soon(land, w)
+
     @staticmethod
     def _reduce(mine: torch.Tensor, terms: list[torch.Tensor]) -> None:
         """``mine`` = the sum of ``terms`` (one per rank) in rank order; fp16/bf16 accumulate in float32. A term of
