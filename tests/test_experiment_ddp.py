@@ -195,25 +195,30 @@ def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_choose_lowrank_arm_probes_the_low_rank_path_on_loopback_tiny(tmp_path):
-    """The dgt-hook-choose-lowrank arm (DGTState(chooser="lowrank")) on 2 workers: after the 2 dense iterations its
-    chooser probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures,
-    low rank weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path."""
+def test_choose_lowrank_and_sparse_arms_on_loopback_tiny(tmp_path):
+    """dgt-hook-choose-lowrank (DGTState(chooser="lowrank")) on 2 workers: after the 2 dense iterations its chooser
+    probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures, low rank
+    weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path. dgt-hook-sparse
+    (DGTState(sparse=True)) trains through its probe window and counts what its owners held back."""
     from dgt.cli import main
 
     out = str(tmp_path / "res")
+    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse"]
     rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "16", "--eval-every",
-               "16", "--target", "0.99", "--arms", "dgt-hook-choose-lowrank", "--out", out])
+               "16", "--target", "0.99", "--arms", ",".join(arms), "--out", out])
     assert rc == 0
     with open(os.path.join(out, "results.json")) as f:
         res = json.load(f)
-    (run,) = res["runs"]
-    assert run["summary"]["iterations"] == 16
+    choose, sparse = res["runs"]
+    assert [choose["arm"], sparse["arm"]] == arms
+    assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
-    for d in run["dgt"]:
+    for d in choose["dgt"]:
         assert d["paths"]["lowrank"]["buckets"] >= 4 and d["paths"]["lossy"]["buckets"] >= 4, d["paths"]
         (first,) = d["choice"]["decisions"]
         assert first["iter"] == 13 and set(first["seconds"]) == {"lossless", "lossy", "lowrank"}
         assert first["lowrank_weighed_s"] == pytest.approx(1.5 * first["seconds"]["lowrank"])
         decisions.append(first)
     assert all(dec == decisions[0] for dec in decisions), "every rank decides on the same agreed figures"
+    for d in sparse["dgt"]:
+        assert d["paths"]["lossy"]["buckets"] >= 4 and d["held_blocks"] >= 0 and "lowrank" not in d["paths"]

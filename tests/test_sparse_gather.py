@@ -88,7 +88,7 @@ def _worker(rank, world, dtype, sparse, calls, meddle=None):
     from dgt.collectives import Group, RingAllReduce
     from dgt.collectives.chunks import Chunking
     from dgt.collectives.parts import transport_key
-    from dgt.transport import TransportConfig
+    from dgt.transport import Faults, TransportConfig
 
     if meddle == "busy":  # every hop reads as waiting for a CPU 40 % of the time: the CPU gate keeps blocks back
         import dgt.channels.hop_datagrams as hdm
@@ -97,9 +97,12 @@ def _worker(rank, world, dtype, sparse, calls, meddle=None):
 
     async def main():
         cfg = TransportConfig(deadline="fixed:10")
+        if meddle == "hold":  # half the datagrams lost (either reduce-scatter path), rounds closed at 0.3 s
+            cfg = TransportConfig(deadline="fixed:0.3", faults=Faults(drop_fraction=0.5, drop_seed=rank))
         async with Group.open(rank, world, config=cfg, timeout=30) as g:
             ring = RingAllReduce(g, "dgt:p=0.3", op="sum")
             ring.sparse_gather = meddle != "off"  # (off by default, the hook's state turns it on)
+            ring.hold_own = meddle == "hold"  # (off by default: DGTState(sparse=True))
             gather = ring._gather.gather
             ag_bytes = []  # per call: what this rank's all-gather sent
 
@@ -115,15 +118,19 @@ def _worker(rank, world, dtype, sparse, calls, meddle=None):
                 outs.append((res.tensor, res.stats.to_dict()))
             assert len(ag_bytes) == (0 if meddle == "off" else calls)  # every call took the sparse all-gather
             kept = torch.zeros(NUMEL)
-            if dtype == torch.float32:  # the stream reduce-scatter's error feedback (dgt.collectives.ring_lossy)
-                ch = Chunking(BucketLayout.of(SEGMENTS, DEFAULT_BLOCK), world)
+            ch = Chunking(BucketLayout.of(SEGMENTS, DEFAULT_BLOCK), world)
+            held = torch.zeros(NUMEL)  # what this rank holds back of its own chunk (hold_own)
+            own = (rank + 1) % world
+            if ring._held.held(0, own) is not None:
+                held[ch.edges[own] : ch.edges[own + 1]] = ring._held.held(0, own).float()
+            if dtype == torch.float32 or meddle == "hold":  # the reduce-scatter's error feedback (fp32: ring_lossy)
                 sender = g.endpoint.links.table[(rank + 1) % world].sender
                 for s in range(world - 1):
                     res = sender.residual(transport_key(0, "rs", s, 0))
                     if res is not None:
                         a = (rank - s) % world
-                        kept[ch.edges[a] : ch.edges[a + 1]] += res.reshape(-1)
-            return {"outs": outs, "kept": kept, "block": DEFAULT_BLOCK, "ag_bytes": ag_bytes}
+                        kept[ch.edges[a] : ch.edges[a + 1]] += res.reshape(-1).float()
+            return {"outs": outs, "kept": kept, "held": held, "block": DEFAULT_BLOCK, "ag_bytes": ag_bytes}
 
     return trio.run(main)
 
@@ -185,6 +192,38 @@ def test_conservation_with_blocks_kept_back_and_a_sparse_gather():
     held = sum(res[0]["outs"][k][0] for k in range(calls)) + sum(res[r]["kept"] for r in range(world))
     assert sum(res[r]["kept"].abs().sum() for r in range(world)) > 0  # (something was kept back)
     torch.testing.assert_close(held, total, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_the_owner_holds_its_own_value_where_nothing_arrived_and_the_gather_goes_sparse(dtype):
+    """RingAllReduce.hold_own (DGTState(sparse=True)), dense inputs, the CPU gate keeping unimportant blocks back:
+    each chunk's owner keeps its own value on the blocks the last hop brought nothing for (dgt.collectives.ring_hold),
+    so the result is zero there on every rank and the all-gather sends only the blocks that arrived; nothing is lost:
+    what every call applied + what error feedback and the owners hold = the inputs. Half the datagrams are lost
+    (and the deadline closes the rounds), so the last hop brings nothing for some blocks. fp32: the stream
+    reduce-scatter (ring_lossy); fp16: the reduce-scatter rounds (RingAllReduce._steps)."""
+    world, calls = 3, 5
+    res = run_ranks(_worker, world, dtype, False, calls, "hold", timeout=120)
+    sparse_calls = 0
+    for k in range(calls):
+        out = res[0]["outs"][k][0]
+        for r in range(world):
+            assert torch.equal(bits(res[r]["outs"][k][0]), bits(out)), (r, k)
+            sent, dense = _gather_bytes(r, world, res[0]["block"], out)
+            assert res[r]["ag_bytes"][k] == sent
+        held_k = sum(res[r]["outs"][k][1]["held_blocks"] for r in range(world))
+        if held_k:
+            sparse_calls += 1
+            assert sent < 0.9 * dense and (out == 0).float().mean() > 0.1  # the held blocks are zero everywhere
+    assert sparse_calls > 0, "blocks were lost and the owners held theirs"
+    total = sum(data(r, k, sparse=False) for r in range(world) for k in range(calls))
+    if dtype == torch.float16:
+        total = sum(data(r, k, sparse=False).half().float() for r in range(world) for k in range(calls))
+    held = sum(res[r]["held"] for r in range(world))
+    assert held.abs().sum() > 0
+    applied = sum(res[0]["outs"][k][0].float() for k in range(calls))
+    tol = 1e-4 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(applied + sum(res[r]["kept"] for r in range(world)) + held, total, rtol=tol, atol=tol)
 
 
 def test_dense_chunks_fall_back_to_the_dense_all_gather():
@@ -287,3 +326,53 @@ def test_the_sparse_gather_is_off_by_default_outside_the_hook():
     for r in range(world):
         assert torch.equal(bits(res[r]["outs"][0][0]), bits(out))
     assert (bits(out[ZERO]) == 0).all()
+
+
+def _sparse_hook_rank(rank: int, world: int) -> dict:
+    import torch.distributed as dist
+
+    from dgt.shim import DGTState
+    from dgt.shim.hook import submit
+
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # the default codec and fp16 wire, no chooser (deterministic), half the datagrams lost, rounds closed at 0.3 s
+    st = DGTState(warmup_iters=1, chooser=False, sparse=True,
+                  transport={"deadline": "fixed:0.3", "faults": {"drop_fraction": 0.5, "drop_seed": rank}})
+    res = [submit(st, data(rank, it, sparse=False), 0, SEGMENTS, use_codec=it >= 1, it=it).wait() for it in range(4)]
+    out = {"results": res, "held": st.totals["held_blocks"], "hold_own": st._collectives[1].hold_own}
+    st.close()
+    dist.destroy_process_group()
+    return out
+
+
+def test_the_hook_with_sparse_true_applies_only_what_arrived_identically_on_every_rank():
+    """DGTState(sparse=True) through the hook on 3 ranks with lost datagrams: the lossy ring's owners held blocks
+    back, the applied update is zero there, and every rank applies the same bits."""
+    world = 3
+    res = run_ranks(_sparse_hook_rank, world, timeout=120)
+    assert all(res[r]["hold_own"] for r in range(world)) and sum(res[r]["held"] for r in range(world)) > 0
+    for it in range(4):
+        out = res[0]["results"][it]
+        for r in range(world):
+            assert torch.equal(bits(res[r]["results"][it]), bits(out)), (r, it)
+        if it == 0:  # the dense warm-up: the exact mean
+            torch.testing.assert_close(out, sum(data(r, 0, sparse=False) for r in range(world)) / world)
+    assert any(float((res[0]["results"][it] == 0).float().mean()) > 0.1 for it in range(1, 4))
+
+
+def test_sparse_option_of_the_state():
+    import pickle
+
+    from dgt.shim import DGTState
+
+    assert DGTState().sparse is False and DGTState(sparse=True).sparse is True
+    assert DGTState(sparse=True, collective="ring").sparse
+    for coll in ("direct", "ps"):
+        with pytest.raises(ValueError, match="sparse=True"):
+            DGTState(sparse=True, collective=coll)
+    assert pickle.loads(pickle.dumps(DGTState(sparse=True))).sparse is True
+    old = DGTState().__getstate__()
+    del old["sparse"]  # a checkpoint from before the option
+    back = DGTState.__new__(DGTState)
+    back.__setstate__(old)
+    assert back.sparse is False

@@ -29,10 +29,12 @@ from dgt.collectives.parts import (
     transport_key,
 )
 from dgt.collectives.plan import plan_call
-from dgt.collectives.ring_gather import SparseGather
+from dgt.collectives.ring_gather import SparseGather, nonzero_blocks
+from dgt.collectives.ring_hold import HeldBack
 from dgt.collectives.ring_lossy import LossyHops
 from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import one_error, open_nursery
+from dgt.layout import BucketLayout
 from dgt.transport.streams import Hop
 
 
@@ -45,12 +47,16 @@ class RingAllReduce(Collective):
     # off by default: a dense chunk then costs an extra message per hop (its cost on loopback not yet measured
     # cleanly, see docs/collectives.md); the hook's DGTState turns it on for its lossy collective
     sparse_gather = False
+    # a lossy ring's owner holds its own contribution back where the last reduce-scatter hop brought nothing, so the
+    # result is as sparse as what arrived (dgt.collectives.ring_hold); off by default: DGTState(sparse=True) sets it
+    hold_own = False
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         check_world(self.group.world, self.name)
         self._scratch: dict[tuple[int, torch.dtype, int], torch.Tensor] = {}
         self._lossy = LossyHops(self)
+        self._held = HeldBack()
         self._gather = SparseGather()
 
     @tells_peers
@@ -138,7 +144,8 @@ class RingAllReduce(Collective):
         ag: list[int | None] = [ep.reserve_exchange()]
         try:
             with self.phase(stats, "reduce_scatter"):
-                await self._lossy.reduce_scatter(ch, src, flat, bucket_id, rnd, stats, rs_land, tickets)
+                await self._lossy.reduce_scatter(ch, src, flat, bucket_id, rnd, stats, rs_land, tickets,
+                                                 self._held if self.hold_own else None)
             await self._stream_gather(ch, flat, bucket_id, rnd, stats, ag)
         except BaseException:
             for t in [*tickets, *ag]:
@@ -162,7 +169,13 @@ class RingAllReduce(Collective):
                                       rnd, stats, state_key=state_key("rs", bucket_id, s), into=into)
                 if dec is not None:  # (None: an empty chunk)
                     c = (r - s - 1) % W
-                    torch.add(ch.chunk(src, c), dec.to(flat.dtype), out=ch.chunk(flat, c))
+                    hold = s == W - 2 and self.hold_own and self.codec.capabilities.lossy_tolerant
+                    own_src = self._held.add_to(bucket_id, c, ch.chunk(src, c)) if hold else ch.chunk(src, c)
+                    torch.add(own_src, dec.to(flat.dtype), out=ch.chunk(flat, c))
+                    if hold:  # nothing arrived on a block: this rank's own value waits too (ring_hold)
+                        lay = BucketLayout.of(ch.segments[c], ch.layout.block)
+                        arrived = torch.from_numpy(nonzero_blocks(dec, lay))
+                        stats.held_blocks += self._held.keep(bucket_id, c, own_src, ch.chunk(flat, c), arrived, lay)
                 if direct and self.prepost and not self.codec.capabilities.lossy_tolerant:
                     # this step's scratch is free again: post it for the next round now, so a neighbour that
                     # finishes this call first and starts the next one lands there instead of in a fresh buffer

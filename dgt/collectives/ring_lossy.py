@@ -21,6 +21,7 @@ from dgt.codecs.base import BLOCK_MEANS_HINT
 from dgt.collectives.base import Collective
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.parts import FAMILY_MASK, host, state_key, transport_key, wire_layout
+from dgt.collectives.ring_hold import HeldBack
 from dgt.collectives.stats import CollectiveStats
 from dgt.layout import BucketLayout
 from dgt.transport.lossy_hop import LossyHopPool, LossyHopSpec
@@ -36,20 +37,28 @@ class LossyHops:
         self.pool = LossyHopPool()
 
     async def reduce_scatter(self, ch: Chunking, src: torch.Tensor, flat: torch.Tensor, bucket_id: int, rnd: int,
-                             stats: CollectiveStats, land: list[torch.Tensor], tickets: list[int | None]) -> None:
+                             stats: CollectiveStats, land: list[torch.Tensor], tickets: list[int | None],
+                             held: HeldBack | None = None) -> None:
         """W-1 hops: step s sends chunk r-s (``src`` at step 0, the partial sum in ``flat`` after) and adds what
         the previous rank sends for chunk r-s-1 to this rank's input chunk, into ``flat``. ``land``: per step, the
         buffer the step's round lands in. ``tickets``: per step, its reserved exchange; each is set to None once its
-        hop holds it (the caller forfeits those left)."""
+        hop holds it (the caller forfeits those left). ``held``: the ring's store of this rank's held-back own
+        contribution (``RingAllReduce.hold_own``): added to its own chunk at the last hop, refilled from the blocks
+        that hop brought nothing for."""
         W, r = self.coll.group.world, self.coll.group.rank
         means = None  # the block scores of the chunk the next hop sends, from the hop that summed it
         for s in range(W - 1):
             a, c = (r - s) % W, (r - s - 1) % W
-            spec = self._spec(ch, ch.chunk(src if s == 0 else flat, a), a, c, ch.chunk(src, c), ch.chunk(flat, c),
+            hold = held is not None and s == W - 2
+            own_src = held.add_to(bucket_id, c, ch.chunk(src, c)) if hold and held else ch.chunk(src, c)
+            spec = self._spec(ch, ch.chunk(src if s == 0 else flat, a), a, c, own_src, ch.chunk(flat, c),
                               land[s], bucket_id, s, rnd, stats, means, tickets)
             res = await self.coll.group.endpoint.lossy_hop(spec)
             stats.add_lossy_hop(res)
             means = res.means
+            if hold and held:
+                arrived = res.arrived if res.arrived is not None else res.mask
+                stats.held_blocks += held.keep(bucket_id, c, own_src, ch.chunk(flat, c), arrived, spec.recv_layout)
 
     def _spec(self, ch: Chunking, out: torch.Tensor, a: int, c: int, mine_src: torch.Tensor, mine: torch.Tensor,
               land: torch.Tensor, bucket_id: int, s: int, rnd: int, stats: CollectiveStats,

@@ -15,6 +15,7 @@ class CollectiveStats:
     unsent: int = 0  # blocks received as missing because their sender's send budget kept them back (not lost)
     unimportant_received: int = 0  # unimportant blocks that arrived before their round closed
     bytes_unsent: int = 0  # payload bytes this rank's send budget kept back (error feedback carries them)
+    held_blocks: int = 0  # blocks of its own chunk whose own contribution the owner held back (ring hold_own)
     phases: dict[str, float] = field(default_factory=dict)  # phase -> seconds
     plan: Any = None  # the call's path: a dgt.collectives.plan.CallPlan (None: a collective without one)
 
@@ -49,6 +50,7 @@ class CollectiveStats:
         self.unsent += other.unsent
         self.unimportant_received += other.unimportant_received
         self.bytes_unsent += other.bytes_unsent
+        self.held_blocks += other.held_blocks
         for k, v in other.phases.items():
             self.phases[k] = self.phases.get(k, 0.0) + v
 

@@ -40,6 +40,9 @@ ARMS: dict[str, str] = {
                         "(collective=\"auto\")",
     "dgt-hook-lowrank-ring": "dgt-hook-lowrank with collective=\"ring\": the P and Q factors summed by the ring "
                              "(2(n-1) transfers in series) instead of the direct all-reduce",
+    "dgt-hook-sparse": "Gloo + register_comm_hook(dgt.shim.DGTState(sparse=True), dgt.shim.hook): the default hook "
+                       "whose ring holds each owner's own contribution back where nothing arrived, so its update and "
+                       "all-gather carry only the blocks that arrived",
     "dgt-hook-choose-lowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=\"lowrank\"), dgt.shim.hook): "
                                "the default hook whose chooser also probes the low-rank path (rank-1 P/Q factors on "
                                "the direct all-reduce), its seconds weighed by a 1.5x steps prior",

@@ -97,10 +97,10 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
-    if arm == "dgt-hook-choose-lowrank":
+    if arm in ("dgt-hook-choose-lowrank", "dgt-hook-sparse"):
         import dgt.shim
 
-        state = dgt.shim.DGTState(chooser="lowrank")
+        state = dgt.shim.DGTState(**({"chooser": "lowrank"} if arm == "dgt-hook-choose-lowrank" else {"sparse": True}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-ring"):
@@ -144,7 +144,8 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
         t = state.totals
         return {"lanes": {str(k): int(v) for k, v in t["bytes_sent"].items()}, "dropped": int(t["dropped"]),
                 "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"]),
-                "lossy_buckets": int(t.get("lossy_buckets", 0)), "paths": t.get("paths", {}),
+                "lossy_buckets": int(t.get("lossy_buckets", 0)), "held_blocks": int(t.get("held_blocks", 0)),
+                "paths": t.get("paths", {}),
                 "transport": _transport_summary(state.transport_stats()),
                 "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":

@@ -97,6 +97,11 @@ class DGTState:
             ``"native"`` for an explicitly given one). A float32/float64 bucket is divided by the world size and cast
             before the lossy collective (as torch's ``fp16_compress_hook`` does) and cast back after; the lossless path
             is never cast (bit-exact). Kept as the field ``state.wire_dtype`` (a torch.dtype, or None: not cast).
+        sparse: on the ring's lossy path, each chunk's owner holds its own contribution back (in an error-feedback
+            store of the ring) on the blocks for which nothing arrived in the last reduce-scatter hop, so the applied
+            update carries only the blocks that arrived and the all-gather only those
+            (:mod:`dgt.collectives.ring_hold`; docs/shim.md "Sparse updates"). Default False. The direct
+            all-reduce's lossy path is unchanged; ``collective`` must be ``"ring"`` or ``"auto"``.
 
     ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser=DropChooser(start=2))`` spelt out.
     The keywords ``choose=`` and ``wire=`` of before issue 44 still work for one release, with a DeprecationWarning.
@@ -106,7 +111,7 @@ class DGTState:
         "process_group", "store",
         # hyperparameters
         "codec", "warmup_codec", "collective", "server", "normalize", "lossy_pull", "warmup_iters", "transport",
-        "host", "timeout", "wire_dtype",
+        "host", "timeout", "wire_dtype", "sparse",
         # internal state (pickled)
         "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter", "chooser",
         "lowrank_codec",
@@ -131,6 +136,7 @@ class DGTState:
         store: dist.Store | None = None,
         chooser: DropChooser | bool | str | None = "auto",
         wire_dtype: str | torch.dtype | None = "auto",
+        sparse: bool = False,
         **deprecated: Any,
     ) -> None:
         chooser, wire_dtype = _deprecated_keywords(deprecated, chooser, wire_dtype)
@@ -152,6 +158,10 @@ class DGTState:
         self.transport = transport
         self.host = host
         self.timeout = timeout
+        self.sparse = bool(sparse)
+        if self.sparse and collective not in ("ring", "auto"):
+            raise ValueError(f"sparse=True holds back on the ring's lossy path: collective 'ring' or 'auto', not "
+                             f"{collective!r}")
         self.iter = 0
         self.buckets: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         self.bucket_resets = 0
@@ -166,12 +176,7 @@ class DGTState:
         default = is_default_codec(codec)
         self.wire_dtype = _wire_dtype(wire_dtype, default)
         self.chooser: DropChooser | None = _chooser(chooser, default, warmup_iters, self.codec)
-        self.lowrank_codec: LowRankCodec | None = None
-        if self.chooser is not None and LOWRANK in self.chooser.modes:
-            if collective not in LOW_RANK_INNER:
-                raise ValueError(f"the chooser's low-rank path runs on collective 'ring', 'direct' or 'auto', not "
-                                 f"{collective!r}")
-            self.lowrank_codec = make_codec(CHOOSER_LOW_RANK)  # type: ignore[assignment]
+        self.lowrank_codec: LowRankCodec | None = _chooser_low_rank(self.chooser, collective)
 
     # -- the loss feed ----------------------------------------------------------------------------------------
     def observe_loss(self, loss: float | torch.Tensor) -> None:
@@ -272,6 +277,7 @@ class DGTState:
         if self.collective in ("ring", "auto"):
             ring = RingAllReduce(group, codec, op=op)
             ring.sparse_gather = codec.capabilities.lossy_tolerant  # the lossy path's all-gather: nonzero blocks only
+            ring.hold_own = self.sparse and codec.capabilities.lossy_tolerant  # ... and only the blocks that arrived
             return ring
         return ParameterServer(group, codec, op=op, server=self.server, normalize=self.normalize,
                                lossy_pull=self.lossy_pull)
@@ -334,6 +340,7 @@ class DGTState:
         t["lossy_buckets"] = t.get("lossy_buckets", 0) + int(lossy)
         t["blocks"] += stats.blocks
         t["dropped"] += stats.dropped
+        t["held_blocks"] = t.get("held_blocks", 0) + stats.held_blocks  # (sparse=True: own values held back)
         t["seconds"] += seconds
         for lane, b in stats.bytes_sent.items():
             t["bytes_sent"][lane] = t["bytes_sent"].get(lane, 0) + b
@@ -379,6 +386,7 @@ class DGTState:
         self.wire_dtype = None  # (checkpoints from before the wire option: the lossy path was not cast)
         self.chooser = None  # (checkpoints from before the chooser)
         self.lowrank_codec = None  # (checkpoints from before the chooser's low-rank path)
+        self.sparse = False  # (checkpoints from before sparse=)
         for k, v in state.items():
             setattr(self, k, v)
         if dist.is_initialized():
@@ -468,6 +476,16 @@ def _chooser(chooser: Any, default: bool, warmup_iters: int, codec: Codec) -> Dr
     if chooser and not codec.capabilities.lossy_tolerant:
         chooser = None  # a lossless codec has nothing to choose
     return chooser or None
+
+
+def _chooser_low_rank(chooser: DropChooser | None, collective: str) -> LowRankCodec | None:
+    """The codec of the chooser's low-rank path when it has that mode (``CHOOSER_LOW_RANK``), else None."""
+    if chooser is None or LOWRANK not in chooser.modes:
+        return None
+    if collective not in LOW_RANK_INNER:
+        raise ValueError(f"the chooser's low-rank path runs on collective 'ring', 'direct' or 'auto', not "
+                         f"{collective!r}")
+    return make_codec(CHOOSER_LOW_RANK)  # type: ignore[return-value]
 
 
 def _wire_dtype(wire: str | torch.dtype | None, default_codec: bool) -> torch.dtype | None:

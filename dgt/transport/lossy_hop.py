@@ -141,7 +141,8 @@ class LossyHopResult:
     hop's codec reads them); ``mask``, the round's arrival mask (a bool per block of ``recv_layout``; the blocks that
     came on the stream lane are ``important``); the receiver's ``round`` statistics; payload bytes handed over per
     lane (``sent``: 0 the packed important blocks, 1 the round's datagrams), those the send budget kept back
-    (``unsent_bytes``) and bytes the stream lane received (``received``)."""
+    (``unsent_bytes``) and bytes the stream lane received (``received``); ``arrived``: a bool per block of
+    ``recv_layout``, whether any value came for it (on the stream lane or in the round)."""
 
     means: torch.Tensor
     mask: torch.Tensor
@@ -150,6 +151,7 @@ class LossyHopResult:
     sent: dict[int, int] = field(default_factory=dict)
     unsent_bytes: int = 0
     received: int = 0
+    arrived: torch.Tensor | None = None
 
 
 class _HopSum:
@@ -301,8 +303,9 @@ async def _land(ep: HopEndpoint, spec: LossyHopSpec, h: _Hop, done: list[HopResu
         what = spec.label or f"hop {spec.step}"
         raise RankMismatch(shape_mismatch(rnd), detail=f"rank {prv} sent {dst.numel()} x {dst.dtype} for {what}, "
                            f"this rank expects {lay_c.numel} x {spec.mine.dtype}")
-    important = int(h.early.important.sum())
+    imp = h.early.important
     means = h.early.finish(dst, res.mask.numpy())
-    return LossyHopResult(means, res.mask, important, res.stats,
+    return LossyHopResult(means, res.mask, int(imp.sum()), res.stats,
                           sent={1: spec.data.numel() * isz - packed - st.unsent_bytes, 0: packed},
-                          unsent_bytes=st.unsent_bytes, received=sum(d.received for d in done))
+                          unsent_bytes=st.unsent_bytes, received=sum(d.received for d in done),
+                          arrived=torch.from_numpy(imp | res.mask.numpy().astype(bool)))
