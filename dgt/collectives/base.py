@@ -15,7 +15,7 @@ from dgt.codecs.base import BucketState, Codec
 from dgt.codecs.registry import make_codec
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
-from dgt.collectives.stats import CollectiveStats
+from dgt.collectives.stats import CollectiveResult, CollectiveStats
 from dgt.errors import (
     PLAN_SHIFT,
     CodecMismatch,
@@ -260,6 +260,21 @@ class Collective:
         if out.numel() != bucket.numel() or out.dtype != bucket.dtype or not out.is_contiguous():
             raise InputRejected(f"out must be a contiguous {bucket.dtype} tensor of {bucket.numel()} elements")
         return out.detach().view(-1)
+
+    def source_and_result(self, bucket: torch.Tensor, out: torch.Tensor | None,
+                          reads_only: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(what a call sends and adds from, where its result goes). ``reads_only``: the call's path only reads its
+        input and writes every element of its result (a lossless codec whose chunks are their own wire form): the
+        input itself, and ``out`` or a new tensor, no copy first; else one working copy for both (a lossy round's
+        drop report may come after the call returns, and the transport sends such a round from its own copy)."""
+        if reads_only:
+            return bucket.detach().reshape(-1), self.result_buffer(bucket, out)
+        flat = self.working_copy(bucket, out)
+        return flat, flat
+
+    def alone(self, bucket: torch.Tensor, out: torch.Tensor | None, stats: CollectiveStats) -> CollectiveResult:
+        """A group of one: the result is the input (``op`` applied), in ``out`` or a copy."""
+        return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
 
     def code_of(self, stats: CollectiveStats) -> int:
         """The call code of the call ``stats`` belong to (the header's codec byte of its every message): this

@@ -96,18 +96,13 @@ class DirectAllReduce(Collective):
         g = self.group
         stats = CollectiveStats()
         if g.world == 1:
-            return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
+            return self.alone(bucket, out, stats)
         await self.connect()  # every other rank, on the first call; then it does not yield
         direct = self._direct(bucket)
-        if direct:
-            # the input is only read: every chunk of the result is written by the owner's sum or lands from the
-            # all-gather, which an owner sends only once it received this rank's chunk (so nothing lands in a chunk
-            # this rank still sends from, even in place)
-            src = bucket.detach().reshape(-1)
-            flat = self.result_buffer(bucket, out)
-        else:
-            # a lossy round's drop report may come after this call returns; the transport sends from its own copy
-            src = flat = self.working_copy(bucket, out)
+        # direct: the input is only read: every chunk of the result is written by the owner's sum or lands from the
+        # all-gather, which an owner sends only once it received this rank's chunk (so nothing lands in a chunk this
+        # rank still sends from, even in place)
+        src, flat = self.source_and_result(bucket, out, direct)
         rnd = g.next_round(self.round_family, bucket_id)
         if direct and 0 < flat.numel() * flat.element_size() <= self.one_round_bytes:
             await self._one_round(src, flat, bucket_id, rnd, stats)

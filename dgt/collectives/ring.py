@@ -72,19 +72,15 @@ class RingAllReduce(Collective):
         stats = CollectiveStats()
         if W == 1:
             stats.plan = plan_call(self, bucket)
-            return CollectiveResult(self.finish(self.working_copy(bucket, out), inplace=True).view_as(bucket), stats)
+            return self.alone(bucket, out, stats)
         await self.connect()  # the two neighbours, on the first call; then it does not yield
         ch = self.chunking(segments or [bucket.numel()], self.codec.capabilities.block, W)
         plan = stats.plan = plan_call(self, bucket, chunks=ch, out=out, sparse_gather=self.sparse_gather)
-        if plan.direct:
-            # no copy of the input first. Every chunk of the result is written by a reduce-scatter add (input chunk +
-            # received) or lands from the all-gather, so the input is only read, in the hops. A lossy round's drop
-            # report comes after this call returns, but the transport sends such a round from its own copy
-            # (send_round without waiting for the report), which error feedback reads
-            src = bucket.detach().reshape(-1)
-            flat = self.result_buffer(bucket, out)
-        else:
-            src = flat = self.working_copy(bucket, out)
+        # direct: no copy of the input first. Every chunk of the result is written by a reduce-scatter add (input
+        # chunk + received) or lands from the all-gather, so the input is only read, in the hops. A lossy round's
+        # drop report comes after this call returns, but the transport sends such a round from its own copy
+        # (send_round without waiting for the report), which error feedback reads
+        src, flat = self.source_and_result(bucket, out, plan.direct)
         rnd = g.next_round("ring", bucket_id)
         # no await from here to the first exchange: its ticket follows the order collectives were called in
         if plan.schedule == "ring-streams":
