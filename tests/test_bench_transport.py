@@ -16,6 +16,7 @@ def _args(*flags: str) -> argparse.Namespace:
     return p.parse_args(list(flags))
 
 
+@pytest.mark.slow  # (8.6 s; default suite time)
 def test_stale_variant_reports_the_round_against_the_paced_send():
     out = transport.run(_args("--mb", "0.8", "--repeats", "2", "--variants", "dgt-p30-stale"))
     assert set(out["variants"]) == {"raw", "dgt-p30-stale"}  # the anchor always runs

@@ -241,6 +241,7 @@ def test_ping_rtt_status_and_cleanup(prefix: str) -> None:
         assert delaylink.read_stats(prefix, "h0") is None  # the stats files went with the topology
 
 
+@pytest.mark.slow  # (8-12 s; default suite time: the delay line's own timing is covered by the ping RTT test)
 def test_jitter_spread_matches_uniform(prefix: str) -> None:
     """jitter 5 ms on each of 4 crossings: RTT = 100 ms + sum of 4 U(±5 ms), sigma = 2 * 5 / sqrt(3) = 5.8 ms."""
     from dgt.netem import Topology
@@ -292,6 +293,7 @@ def test_tcp_through_unshaped_delayed_link(prefix: str) -> None:
     assert rate >= 200e6, rate
 
 
+@pytest.mark.slow  # (8 s; default suite time)
 def test_reordering_only_when_asked(prefix: str) -> None:
     from dgt.netem import Topology
 

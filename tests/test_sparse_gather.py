@@ -194,7 +194,7 @@ def test_conservation_with_blocks_kept_back_and_a_sparse_gather():
     torch.testing.assert_close(held, total, rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [pytest.param(torch.float32, marks=pytest.mark.slow), torch.float16])
 def test_the_owner_holds_its_own_value_where_nothing_arrived_and_the_gather_goes_sparse(dtype):
     """RingAllReduce.hold_own (DGTState(sparse=True)), dense inputs, the CPU gate keeping unimportant blocks back:
     each chunk's owner keeps its own value on the blocks the last hop brought nothing for (dgt.collectives.ring_hold),
