@@ -170,19 +170,25 @@ def test_every_arm_trains_on_loopback_tiny(tmp_path):
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
 
 
+def _tiny_loopback_run(tmp_path, arms: list[str], iters: int) -> dict:
+    """``dgt experiment ddp`` on loopback, 2 workers, ``iters`` steps of ``arms`` (target out of reach); its
+    results.json."""
+    from dgt.cli import main
+
+    out = str(tmp_path / "res")
+    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", str(iters),
+               "--eval-every", str(iters), "--target", "0.99", "--arms", ",".join(arms), "--out", out])
+    assert rc == 0
+    with open(os.path.join(out, "results.json")) as f:
+        return json.load(f)
+
+
 @pytest.mark.slow
 def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
     """The two low-rank hook arms past their 10 dense iterations (torch's start_powerSGD_iter): the P/Q factors go
     over DGT's reliable lane and nothing is dropped."""
-    from dgt.cli import main
-
-    out = str(tmp_path / "res")
     arms = ["dgt-hook-lowrank", "dgt-hook-lowrank-ring"]
-    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "12", "--eval-every",
-               "12", "--target", "0.99", "--arms", ",".join(arms), "--out", out])
-    assert rc == 0
-    with open(os.path.join(out, "results.json")) as f:
-        res = json.load(f)
+    res = _tiny_loopback_run(tmp_path, arms, 12)
     assert [r["arm"] for r in res["runs"]] == arms
     for r in res["runs"]:
         s = r["summary"]
@@ -200,15 +206,8 @@ def test_choose_lowrank_and_sparse_arms_on_loopback_tiny(tmp_path):
     probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures, low rank
     weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path. dgt-hook-sparse
     (DGTState(sparse=True)) trains through its probe window and counts what its owners held back."""
-    from dgt.cli import main
-
-    out = str(tmp_path / "res")
     arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse"]
-    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "16", "--eval-every",
-               "16", "--target", "0.99", "--arms", ",".join(arms), "--out", out])
-    assert rc == 0
-    with open(os.path.join(out, "results.json")) as f:
-        res = json.load(f)
+    res = _tiny_loopback_run(tmp_path, arms, 16)
     choose, sparse = res["runs"]
     assert [choose["arm"], sparse["arm"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
