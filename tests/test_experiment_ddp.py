@@ -201,15 +201,15 @@ def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
 
 
 @pytest.mark.slow
-def test_choose_lowrank_and_sparse_arms_on_loopback_tiny(tmp_path):
+def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     """dgt-hook-choose-lowrank (DGTState(chooser="lowrank")) on 2 workers: after the 2 dense iterations its chooser
     probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures, low rank
     weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path. dgt-hook-sparse
     (DGTState(sparse=True)) trains through its probe window and counts what its owners held back."""
-    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse"]
+    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse = res["runs"]
-    assert [choose["arm"], sparse["arm"]] == arms
+    choose, sparse, pwarm = res["runs"]
+    assert [choose["arm"], sparse["arm"], pwarm["arm"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
     for d in choose["dgt"]:
@@ -221,3 +221,7 @@ def test_choose_lowrank_and_sparse_arms_on_loopback_tiny(tmp_path):
     assert all(dec == decisions[0] for dec in decisions), "every rank decides on the same agreed figures"
     for d in sparse["dgt"]:
         assert d["paths"]["lossy"]["buckets"] >= 4 and d["held_blocks"] >= 0 and "lowrank" not in d["paths"]
+    # dgt-hook-pwarm (DGTState(p_warmup=50)): 16 steps into its warm-up of p, after its lossy probe iterations
+    # (the last lossy round at iteration <= 15: t <= 13 of 50), p is still far above the default's 0.1
+    for d in pwarm["dgt"]:
+        assert d["paths"]["lossy"]["buckets"] >= 4 and 0.1 ** (13 / 50) <= d["p"] <= 1.0, d

@@ -48,12 +48,18 @@ class DGTCodec(Codec):
         self.classes = classes
         self.nonfinite = 0
         """NaN/Inf elements seen in encoded buckets (see :meth:`_nonfinite`)."""
+        self.ramp = 1.0
+        """How far a warm-up of p has gone, in [0, 1] (set by ``DGTState(p_warmup=N)``): the codec classifies with
+        ``p ** ramp``, i.e. p = 1 (every block important) at 0, falling geometrically to the schedule's p at 1 (the
+        default: no warm-up)."""
 
     def observe_loss(self, loss: float) -> None:
         self.schedule.observe_loss(loss)
 
     def current_p(self) -> float | None:
-        return float(self.schedule.p())
+        """The p the next encode classifies with: the schedule's p, raised during a warm-up (:attr:`ramp`)."""
+        p = float(self.schedule.p())
+        return p if self.ramp >= 1.0 else p ** max(0.0, float(self.ramp))
 
     def encode(self, bucket: torch.Tensor, state: BucketState) -> list[Part]:
         flat = bucket.reshape(-1)
@@ -71,7 +77,7 @@ class DGTCodec(Codec):
         # propagate); a sum that overflowed takes the exact path below, which treats finite values alike
         if bool(torch.isfinite(means).all()):
             est.update(flat, means)
-            c = est.classify(self.schedule.p())
+            c = est.classify(self.current_p())
             cls, order = c.cls, c.order
         else:
             cls, order, c = self._nonfinite(flat, torch.isfinite(flat), est, state)
@@ -90,7 +96,7 @@ class DGTCodec(Codec):
         self.nonfinite += n
         state.values["nonfinite"] = state.values.get("nonfinite", 0) + n
         est.update(torch.where(finite, flat, torch.zeros((), dtype=flat.dtype, device=flat.device)))
-        c = est.classify(self.schedule.p())
+        c = est.classify(self.current_p())
         bad_block = est.layout.block_abs_mean(bad.to(torch.float32)) > 0
         cls = c.cls.clone()
         cls[bad_block] = 0

@@ -46,6 +46,9 @@ ARMS: dict[str, str] = {
     "dgt-hook-choose-lowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=\"lowrank\"), dgt.shim.hook): "
                                "the default hook whose chooser also probes the low-rank path (rank-1 P/Q factors on "
                                "the direct all-reduce), its seconds weighed by a 1.5x steps prior",
+    "dgt-hook-pwarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=50), dgt.shim.hook): the default hook "
+                      "whose p falls from 1 to 0.1 over the 50 iterations after the dense warm-up (p ** (t / 50); "
+                      "Deep Gradient Compression's sparsity warm-up)",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

@@ -50,6 +50,9 @@ def wire_bytes(ifname: str | None) -> dict[str, int] | None:
     return None
 
 
+# the default hook with one opt-in option each (ddp_config.ARMS says what they are)
+OPT_IN_ARMS: dict[str, dict[str, Any]] = {"dgt-hook-choose-lowrank": {"chooser": "lowrank"},
+                                          "dgt-hook-sparse": {"sparse": True}, "dgt-hook-pwarm": {"p_warmup": 50}}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd")
 
 
@@ -97,10 +100,10 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
-    if arm in ("dgt-hook-choose-lowrank", "dgt-hook-sparse"):
+    if arm in OPT_IN_ARMS:
         import dgt.shim
 
-        state = dgt.shim.DGTState(**({"chooser": "lowrank"} if arm == "dgt-hook-choose-lowrank" else {"sparse": True}))
+        state = dgt.shim.DGTState(**OPT_IN_ARMS[arm])
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-ring"):
@@ -145,7 +148,7 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
         return {"lanes": {str(k): int(v) for k, v in t["bytes_sent"].items()}, "dropped": int(t["dropped"]),
                 "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"]),
                 "lossy_buckets": int(t.get("lossy_buckets", 0)), "held_blocks": int(t.get("held_blocks", 0)),
-                "paths": t.get("paths", {}),
+                "paths": t.get("paths", {}), "p": state.codec.current_p(),
                 "transport": _transport_summary(state.transport_stats()),
                 "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":

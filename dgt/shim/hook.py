@@ -68,6 +68,7 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
         elif lossy and state.low_rank:
             res = await coll.allreduce(buf, index, shapes)
         elif lossy:
+            state.warm_p(it)
             res = await coll.allreduce(state.lossy_input(buf, group.world), index, segments)
         else:
             res = await coll.allreduce(buf, index, segments)

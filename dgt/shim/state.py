@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from dgt.codecs.base import Codec
+from dgt.codecs.dgt import DGTCodec
 from dgt.codecs.lowrank import LowRankCodec
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
@@ -102,6 +103,10 @@ class DGTState:
             update carries only the blocks that arrived and the all-gather only those
             (:mod:`dgt.collectives.ring_hold`; docs/shim.md "Sparse updates"). Default False. The direct
             all-reduce's lossy path is unchanged; ``collective`` must be ``"ring"`` or ``"auto"``.
+        p_warmup: a warm-up of DGT's p over this many iterations after the dense warm-up (Deep Gradient
+            Compression's sparsity warm-up): at iteration ``warmup_iters + t`` the lossy path classifies with
+            ``p ** (t / p_warmup)``, from p = 1 (every block important) down to the schedule's p; 0 (default): none.
+            Only the ``dgt`` codec has a p; docs/shim.md "Warm-up of p".
 
     ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser=DropChooser(start=2))`` spelt out.
     The keywords ``choose=`` and ``wire=`` of before issue 44 still work for one release, with a DeprecationWarning.
@@ -111,7 +116,7 @@ class DGTState:
         "process_group", "store",
         # hyperparameters
         "codec", "warmup_codec", "collective", "server", "normalize", "lossy_pull", "warmup_iters", "transport",
-        "host", "timeout", "wire_dtype", "sparse",
+        "host", "timeout", "wire_dtype", "sparse", "p_warmup",
         # internal state (pickled)
         "iter", "buckets", "bucket_resets", "last_loss", "totals", "last_stats", "_clear_iter", "chooser",
         "lowrank_codec",
@@ -137,13 +142,11 @@ class DGTState:
         chooser: DropChooser | bool | str | None = "auto",
         wire_dtype: str | torch.dtype | None = "auto",
         sparse: bool = False,
+        p_warmup: int = 0,
         **deprecated: Any,
     ) -> None:
         chooser, wire_dtype = _deprecated_keywords(deprecated, chooser, wire_dtype)
-        if collective not in COLLECTIVES:
-            raise ValueError(f"collective must be one of {COLLECTIVES}, not {collective!r}")
-        if warmup_iters < 0:
-            raise ValueError("warmup_iters must be >= 0")
+        _check_options(collective, warmup_iters, sparse, p_warmup)
         self.process_group = process_group
         self.store = store
         self.codec = make_codec(codec)
@@ -159,9 +162,9 @@ class DGTState:
         self.host = host
         self.timeout = timeout
         self.sparse = bool(sparse)
-        if self.sparse and collective not in ("ring", "auto"):
-            raise ValueError(f"sparse=True holds back on the ring's lossy path: collective 'ring' or 'auto', not "
-                             f"{collective!r}")
+        self.p_warmup = int(p_warmup)
+        if self.p_warmup and not isinstance(self.codec, DGTCodec):
+            raise ValueError(f"p_warmup warms up DGT's p: codec {self.codec.name!r} has none")
         self.iter = 0
         self.buckets: dict[int, tuple[int, str, tuple[int, ...]]] = {}
         self.bucket_resets = 0
@@ -246,6 +249,13 @@ class DGTState:
             op = "mean" if self.wire_dtype is None else "sum"
             self._direct = (DirectAllReduce(group, self.warmup_codec), DirectAllReduce(group, self.codec, op=op))
         return self._direct[1 if lossy else 0], mode
+
+    def warm_p(self, it: int | None) -> None:
+        """Set the codec's warm-up of p for a lossy round of iteration ``it`` (``p_warmup``; worker thread, before
+        the round): ``ramp = (it - warmup_iters) / p_warmup``, capped at 1. Nothing without a warm-up, without an
+        iteration number."""
+        if self.p_warmup and it is not None and isinstance(self.codec, DGTCodec):
+            self.codec.ramp = min(1.0, max(0, it - self.warmup_iters) / self.p_warmup)
 
     @property
     def low_rank(self) -> bool:
@@ -387,6 +397,7 @@ class DGTState:
         self.chooser = None  # (checkpoints from before the chooser)
         self.lowrank_codec = None  # (checkpoints from before the chooser's low-rank path)
         self.sparse = False  # (checkpoints from before sparse=)
+        self.p_warmup = 0  # (checkpoints from before p_warmup=)
         for k, v in state.items():
             setattr(self, k, v)
         if dist.is_initialized():
@@ -406,6 +417,17 @@ class DGTState:
         chooser = "DropChooser(...)" if self.chooser is not None else "None"
         return (f"DGTState(codec={self.codec.name!r}, collective={self.collective!r}, warmup_iters={self.warmup_iters},"
                 f" wire_dtype={wire!r}, chooser={chooser}, iter={self.iter})")
+
+
+def _check_options(collective: str, warmup_iters: int, sparse: bool, p_warmup: int) -> None:
+    """A ValueError for a collective that does not exist, a negative warm-up, or ``sparse`` off the ring."""
+    if collective not in COLLECTIVES:
+        raise ValueError(f"collective must be one of {COLLECTIVES}, not {collective!r}")
+    if warmup_iters < 0 or p_warmup < 0:
+        raise ValueError("warmup_iters and p_warmup must be >= 0")
+    if sparse and collective not in ("ring", "auto"):
+        raise ValueError(f"sparse=True holds back on the ring's lossy path: collective 'ring' or 'auto', not "
+                         f"{collective!r}")
 
 
 def is_default_codec(codec: str | Codec) -> bool:
