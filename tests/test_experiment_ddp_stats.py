@@ -12,7 +12,8 @@ import torch
 from dgt.experiment.ddp_config import ARMS, DDPConfig
 from dgt.experiment.ddp_report import censored_text, render, spread_text, table
 from dgt.experiment.ddp_runner import summarize
-from dgt.experiment.ddp_stats import TORCH_ARMS, aggregate, best_torch, censored_spread, nearest_rank, ratios, spread
+from dgt.experiment.ddp_stats import (TORCH_ARMS, aggregate, best_torch, censored_spread, nearest_rank, paired_ratio,
+                                      ratios, spread)
 
 
 def test_nearest_rank_quantiles_from_known_inputs():
@@ -121,6 +122,32 @@ def test_ratios_divide_medians_and_name_the_best_torch_arm():
     assert set(TORCH_ARMS) <= set(ARMS) and "gloo" not in TORCH_ARMS
     no_gloo = ratios(aggregate(arm("fp16", [6.0, 5.0, 9.0], 0.25)))
     assert no_gloo == {"fp16": {"time_to_target_vs_best_torch": 1.0}}
+
+
+def test_paired_ratios_divide_each_seed_by_its_own_gloo_run():
+    # the GPT fifo pattern (docs/experiment-ddp.md): Gloo 188 / 148 / 132 steps, the hook 188 / 148 / 216: the ratio
+    # of medians compares the hook's seed 0 with Gloo's seed 1 (188 / 148 = 1.27x); paired, 1.00 / 1.00 / 1.64x
+    runs = [_run(a, seed, [0.1] * n, n) for a, ns in (("gloo", (188, 148, 132)), ("dgt-hook", (188, 148, 216)))
+            for seed, n in enumerate(ns)]
+    stats = aggregate(runs)
+    r = ratios(stats)["dgt-hook"]
+    assert stats["dgt-hook"]["iterations"]["median"] / stats["gloo"]["iterations"]["median"] == pytest.approx(188 / 148)
+    assert r["steps_paired"] == pytest.approx(1.0) and r["time_to_target_paired"] == pytest.approx(1.0)
+    assert ratios(stats)["gloo"]["steps_paired"] == 1.0
+    # a seed the hook did not reach counts as +inf; one Gloo did not reach is left out
+    runs[5] = _run("dgt-hook", 2, [0.1] * 300, None)
+    assert paired_ratio(aggregate(runs)["dgt-hook"], aggregate(runs)["gloo"]) == pytest.approx(1.0)
+    runs[4] = _run("dgt-hook", 1, [0.1] * 300, None)
+    assert paired_ratio(aggregate(runs)["dgt-hook"], aggregate(runs)["gloo"]) is None  # 1.0, inf, inf
+    runs[1] = _run("gloo", 1, [0.1] * 300, None)  # seed 1 out: 1.0 and inf, median inf
+    assert paired_ratio(aggregate(runs)["dgt-hook"], aggregate(runs)["gloo"]) is None
+    runs[2] = _run("gloo", 2, [0.1] * 300, None)  # only seed 0 pairs up
+    assert paired_ratio(aggregate(runs)["dgt-hook"], aggregate(runs)["gloo"]) == pytest.approx(1.0)
+    # seeds pair by number, not by position: the hook ran seeds 2, 0 (in that order), Gloo 0, 2
+    two = [_run("gloo", 0, [0.1] * 100, 100), _run("gloo", 2, [0.1] * 200, 200),
+           _run("dgt-hook", 2, [0.1] * 220, 220), _run("dgt-hook", 0, [0.1] * 130, 130)]
+    st = aggregate(two)
+    assert paired_ratio(st["dgt-hook"], st["gloo"]) == pytest.approx((1.1 + 1.3) / 2)
 
 
 def test_table_shows_median_range_reached_and_p95():

@@ -267,3 +267,12 @@ def test_report_of_several_seeds_judges_the_steps_goal_on_the_median_and_each_se
     runs = [run("gloo", 0, 100), run("dgt-hook", 0, 108), run("gloo", 1, 120), run("dgt-hook", 1, 124)]
     text = render(results(runs))
     assert "median over 2 seeds: 116 / 110 = 1.05x (goal <= 1.2x): met" in text
+    # with the ratios (as the runner writes them) the line also gives the paired median of the per-seed ratios
+    from dgt.experiment.ddp_stats import aggregate, ratios
+
+    runs = [run("gloo", 0, 188), run("dgt-hook", 0, 188), run("gloo", 1, 148), run("dgt-hook", 1, 148),
+            run("gloo", 2, 132), run("dgt-hook", 2, 216)]
+    res = results(runs)
+    res["ratios"] = ratios(aggregate(runs))
+    assert ("median over 3 seeds: 188 / 148 = 1.27x (goal <= 1.2x): NOT met; paired, the median of each seed's "
+            "ratio to its own Gloo run: 1.00x (met)") in render(res)

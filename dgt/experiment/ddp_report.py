@@ -220,6 +220,10 @@ def _steps_goal(results: dict[str, Any]) -> list[str]:
         verdict = "met" if ratio <= STEPS_GOAL else "NOT met"
         line = (f"- dgt-hook steps to target vs Gloo, median over {len(pairs)} seeds: {h_it['median']:g} / "
                 f"{g_it['median']:g} = {ratio:.2f}x (goal <= {STEPS_GOAL}x): {verdict}")
+    paired = results.get("ratios", {}).get("dgt-hook", {}).get("steps_paired")
+    if paired is not None:
+        line += (f"; paired, the median of each seed's ratio to its own Gloo run: {paired:.2f}x "
+                 f"({'met' if paired <= STEPS_GOAL else 'NOT met'})")
     return head + [line] + [_steps_line(f"seed {s}: ", g, h) for s, g, h in pairs]
 
 

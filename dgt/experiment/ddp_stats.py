@@ -98,6 +98,22 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def paired_ratio(arm: dict[str, Any], base: dict[str, Any], key: str = "iterations") -> float | None:
+    """The median over the seeds of ``arm``'s figure divided by ``base``'s on the **same seed** (``key``: a
+    censored figure, ``"iterations"`` or ``"time_to_target"``). Seeds pair up what only the seed changes (the
+    initial weights and the data order), so this ratio does not compare one seed's trajectory with another's, as a
+    ratio of medians can. A seed where the base did not reach the target is left out; one where only ``arm`` did not
+    counts as +inf; None when no seed pairs up or the median is +inf."""
+    if key not in arm or key not in base:
+        return None
+    ref = {seed: (v, ok) for seed, v, ok in zip(base["seeds"], base[key]["values"], base[key]["reached_flags"])}
+    rs = [v / ref[seed][0] if ok else math.inf
+          for seed, v, ok in zip(arm["seeds"], arm[key]["values"], arm[key]["reached_flags"])
+          if seed in ref and ref[seed][1] and ref[seed][0]]
+    med = statistics.median(rs) if rs else math.inf
+    return None if math.isinf(med) else med
+
+
 def best_torch(stats: dict[str, dict[str, Any]]) -> str | None:
     """The torch arm (TORCH_ARMS) with the smallest median time to target; None when none reached it."""
     cands = [(s["time_to_target"]["median"], a) for a, s in stats.items()
@@ -106,8 +122,9 @@ def best_torch(stats: dict[str, dict[str, Any]]) -> str | None:
 
 
 def ratios(stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
-    """Every arm's medians against Gloo's (time to target, step mean, p50 and p95; below 1 = faster than Gloo) and
-    its median time to target against the best torch arm's (``best_torch``). A time ratio is None when either median
+    """Every arm's medians against Gloo's (time to target, step mean, p50 and p95; below 1 = faster than Gloo), the
+    paired medians of its per-seed steps and time to target against Gloo's (``paired_ratio``: ``steps_paired``,
+    ``time_to_target_paired``), and its median time to target against the best torch arm's (``best_torch``). A time ratio is None when either median
     is "not reached". Arms with no successful seed are left out; without a Gloo arm only the torch ratio is given."""
     base = stats.get("gloo")
     if base is not None and "time_to_target" not in base:
@@ -123,6 +140,8 @@ def ratios(stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None
             r["time_to_target"] = _ratio(s["time_to_target"]["median"], base["time_to_target"]["median"])
             for k in ("step_mean", "step_p50", "step_p95"):
                 r[k] = _ratio(s[k]["median"], base[k]["median"])
+            r["steps_paired"] = paired_ratio(s, base, "iterations")
+            r["time_to_target_paired"] = paired_ratio(s, base, "time_to_target")
         r["time_to_target_vs_best_torch"] = _ratio(s["time_to_target"]["median"], best_t)
         out[arm] = r
     return out
