@@ -65,6 +65,7 @@ def test_summarize_stops_at_the_first_evaluation_at_target_and_ratios_compare_wi
     r = ratios(aggregate([{"arm": "gloo", "summary": s}, {"arm": "dgt-hook", "summary": fast},
                           {"arm": "fp16", "summary": miss}, {"arm": "powersgd", "error": "boom"}]))
     assert r["gloo"] == {"time_to_target": 1.0, "step_mean": 1.0, "step_p50": 1.0, "step_p95": 1.0,
+                         "steps_paired": 1.0, "time_to_target_paired": 1.0,
                          "time_to_target_vs_best_torch": None}  # the only torch arm (fp16) did not reach the target
     assert r["dgt-hook"]["time_to_target"] == pytest.approx(0.6 / 0.6) and r["dgt-hook"]["step_mean"] == \
         pytest.approx(0.05 / 0.15) and r["dgt-hook"]["step_p95"] == pytest.approx(0.05 / 0.2)

@@ -35,13 +35,22 @@ def test_the_codec_ramps_p_from_one_to_the_schedule():
 def test_state_sets_the_ramp_by_iteration_and_checks_the_option():
     from dgt.shim import DGTState
 
-    st = DGTState(p_warmup=4)  # default codec (idle p = 0.1), dense warm-up of 2 iterations
+    st = DGTState(p_warmup=4, chooser=None)  # default codec (idle p = 0.1), dense warm-up of 2 iterations
     assert st.codec.ramp == 1.0  # nothing happens before a lossy round
     got = []
     for it in range(2, 8):
         st.warm_p(it)
         got.append(st.codec.current_p())
     assert got == pytest.approx([1.0, 0.1 ** 0.25, 0.1 ** 0.5, 0.1 ** 0.75, 0.1, 0.1])
+    # with the chooser, p holds still through a probe window (the paths are timed at one p): its first window runs
+    # iterations 2-9 (lossless, then lossy, 1 + 3 each on 2 modes) at the p of iteration 2; the warm-up goes on after
+    ch = DGTState(p_warmup=16)
+    assert [ch.chooser.window_first(it) for it in (1, 2, 9, 10)] == [None, 2, 2, None]
+    got = []
+    for it in (2, 5, 9, 10, 14):
+        ch.warm_p(it)
+        got.append(ch.codec.current_p())
+    assert got == pytest.approx([1.0, 1.0, 1.0, 0.1 ** 0.5, 0.1 ** 0.75])
     st.warm_p(None)  # a round without an iteration number (submit() outside DDP) leaves the ramp alone
     assert st.codec.current_p() == pytest.approx(0.1)
     back = pickle.loads(pickle.dumps(st))
@@ -51,7 +60,12 @@ def test_state_sets_the_ramp_by_iteration_and_checks_the_option():
     fresh = DGTState.__new__(DGTState)
     fresh.__setstate__(old)
     assert fresh.p_warmup == 0
-    assert DGTState().p_warmup == 0  # opt-in: the README line has no warm-up of p
+    # "auto": the README line warms p up over 50 iterations, an explicitly given codec does not
+    assert DGTState().p_warmup == 50 and DGTState(codec="dgt:idle_p=0.1").p_warmup == 50  # (the default spelt out)
+    assert DGTState(codec="dgt:p=0.1").p_warmup == 0
+    assert DGTState(codec="dense").p_warmup == 0 and DGTState(p_warmup=0).p_warmup == 0
+    with pytest.raises(ValueError, match="p_warmup"):
+        DGTState(p_warmup="soon")
     with pytest.raises(ValueError, match="p_warmup"):
         DGTState(p_warmup=-1)
     with pytest.raises(ValueError, match="has none"):

@@ -48,7 +48,9 @@ ARMS: dict[str, str] = {
                                "the direct all-reduce), its seconds weighed by a 1.5x steps prior",
     "dgt-hook-pwarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=50), dgt.shim.hook): the default hook "
                       "whose p falls from 1 to 0.1 over the 50 iterations after the dense warm-up (p ** (t / 50); "
-                      "Deep Gradient Compression's sparsity warm-up)",
+                      "Deep Gradient Compression's sparsity warm-up; the default's p_warmup=\"auto\" spelt out)",
+    "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
+                       "without the warm-up of p (the default before it)",
 }
 
 # profile -> (what it is, how its network differs from the `priority` one)

@@ -52,7 +52,8 @@ def wire_bytes(ifname: str | None) -> dict[str, int] | None:
 
 # the default hook with one opt-in option each (ddp_config.ARMS says what they are)
 OPT_IN_ARMS: dict[str, dict[str, Any]] = {"dgt-hook-choose-lowrank": {"chooser": "lowrank"},
-                                          "dgt-hook-sparse": {"sparse": True}, "dgt-hook-pwarm": {"p_warmup": 50}}
+                                          "dgt-hook-sparse": {"sparse": True}, "dgt-hook-pwarm": {"p_warmup": 50},
+                                          "dgt-hook-nowarm": {"p_warmup": 0}}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd")
 
 

@@ -125,6 +125,11 @@ class DropChooser:
             return self.window[k]
         return self.chosen or LOSSLESS  # (before the first window: cannot happen for it >= start)
 
+    def window_first(self, it: int) -> int | None:
+        """The first iteration of the probe window that iteration ``it`` belongs to; None outside a window. (The
+        hook's warm-up of p holds p at that iteration's value through a window, so every path is timed at one p.)"""
+        return self.window_start if 0 <= it - self.window_start < len(self.window) else None
+
     def due(self, it: int) -> bool:
         """Whether iteration ``it`` closes a probe window: after its last bucket the ranks agree and decide."""
         return bool(self.window) and it == self.window_start + len(self.window) - 1
