@@ -12,8 +12,16 @@ import torch
 from dgt.experiment.ddp_config import ARMS, DDPConfig
 from dgt.experiment.ddp_report import censored_text, render, spread_text, table
 from dgt.experiment.ddp_runner import summarize
-from dgt.experiment.ddp_stats import (TORCH_ARMS, aggregate, best_torch, censored_spread, nearest_rank, paired_ratio,
-                                      ratios, spread)
+from dgt.experiment.ddp_stats import (
+    TORCH_ARMS,
+    aggregate,
+    best_torch,
+    censored_spread,
+    nearest_rank,
+    paired_ratio,
+    ratios,
+    spread,
+)
 
 
 def test_nearest_rank_quantiles_from_known_inputs():

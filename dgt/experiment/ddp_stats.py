@@ -124,8 +124,9 @@ def best_torch(stats: dict[str, dict[str, Any]]) -> str | None:
 def ratios(stats: dict[str, dict[str, Any]]) -> dict[str, dict[str, float | None]]:
     """Every arm's medians against Gloo's (time to target, step mean, p50 and p95; below 1 = faster than Gloo), the
     paired medians of its per-seed steps and time to target against Gloo's (``paired_ratio``: ``steps_paired``,
-    ``time_to_target_paired``), and its median time to target against the best torch arm's (``best_torch``). A time ratio is None when either median
-    is "not reached". Arms with no successful seed are left out; without a Gloo arm only the torch ratio is given."""
+    ``time_to_target_paired``), and its median time to target against the best torch arm's (``best_torch``). A
+    time ratio is None when either median is "not reached". Arms with no successful seed are left out; without a
+    Gloo arm only the torch ratio is given."""
     base = stats.get("gloo")
     if base is not None and "time_to_target" not in base:
         base = None
