@@ -50,10 +50,17 @@ def wire_bytes(ifname: str | None) -> dict[str, int] | None:
     return None
 
 
-# the default hook with one opt-in option each (ddp_config.ARMS says what they are)
-OPT_IN_ARMS: dict[str, dict[str, Any]] = {"dgt-hook-choose-lowrank": {"chooser": "lowrank"},
-                                          "dgt-hook-sparse": {"sparse": True}, "dgt-hook-pwarm": {"p_warmup": 50},
-                                          "dgt-hook-nowarm": {"p_warmup": 0}}
+# the DGT hook arms: the DGTState keywords of each (ddp_config.ARMS says what they are; dgt-hook-loss also feeds
+# the loss, in the training loop)
+_LOWRANK_STATE = {"codec": LOWRANK_CODEC, "warmup_iters": POWERSGD["start_powerSGD_iter"]}
+HOOK_ARMS: dict[str, dict[str, Any]] = {
+    "dgt-hook": {}, "dgt-hook-loss": {}, "dgt-hook-direct": {"collective": "direct"},
+    "dgt-hook-auto": {"collective": "auto"}, "dgt-hook-ring": {"collective": "ring"},
+    "dgt-hook-choose-lowrank": {"chooser": "lowrank"}, "dgt-hook-sparse": {"sparse": True},
+    "dgt-hook-pwarm": {"p_warmup": 50}, "dgt-hook-nowarm": {"p_warmup": 0},
+    "dgt-hook-lowrank": {**_LOWRANK_STATE, "collective": "auto"},
+    "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
+}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd")
 
 
@@ -94,24 +101,10 @@ def attach_arm(arm: str, ddp: Any) -> Any:
                 "fp16-powersgd": default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)}[arm]
         ddp.register_comm_hook(state, hook)
         return state
-    if arm in ("dgt-hook", "dgt-hook-loss", "dgt-hook-direct", "dgt-hook-auto", "dgt-hook-ring"):
+    if arm in HOOK_ARMS:
         import dgt.shim
 
-        variant = arm.endswith(("-direct", "-auto", "-ring"))  # DGTState(collective=...) named by the arm
-        state = dgt.shim.DGTState(**({"collective": arm.rsplit("-", 1)[1]} if variant else {}))
-        ddp.register_comm_hook(state, dgt.shim.hook)
-        return state
-    if arm in OPT_IN_ARMS:
-        import dgt.shim
-
-        state = dgt.shim.DGTState(**OPT_IN_ARMS[arm])
-        ddp.register_comm_hook(state, dgt.shim.hook)
-        return state
-    if arm in ("dgt-hook-lowrank", "dgt-hook-lowrank-ring"):
-        import dgt.shim
-
-        coll = "ring" if arm.endswith("-ring") else "auto"
-        state = dgt.shim.DGTState(codec=LOWRANK_CODEC, collective=coll, warmup_iters=POWERSGD["start_powerSGD_iter"])
+        state = dgt.shim.DGTState(**HOOK_ARMS[arm])
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")
