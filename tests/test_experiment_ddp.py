@@ -186,11 +186,16 @@ def _tiny_loopback_run(tmp_path, arms: list[str], iters: int) -> dict:
 
 @pytest.mark.slow
 def test_lowrank_arms_train_on_loopback_tiny(tmp_path):
-    """The two low-rank hook arms past their 10 dense iterations (torch's start_powerSGD_iter): the P/Q factors go
-    over DGT's reliable lane and nothing is dropped."""
-    arms = ["dgt-hook-lowrank", "dgt-hook-lowrank-ring"]
+    """The low-rank hook arms past their 10 dense iterations (torch's start_powerSGD_iter): the P/Q factors go
+    over DGT's reliable lane and nothing is dropped; the rank-2 arm sends more factor bytes than rank 1. torch's
+    powersgd-rank2 arm trains through its first compressed steps too."""
+    arms = ["dgt-hook-lowrank", "dgt-hook-lowrank-ring", "dgt-hook-lowrank2", "powersgd-rank2"]
     res = _tiny_loopback_run(tmp_path, arms, 12)
     assert [r["arm"] for r in res["runs"]] == arms
+    torch_arm = res["runs"].pop()
+    assert torch_arm["summary"]["iterations"] == 12 and torch_arm["summary"]["step_mean"] > 0
+    lane0 = {r["arm"]: sum(int(d["lanes"]["0"]) for d in r["dgt"]) for r in res["runs"]}
+    assert lane0["dgt-hook-lowrank2"] > lane0["dgt-hook-lowrank"]
     for r in res["runs"]:
         s = r["summary"]
         assert s["iterations"] == 12 and len(r["steps"]) == 12 and s["step_mean"] > 0, r["arm"]

@@ -23,6 +23,7 @@ ARMS: dict[str, str] = {
                         "square matrix, rank 1: fewer, larger all-reduces than powersgd's per-layer matrices; where "
                         "torch's _orthogonalize rejects the hook's 2-D matrices, as in torch 2.13, it is wrapped to "
                         "take them, see ddp_worker.runnable_batched_powersgd)",
+    "powersgd-rank2": "powersgd with matrix_approximation_rank=2 (what a user tries when rank 1 costs too many steps)",
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
     "dgt-hook-direct": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"direct\"), dgt.shim.hook): the direct "
@@ -40,6 +41,7 @@ ARMS: dict[str, str] = {
                         "(collective=\"auto\")",
     "dgt-hook-lowrank-ring": "dgt-hook-lowrank with collective=\"ring\": the P and Q factors summed by the ring "
                              "(2(n-1) transfers in series) instead of the direct all-reduce",
+    "dgt-hook-lowrank2": "dgt-hook-lowrank at rank 2 (codec=\"lowrank:rank=2,min_ratio=2\"), against powersgd-rank2",
     "dgt-hook-sparse": "Gloo + register_comm_hook(dgt.shim.DGTState(sparse=True), dgt.shim.hook): the default hook "
                        "whose ring holds each owner's own contribution back where nothing arrived, so its update and "
                        "all-gather carry only the blocks that arrived",

@@ -31,6 +31,7 @@ POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_erro
 # min_compression_rate; error feedback and the warm start are the codec's defaults; the dense warm-up is
 # start_powerSGD_iter)
 LOWRANK_CODEC = "lowrank:rank=1,min_ratio=2"
+LOWRANK2_CODEC = "lowrank:rank=2,min_ratio=2"  # dgt-hook-lowrank2, against torch's powersgd-rank2
 WORKAROUNDS: list[str] = []  # what this process changed in torch to run its arm (hook_counters reports it)
 
 
@@ -60,8 +61,9 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-pwarm": {"p_warmup": 50}, "dgt-hook-nowarm": {"p_warmup": 0},
     "dgt-hook-lowrank": {**_LOWRANK_STATE, "collective": "auto"},
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
+    "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
 }
-POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd")
+POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
 
 def ddp_options(arm: str, model: Any) -> dict[str, Any]:
@@ -94,10 +96,12 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
         from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
 
-        state = psgd.PowerSGDState(process_group=None, **POWERSGD)
+        settings = {**POWERSGD, "matrix_approximation_rank": 2} if arm == "powersgd-rank2" else POWERSGD
+        state = psgd.PowerSGDState(process_group=None, **settings)
         if arm == "batched-powersgd":
             runnable_batched_powersgd(psgd)
-        hook = {"powersgd": psgd.powerSGD_hook, "batched-powersgd": psgd.batched_powerSGD_hook,
+        hook = {"powersgd": psgd.powerSGD_hook, "powersgd-rank2": psgd.powerSGD_hook,
+                "batched-powersgd": psgd.batched_powerSGD_hook,
                 "fp16-powersgd": default_hooks.fp16_compress_wrapper(psgd.powerSGD_hook)}[arm]
         ddp.register_comm_hook(state, hook)
         return state
