@@ -353,3 +353,21 @@ def test_experiment_codecs_runs_the_lowrank_arms_tiny(tmp_path):
         assert r["iterations"] == 4 and [e["it"] for e in r["curve"]] == [2, 4]
         assert 0 < r["bytes_per_step"] < 0.25 * runs["dense"]["bytes_per_step"]
     assert runs["lowrank-dgt"]["bytes_per_step"] > runs["lowrank"]["bytes_per_step"]  # + the residual blocks
+
+
+def test_lowrank_fidelity_example_measures_what_the_factors_carry():
+    """examples/lowrank_fidelity.py (docs/shim.md, "The chooser's low-rank path"): per step the cosine between what
+    the codec delivered and the exact sum, and the error feedback's energy. At rank 1 the factors leave part of the
+    gradient out: error feedback > 0 and a cosine below 1 on every step."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), os.pardir, "examples", "lowrank_fidelity.py")
+    spec = importlib.util.spec_from_file_location("lowrank_fidelity", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    rows = mod.main("alexnet", 1, 3)
+    assert [r[0] for r in rows] == [0, 1, 2]
+    for _, loss, cos, ef in rows:
+        assert math.isfinite(loss) and -1.0 <= cos < 0.9999 and ef > 0

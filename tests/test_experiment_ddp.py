@@ -212,10 +212,10 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures, low rank
     weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path. dgt-hook-sparse
     (DGTState(sparse=True)) trains through its probe window and counts what its owners held back."""
-    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm"]
+    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse, pwarm = res["runs"]
-    assert [choose["arm"], sparse["arm"], pwarm["arm"]] == arms
+    choose, sparse, pwarm, noskip = res["runs"]
+    assert [choose["arm"], sparse["arm"], pwarm["arm"], noskip["arm"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
     for d in choose["dgt"]:
@@ -231,3 +231,8 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     # (the last lossy round at iteration <= 15: t <= 13 of 50), p is still far above the default's 0.1
     for d in pwarm["dgt"]:
         assert d["paths"]["lossy"]["buckets"] >= 4 and 0.1 ** (13 / 50) <= d["p"] <= 1.0, d
+    # dgt-hook-noskip (DropChooser(start=2, skip=math.inf)): its first window decided (iteration 9 on 2 ranks: 1 + 3
+    # iterations per path), and it never sets a path aside for the next re-probe, however far behind it was
+    for d in noskip["dgt"]:
+        decisions = d["choice"]["decisions"]
+        assert decisions and decisions[0]["iter"] == 9 and all("skip_next" not in x for x in decisions), decisions

@@ -27,7 +27,8 @@ def _run(ch: DropChooser, iters: range, seconds, buckets: int = 2) -> list[str]:
 
 
 def test_probe_window_then_the_faster_path_holds():
-    ch = DropChooser(probe=3, settle=0, gain=0.9, hold=5, hold_max=20, start=2)
+    # (skip=inf: the losing path re-probed after every hold; test_a_path_that_lost_by_far_sits_out_one_reprobe)
+    ch = DropChooser(probe=3, settle=0, gain=0.9, hold=5, hold_max=20, start=2, skip=math.inf)
     modes = _run(ch, range(2, 10), lambda it, m: 0.010 if m == LOSSLESS else 0.030)  # loopback: dropping costs
     assert modes[:6] == [LOSSLESS] * 3 + [LOSSY] * 3
     assert modes[6:] == [LOSSLESS] * 2 and ch.chosen == LOSSLESS
@@ -71,7 +72,7 @@ def test_settling_iterations_after_a_switch_are_not_timed():
 
 
 def test_reprobe_follows_a_changing_network_and_the_hold_doubles_while_the_choice_stands():
-    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=3, hold_max=12, start=0)
+    ch = DropChooser(probe=2, settle=0, gain=0.9, hold=3, hold_max=12, start=0, skip=math.inf)
     # the link is the bottleneck until iteration 40 (lossy faster), then it is not (lossless faster)
     modes = _run(ch, range(80), lambda it, m: (0.2 if m == LOSSLESS else 0.1) if it < 40 else
                  (0.05 if m == LOSSLESS else 0.15))
@@ -89,6 +90,41 @@ def test_reprobe_follows_a_changing_network_and_the_hold_doubles_while_the_choic
     assert ch.iters[LOSSLESS] + ch.iters[LOSSY] == 80
     # the agreed figures compare the re-probed path with the chosen one's last iterations before the window
     assert flip["lossless_s"] == pytest.approx(0.05) and flip["lossy_s"] == pytest.approx(0.15)
+
+
+def test_a_path_that_lost_by_far_sits_out_one_reprobe():
+    """A mode whose figure was more than ``skip`` (2) times the chosen one's sits out the next re-probe: at 40 Mbit
+    the lossless paths take 2-2.5x the lossy ones per iteration, and each lossless probe iteration costs that much.
+    The modes that were close are re-probed as before, the skipped ones in the window after; with two modes and
+    the other one skipped, the hold doubles once more instead."""
+    from dgt.shim.chooser import ALL_MODES, LOSSLESS_DIRECT, LOSSY_DIRECT
+
+    secs = {LOSSLESS: 0.25, LOSSLESS_DIRECT: 0.24, LOSSY: 0.10, LOSSY_DIRECT: 0.11}
+    ch = DropChooser(probe=1, settle=0, hold=4, hold_max=64, start=0, modes=ALL_MODES)
+    _run(ch, range(4), lambda it, m: secs[m])
+    first = ch.decisions[0]
+    assert first["chosen"] == LOSSY and first["skip_next"] == [LOSSLESS, LOSSLESS_DIRECT] and first["hold"] == 4
+    assert ch.window_start == 8 and ch.window == [LOSSY_DIRECT]  # only the close one, after the hold
+    _run(ch, range(4, 9), lambda it, m: secs[m])
+    second = ch.decisions[1]
+    assert second["iter"] == 8 and second["chosen"] == LOSSY and "skip_next" not in second
+    assert math.isnan(second["seconds"][LOSSLESS])  # it sat out: no figure, so it is not skipped again
+    assert ch.window_start == 8 + 1 + 8 and ch.window == [LOSSLESS, LOSSLESS_DIRECT, LOSSY_DIRECT]
+    # the network changes: the lossy-direct path becomes the fastest; found at the next re-probe of the close mode
+    secs[LOSSY_DIRECT] = 0.05
+    _run(ch, range(9, 20), lambda it, m: secs[m])
+    assert ch.decisions[2]["chosen"] == LOSSY_DIRECT and ch.decisions[2]["skip_next"] == [LOSSLESS, LOSSLESS_DIRECT]
+    # two modes (2 ranks): lossless lost by 2.5x, so the re-probe comes after two holds instead of one
+    ch2 = DropChooser(probe=1, settle=0, hold=4, hold_max=64, start=0)
+    _run(ch2, range(2), lambda it, m: secs[m])
+    assert ch2.chosen == LOSSY and ch2.decisions[0]["hold"] == 8 and ch2.window_start == 1 + 1 + 8
+    assert ch2.window == [LOSSLESS]
+    # within the factor: re-probed after one hold (2.0x is not more than 2)
+    ch3 = DropChooser(probe=1, settle=0, hold=4, start=0)
+    _run(ch3, range(2), lambda it, m: 0.2 if m == LOSSLESS else 0.1)
+    assert ch3.chosen == LOSSY and ch3.decisions[0]["hold"] == 4 and "skip_next" not in ch3.decisions[0]
+    with pytest.raises(ValueError):
+        DropChooser(skip=1.0)
 
 
 def test_nan_figures_keep_the_choice_and_bad_settings_are_refused():

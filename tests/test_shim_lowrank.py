@@ -113,7 +113,9 @@ def _ranks(rank: int, world: int) -> dict:
     out["residual"] = _train(rank, st, 4)
     # the default hook whose chooser also has the low-rank path, with a steps prior that makes it win; one iteration
     # per mode in the probe windows (on 3 ranks: the ring and the direct all-reduce, lossless and lossy, and low rank)
-    ch = DropChooser(start=1, probe=1, settle=0, hold=2, modes=(LOSSLESS, LOSSY, LOWRANK), lowrank_steps=1e-6)
+    # (skip=inf: every other path is re-probed, though each lost by far more than the default skip factor)
+    ch = DropChooser(start=1, probe=1, settle=0, hold=2, modes=(LOSSLESS, LOSSY, LOWRANK), lowrank_steps=1e-6,
+                     skip=math.inf)
     out["chosen"] = _train(rank, dgt.shim.DGTState(chooser=ch, warmup_iters=1), CHOOSE_STEPS)
     # a bucket id past the low-rank all-reduce's range: a clear error on every rank, no hang
     st = dgt.shim.DGTState(codec="lowrank:rank=1", warmup_iters=0)

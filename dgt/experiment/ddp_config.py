@@ -51,6 +51,9 @@ ARMS: dict[str, str] = {
     "dgt-hook-pwarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=50), dgt.shim.hook): the default hook "
                       "whose p falls from 1 to 0.1 over the 50 iterations after the dense warm-up (p ** (t / 50); "
                       "Deep Gradient Compression's sparsity warm-up; the default's p_warmup=\"auto\" spelt out)",
+    "dgt-hook-noskip": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, skip=math.inf)), "
+                       "dgt.shim.hook): the default hook whose chooser re-probes every other path after each hold, "
+                       "also those that lost by more than 2x (the default before DropChooser.skip)",
     "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
                        "without the warm-up of p (the default before it)",
 }

@@ -138,11 +138,12 @@ STATS_NOTE = ("Every arm ran once per seed (seed by seed, every arm within a see
               "\"not reached\" unless more than half of the seeds reached the target (for an even count: both middle "
               "ones), and the max is \"not reached\" as soon as one seed did not. Step p50 and p95: each seed's median "
               "and 95th-percentile step time (up to the target, or the whole run when not reached), then their median "
-              "[min–max] over the seeds. Time vs best torch: against the fastest of the torch arms (fp16, powersgd, "
-              "fp16-powersgd, batched-powersgd) by median time to target.")
+              "[min–max] over the seeds. Time vs best torch: against the fastest of the torch arms that ran (fp16, "
+              "powersgd, fp16-powersgd, batched-powersgd, powersgd-rank2) by median time to target.")
 ONE_SEED_NOTE = ("One seed: every figure is one run (run with --seeds 0,1,2 for medians and ranges). Step p50 and p95: "
                  "the median and 95th-percentile step time up to the target (the whole run when not reached). Time vs "
-                 "best torch: against the fastest of the torch arms (fp16, powersgd, fp16-powersgd, batched-powersgd).")
+                 "best torch: against the fastest of the torch arms that ran (fp16, powersgd, fp16-powersgd, "
+                 "batched-powersgd, powersgd-rank2).")
 
 
 def _seeds(results: dict[str, Any]) -> list[int]:

@@ -16,7 +16,9 @@ import statistics
 from typing import Any
 
 # the arms a user could pick from torch itself; "best torch" is the fastest of these by median time to target
-TORCH_ARMS = ("fp16", "powersgd", "fp16-powersgd", "batched-powersgd")
+# the arms a careful torch user would pick (issue #42 names the first four; rank 2 is what a user tries when rank 1
+# costs too many steps, so it counts as well)
+TORCH_ARMS = ("fp16", "powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
 
 def nearest_rank(values: list[float], q: float) -> float:

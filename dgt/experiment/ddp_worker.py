@@ -13,6 +13,7 @@ pause is outside every step, so training time = sum of step times. Bytes on the 
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import os
@@ -24,6 +25,7 @@ from dgt.experiment.data import ShardSampler
 from dgt.experiment.ddp_config import DDPSpec
 from dgt.experiment.worker import PROGRESS, worker_main
 from dgt.experiment.workloads import Workload, build_workload
+from dgt.shim.chooser import DropChooser
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
@@ -62,6 +64,8 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank": {**_LOWRANK_STATE, "collective": "auto"},
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
+    # the default's chooser without skipping far losers in its re-probes (the default before it)
+    "dgt-hook-noskip": {"chooser": DropChooser(start=2, skip=math.inf)},
 }
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
@@ -108,7 +112,7 @@ def attach_arm(arm: str, ddp: Any) -> Any:
     if arm in HOOK_ARMS:
         import dgt.shim
 
-        state = dgt.shim.DGTState(**HOOK_ARMS[arm])
+        state = dgt.shim.DGTState(**copy.deepcopy(HOOK_ARMS[arm]))  # a chooser of its own, not the table's
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")

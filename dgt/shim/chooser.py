@@ -15,7 +15,12 @@ rounds of both paths and keeps the faster one:
   so it must buy a clear speed-up);
 - the choice holds for ``hold`` iterations, timed all along; then a **re-probe** runs ``settle + probe`` iterations
   of the other path and compares the last ``probe`` with the last ``probe`` iterations of the chosen one. While the
-  choice stands the hold doubles (up to ``hold_max``); when it flips it falls back to ``hold``.
+  choice stands the hold doubles (up to ``hold_max``); when it flips it falls back to ``hold``;
+- a path whose agreed figure was more than ``skip`` (2) times the chosen one's **sits out the next re-probe**: its
+  probe iterations cost the most and it is the least likely to win (at 40 Mbit the lossless paths take 2-2.5x the
+  lossy one per iteration). It is re-probed one window later (a path that sat out has no figure, so it is never
+  skipped twice in a row); with nothing left to re-probe (two paths) the hold doubles once more instead. When a
+  window had no figure for the other side, the fastest path on the chosen one's side is kept.
 
 With ``LOWRANK`` among the modes (``DGTState(chooser="lowrank")``, opt-in) the chooser also times the low-rank
 path (PowerSGD's rank-1 P/Q factors, :class:`~dgt.collectives.lowrank.LowRankAllReduce` on the direct all-reduce).
@@ -52,6 +57,8 @@ KNOWN_MODES = ALL_MODES + (LOWRANK,)
 # the low-rank mode's prior: its steps to target relative to the other paths' (PowerSGD rank 1 against Gloo, medians of
 # 3 seeds at 40 Mbit: ResNet 146/116 = 1.26x, GPT 252/148 = 1.70x; AlexNet/digits 180/136 = 1.32x, one seed)
 LOWRANK_STEPS = 1.5
+# a mode whose figure was more than SKIP times the chosen one's sits out the next re-probe (see DropChooser.decide)
+SKIP = 2.0
 
 
 @dataclass
@@ -71,6 +78,7 @@ class DropChooser:
     start: int = 0
     modes: tuple[str, ...] = (LOSSLESS, LOSSY)
     lowrank_steps: float = LOWRANK_STEPS
+    skip: float = SKIP
     chosen: str | None = None  # None until the first window was decided
     window_start: int = -1  # the current (or next) probe window: its first iteration and its modes
     window: list[str] = field(default_factory=list)
@@ -84,9 +92,9 @@ class DropChooser:
 
     def __post_init__(self) -> None:
         if (self.probe < 1 or self.settle < 0 or self.hold < 1 or self.hold_max < self.hold or not 0 < self.gain
-                or not 0 < self.lowrank_steps < math.inf):
-            raise ValueError("DropChooser needs probe >= 1, settle >= 0, 1 <= hold <= hold_max, gain > 0 and a finite "
-                             "lowrank_steps > 0")
+                or not 0 < self.lowrank_steps < math.inf or not self.skip > 1):
+            raise ValueError("DropChooser needs probe >= 1, settle >= 0, 1 <= hold <= hold_max, gain > 0, a finite "
+                             "lowrank_steps > 0 and skip > 1 (math.inf: never skip)")
         self.modes = tuple(self.modes)
         if (len(set(self.modes)) != len(self.modes) or not set(self.modes) <= set(KNOWN_MODES)
                 or not any(m not in LOSSY_MODES for m in self.modes) or not any(m in LOSSY_MODES for m in self.modes)):
@@ -174,22 +182,39 @@ class DropChooser:
         risky = min(((v, m) for m, v in cost.items() if m in LOSSY_MODES and v == v), default=None)
         if safe is not None and risky is not None:
             choice = risky[1] if risky[0] < self.gain * safe[0] else safe[1]
+        elif self.chosen is not None and cost.get(self.chosen, math.nan) == cost.get(self.chosen, math.nan):
+            # the other side sat out this window (it lost by more than ``skip`` last time): the fastest mode on the
+            # chosen path's side, the chosen one's own figure included
+            side = risky if self.chosen in LOSSY_MODES else safe
+            assert side is not None  # the chosen mode's own figure is on its side
+            choice = side[1]
         else:  # (no figure on one side keeps the previous choice)
             choice = self.chosen or self.modes[0]
         if self.chosen is not None:
             self._hold = min(self.hold_max, self._hold * 2) if choice == self.chosen else self.hold
+        # the modes that lost to the choice by more than ``skip`` sit out the next re-probe (a NaN figure, i.e. a
+        # mode that sat out this one, is never far): they cost the most per probe iteration and are the least
+        # likely to win; with nothing left to re-probe the hold doubles once more instead
+        others = [m for m in self.modes if m != choice]
+        far = [m for m in others if cost[m] > self.skip * cost[choice]] if cost.get(choice, math.nan) > 0 else []
+        nxt = [m for m in others if m not in far]
+        if not nxt:
+            nxt = others
+            self._hold = min(self.hold_max, self._hold * 2)
         entry = {"iter": it, "lossless_s": secs.get(LOSSLESS, math.nan), "lossy_s": secs.get(LOSSY, math.nan),
                  "chosen": choice, "hold": self._hold}
         if len(self.modes) > 2 or self.modes != (LOSSLESS, LOSSY):
             entry["seconds"] = secs
         if LOWRANK in secs:
             entry["lowrank_weighed_s"] = cost[LOWRANK]
+        if far:
+            entry["skip_next"] = far
         self.decisions.append(entry)
         if choice != self.chosen:
             self._recent = []
         self.chosen = choice
         self._samples = {}
-        self._plan(it + 1 + self._hold, [m for m in self.modes if m != choice])
+        self._plan(it + 1 + self._hold, nxt)
         return choice
 
     def summary(self) -> dict:
