@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import warnings
 from typing import Any
@@ -324,8 +325,11 @@ class DGTState:
         if not (last and ch.due(it)):
             return
         warm, _main = self.collectives(group)
-        res = await warm.allreduce(torch.tensor(ch.local(), dtype=torch.float32), AGREE_BUCKET)
-        ch.decide(it, res.tensor.tolist())
+        # a mode without a figure (one that sat out the window: DropChooser.skip) travels as -1, not NaN; every
+        # rank runs the same schedule, so either all ranks have a figure for a mode or none has
+        mine = torch.tensor([x if x == x else -1.0 for x in ch.local()], dtype=torch.float32)
+        res = await warm.allreduce(mine, AGREE_BUCKET)
+        ch.decide(it, [x if x >= 0 else math.nan for x in res.tensor.tolist()])
         self.totals["choice"] = ch.summary()
 
     def note_bucket(self, index: int, numel: int, dtype: torch.dtype, segments: list[int]) -> bool:
