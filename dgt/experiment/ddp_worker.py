@@ -13,7 +13,6 @@ pause is outside every step, so training time = sum of step times. Bytes on the 
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 import os
@@ -25,7 +24,6 @@ from dgt.experiment.data import ShardSampler
 from dgt.experiment.ddp_config import DDPSpec
 from dgt.experiment.worker import PROGRESS, worker_main
 from dgt.experiment.workloads import Workload, build_workload
-from dgt.shim.chooser import DropChooser
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
             "warm_start": True}
@@ -64,9 +62,12 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank": {**_LOWRANK_STATE, "collective": "auto"},
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
-    # the default's chooser without skipping far losers in its re-probes (the default before it)
-    "dgt-hook-noskip": {"chooser": DropChooser(start=2, skip=math.inf)},
+    "dgt-hook-noskip": {},
 }
+# arms whose state gets a DropChooser of these settings (built when the arm is attached: importing dgt.shim here
+# would load it into every arm's workers); dgt-hook-noskip: the default's chooser without skipping far losers in its
+# re-probes (the default before DropChooser.skip)
+HOOK_CHOOSERS: dict[str, dict[str, Any]] = {"dgt-hook-noskip": {"start": 2, "skip": math.inf}}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
 
@@ -111,8 +112,12 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         return state
     if arm in HOOK_ARMS:
         import dgt.shim
+        from dgt.shim.chooser import DropChooser
 
-        state = dgt.shim.DGTState(**copy.deepcopy(HOOK_ARMS[arm]))  # a chooser of its own, not the table's
+        kwargs = dict(HOOK_ARMS[arm])
+        if arm in HOOK_CHOOSERS:
+            kwargs["chooser"] = DropChooser(**HOOK_CHOOSERS[arm])
+        state = dgt.shim.DGTState(**kwargs)
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")

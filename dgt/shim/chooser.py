@@ -182,7 +182,7 @@ class DropChooser:
         risky = min(((v, m) for m, v in cost.items() if m in LOSSY_MODES and v == v), default=None)
         if safe is not None and risky is not None:
             choice = risky[1] if risky[0] < self.gain * safe[0] else safe[1]
-        elif self.chosen is not None and cost.get(self.chosen, math.nan) == cost.get(self.chosen, math.nan):
+        elif self.chosen is not None and not math.isnan(cost.get(self.chosen, math.nan)):
             # the other side sat out this window (it lost by more than ``skip`` last time): the fastest mode on the
             # chosen path's side, the chosen one's own figure included
             side = risky if self.chosen in LOSSY_MODES else safe

@@ -327,7 +327,7 @@ class DGTState:
         warm, _main = self.collectives(group)
         # a mode without a figure (one that sat out the window: DropChooser.skip) travels as -1, not NaN; every
         # rank runs the same schedule, so either all ranks have a figure for a mode or none has
-        mine = torch.tensor([x if x == x else -1.0 for x in ch.local()], dtype=torch.float32)
+        mine = torch.tensor([-1.0 if math.isnan(x) else x for x in ch.local()], dtype=torch.float32)
         res = await warm.allreduce(mine, AGREE_BUCKET)
         ch.decide(it, [x if x >= 0 else math.nan for x in res.tensor.tolist()])
         self.totals["choice"] = ch.summary()
