@@ -14,7 +14,7 @@ ARMS: dict[str, str] = {
     "gloo": "torch DDP on Gloo, no hook (the reference)",
     "fp16": "Gloo + torch's default_hooks.fp16_compress_hook",
     "powersgd": "Gloo + torch's powerSGD_hook, PowerSGDState(matrix_approximation_rank=1, start_powerSGD_iter=10, "
-                "use_error_feedback=True, warm_start=True) (PyTorch's recommended settings, rank 1); the three "
+                "use_error_feedback=True, warm_start=True) (PyTorch's recommended settings, rank 1); the four "
                 "PowerSGD arms put the gradient in one DDP bucket (their chained all-reduces need it on Gloo: "
                 "ddp_worker.ddp_options)",
     "fp16-powersgd": "Gloo + torch's default_hooks.fp16_compress_wrapper(powerSGD_hook), the same PowerSGDState as "

@@ -166,7 +166,7 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
 
 
 def hook_counters(state: Any) -> dict[str, Any] | None:
-    """What torch's PowerSGD state counted (the three PowerSGD arms): its iteration count, the iteration compression
+    """What torch's PowerSGD state counted (the PowerSGD arms): its iteration count, the iteration compression
     starts at, and the elements of every compressed step's buckets before and after compression (both 0 when no step
     was compressed). None for the other arms."""
     from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
