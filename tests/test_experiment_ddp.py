@@ -212,10 +212,10 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures, low rank
     weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path. dgt-hook-sparse
     (DGTState(sparse=True)) trains through its probe window and counts what its owners held back."""
-    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip"]
+    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip", "dgt-hook-nolowrank"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse, pwarm, noskip = res["runs"]
-    assert [choose["arm"], sparse["arm"], pwarm["arm"], noskip["arm"]] == arms
+    choose, sparse, pwarm, noskip, nolowrank = res["runs"]
+    assert [r["arm"] for r in res["runs"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
     for d in choose["dgt"]:
@@ -225,14 +225,19 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
         assert first["lowrank_weighed_s"] == pytest.approx(1.5 * first["seconds"]["lowrank"])
         decisions.append(first)
     assert all(dec == decisions[0] for dec in decisions), "every rank decides on the same agreed figures"
-    for d in sparse["dgt"]:
-        assert d["paths"]["lossy"]["buckets"] >= 4 and d["held_blocks"] >= 0 and "lowrank" not in d["paths"]
+    for d in sparse["dgt"]:  # (the default's chooser: its probe window also runs the low-rank path)
+        assert d["paths"]["lossy"]["buckets"] >= 4 and d["held_blocks"] >= 0 and d["paths"]["lowrank"]["buckets"] >= 4
     # dgt-hook-pwarm (DGTState(p_warmup=50)): 16 steps into its warm-up of p, after its lossy probe iterations
     # (the last lossy round at iteration <= 15: t <= 13 of 50), p is still far above the default's 0.1
     for d in pwarm["dgt"]:
         assert d["paths"]["lossy"]["buckets"] >= 4 and 0.1 ** (13 / 50) <= d["p"] <= 1.0, d
-    # dgt-hook-noskip (DropChooser(start=2, skip=math.inf)): its first window decided (iteration 9 on 2 ranks: 1 + 3
-    # iterations per path), and it never sets a path aside for the next re-probe, however far behind it was
+    # dgt-hook-noskip (the default's three paths, skip=math.inf): its first window decided (iteration 13 on 2 ranks:
+    # 1 + 3 iterations per path), and it never sets a path aside for the next re-probe, however far behind it was
     for d in noskip["dgt"]:
         decisions = d["choice"]["decisions"]
-        assert decisions and decisions[0]["iter"] == 9 and all("skip_next" not in x for x in decisions), decisions
+        assert decisions and decisions[0]["iter"] == 13 and all("skip_next" not in x for x in decisions), decisions
+        assert set(decisions[0]["seconds"]) == {"lossless", "lossy", "lowrank"}
+    # dgt-hook-nolowrank (chooser=True): DGT's two paths on 2 ranks, decided at iteration 9, no low-rank round
+    for d in nolowrank["dgt"]:
+        (first,) = d["choice"]["decisions"]
+        assert first["iter"] == 9 and "seconds" not in first and "lowrank" not in d["paths"], d

@@ -43,8 +43,9 @@ def test_state_sets_the_ramp_by_iteration_and_checks_the_option():
         got.append(st.codec.current_p())
     assert got == pytest.approx([1.0, 0.1 ** 0.25, 0.1 ** 0.5, 0.1 ** 0.75, 0.1, 0.1])
     # with the chooser, p holds still through a probe window (the paths are timed at one p): its first window runs
-    # iterations 2-9 (lossless, then lossy, 1 + 3 each on 2 modes) at the p of iteration 2; the warm-up goes on after
-    ch = DGTState(p_warmup=16)
+    # iterations 2-9 (lossless, then lossy, 1 + 3 each on 2 modes: chooser=True, without the default's low-rank path)
+    # at the p of iteration 2; the warm-up goes on after
+    ch = DGTState(p_warmup=16, chooser=True)
     assert [ch.chooser.window_first(it) for it in (1, 2, 9, 10)] == [None, 2, 2, None]
     got = []
     for it in (2, 5, 9, 10, 14):

@@ -13,9 +13,12 @@ from dgt.shim.state import DEFAULT_CODEC
 
 def test_the_default_state_is_the_explicit_fields_spelt_out() -> None:
     default = DGTState()
-    spelt = DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser=DropChooser(start=2))
+    spelt = DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16",
+                     chooser=DropChooser(start=2, modes=("lossless", "lossy", "lowrank")))
     assert default.wire_dtype == spelt.wire_dtype == torch.float16
     assert isinstance(default.chooser, DropChooser) and default.chooser == spelt.chooser
+    assert default.lowrank_codec is not None and default.lowrank_codec.name == spelt.lowrank_codec.name
+    assert DGTState(chooser="lowrank").chooser == default.chooser
     assert default.codec.name == spelt.codec.name and default.warmup_iters == spelt.warmup_iters
     assert "wire_dtype='float16'" in repr(default) and "chooser=DropChooser(...)" in repr(default)
 

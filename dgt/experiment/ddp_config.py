@@ -24,7 +24,9 @@ ARMS: dict[str, str] = {
                         "torch's _orthogonalize rejects the hook's 2-D matrices, as in torch 2.13, it is wrapped to "
                         "take them, see ddp_worker.runnable_batched_powersgd)",
     "powersgd-rank2": "powersgd with matrix_approximation_rank=2 (what a user tries when rank 1 costs too many steps)",
-    "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line)",
+    "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line: its "
+                "chooser times lossless and lossy DGT, ring and direct, and the rank-2 low-rank path, and keeps the "
+                "fastest, low rank weighed by a 1.5x steps prior)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
     "dgt-hook-direct": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"direct\"), dgt.shim.hook): the direct "
                        "all-reduce (two rounds whatever the world size) instead of the ring",
@@ -46,14 +48,17 @@ ARMS: dict[str, str] = {
                        "whose ring holds each owner's own contribution back where nothing arrived, so its update and "
                        "all-gather carry only the blocks that arrived",
     "dgt-hook-choose-lowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=\"lowrank\"), dgt.shim.hook): "
-                               "the default hook whose chooser also probes the low-rank path (rank-1 P/Q factors on "
-                               "the direct all-reduce), its seconds weighed by a 1.5x steps prior",
+                               "the default spelt out: the chooser also probes the low-rank path (rank-2 P/Q factors "
+                               "on the direct all-reduce), its seconds weighed by a 1.5x steps prior",
+    "dgt-hook-nolowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=True), dgt.shim.hook): the default "
+                          "hook whose chooser times DGT's paths only, lossless and lossy, ring and direct (the "
+                          "default before the low-rank path joined it)",
     "dgt-hook-pwarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=50), dgt.shim.hook): the default hook "
                       "whose p falls from 1 to 0.1 over the 50 iterations after the dense warm-up (p ** (t / 50); "
                       "Deep Gradient Compression's sparsity warm-up; the default's p_warmup=\"auto\" spelt out)",
-    "dgt-hook-noskip": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, skip=math.inf)), "
-                       "dgt.shim.hook): the default hook whose chooser re-probes every other path after each hold, "
-                       "also those that lost by more than 2x (the default before DropChooser.skip)",
+    "dgt-hook-noskip": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, skip=math.inf, "
+                       "modes=(\"lossless\", \"lossy\", \"lowrank\"))), dgt.shim.hook): the default hook whose "
+                       "chooser re-probes every other path after each hold, also those that lost by more than 2x",
     "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
                        "without the warm-up of p (the default before it)",
 }

@@ -19,11 +19,15 @@ rounds of both paths and keeps the faster one:
 - a path whose agreed figure was more than ``skip`` (2) times the chosen one's **sits out the next re-probe**: its
   probe iterations cost the most and it is the least likely to win (at 40 Mbit the lossless paths take 2-2.5x the
   lossy one per iteration). It is re-probed one window later (a path that sat out has no figure, so it is never
-  skipped twice in a row); with nothing left to re-probe (two paths) the hold doubles once more instead. When a
-  window had no figure for the other side, the fastest path on the chosen one's side is kept.
+  skipped twice in a row). When every other path lost by that much (two paths at 40 Mbit; the low-rank path against
+  all four of DGT's on a bottleneck: GPT at 40 Mbit, 3.8x and 7-8x its weighed time per iteration), only the nearest of
+  them is re-probed, and after a doubled hold: a re-probe is there to notice that the network changed, and the
+  nearest path is the one that would win first. When a window had no figure for the other side, the fastest path on
+  the chosen one's side is kept.
 
-With ``LOWRANK`` among the modes (``DGTState(chooser="lowrank")``, opt-in) the chooser also times the low-rank
-path (PowerSGD's rank-1 P/Q factors, :class:`~dgt.collectives.lowrank.LowRankAllReduce` on the direct all-reduce).
+With ``LOWRANK`` among the modes (``DGTState()``'s default, ``chooser="lowrank"``; ``chooser=True`` leaves it out)
+the chooser also times the low-rank path (PowerSGD's P/Q factors, :class:`~dgt.collectives.lowrank.LowRankAllReduce`
+on the direct all-reduce).
 Its seconds per iteration are weighed by ``lowrank_steps`` before the comparison: a low-rank step carries less of the
 gradient, so it needs more of them to the same accuracy. ``lowrank_steps`` is a prior, not a measurement of this run
 (the hook sees no loss): PowerSGD rank 1 needed 1.26-1.70x Gloo's steps to target on the three model families
@@ -49,7 +53,7 @@ from dataclasses import dataclass, field
 
 LOSSLESS, LOSSY = "lossless", "lossy"
 LOSSLESS_DIRECT, LOSSY_DIRECT = "lossless-direct", "lossy-direct"  # the same on the direct all-reduce
-LOWRANK = "lowrank"  # PowerSGD's rank-r factors (DGTState(chooser="lowrank")): a lossy mode, weighed by lowrank_steps
+LOWRANK = "lowrank"  # PowerSGD's rank-r factors (DGTState()'s default chooser): a lossy mode, weighed by lowrank_steps
 LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT, LOWRANK})
 DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
 ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)  # what collective="auto" offers on 3+ ranks
@@ -194,12 +198,12 @@ class DropChooser:
             self._hold = min(self.hold_max, self._hold * 2) if choice == self.chosen else self.hold
         # the modes that lost to the choice by more than ``skip`` sit out the next re-probe (a NaN figure, i.e. a
         # mode that sat out this one, is never far): they cost the most per probe iteration and are the least
-        # likely to win; with nothing left to re-probe the hold doubles once more instead
+        # likely to win; when all lost by that much only the nearest is re-probed, after the hold doubles once more
         others = [m for m in self.modes if m != choice]
         far = [m for m in others if cost[m] > self.skip * cost[choice]] if cost.get(choice, math.nan) > 0 else []
         nxt = [m for m in others if m not in far]
-        if not nxt:
-            nxt = others
+        if not nxt:  # every other mode lost by far: only the nearest is re-probed, after a doubled hold
+            nxt = [min(others, key=lambda m: cost[m])]
             self._hold = min(self.hold_max, self._hold * 2)
         entry = {"iter": it, "lossless_s": secs.get(LOSSLESS, math.nan), "lossy_s": secs.get(LOSSY, math.nan),
                  "chosen": choice, "hold": self._hold}

@@ -46,9 +46,11 @@ WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, 
 # the wan profile 0.52 s a step against the ring's 0.79 s, on fifo the same 0.059 s; docs/shim.md "Low rank"; on 2
 # ranks both are the same two transfers). The dense warm-up stays on the ring. "ps" cannot drive the codec
 LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
-# chooser="lowrank": the codec of the chooser's low-rank path (PowerSGDState's defaults: rank 1, and only matrices that
-# the factors compress at least 2x; torch's min_compression_rate=2)
-CHOOSER_LOW_RANK = "lowrank:rank=1,min_ratio=2"
+# chooser="lowrank" (the default's chooser): the codec of its low-rank path, rank 2 and only matrices that the factors
+# compress at least 2x (torch's min_compression_rate=2). Rank 2 rather than PowerSGDState's default 1: GPT/AdamW at
+# 40 Mbit, fifo, seed 0, the low-rank hook reached 2.6 in 232 steps (118 s) at rank 2 and 296 (128 s) at rank 1;
+# AlexNet/digits, 3 seeds: 146 against 178 steps (docs/shim.md "Low rank")
+CHOOSER_LOW_RANK = "lowrank:rank=2,min_ratio=2"
 # ... and its bucket ids: DDP bucket i runs as low-rank bucket LOWRANK_BUCKETS + i, i.e. transport bucket ids from
 # 3 * LOWRANK_BUCKETS on, apart from the ids the ring and the direct all-reduce use for the same bucket (the
 # transport adds a bucket id's error-feedback residual to the next round of that id, and the low-rank path's rounds
@@ -79,12 +81,13 @@ class DGTState:
         chooser: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
             lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
             a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
-            warmup_iters)``, or ``"auto"`` (default): ``DropChooser(start=warmup_iters)`` for the default codec,
-            none for an explicitly given codec, or ``"lowrank"``: that chooser with the low-rank path as one more
-            mode (``CHOOSER_LOW_RANK``, PowerSGD's rank-1 factors with error feedback on the direct all-reduce, its
-            time per iteration weighed by the chooser's ``lowrank_steps`` prior; docs/shim.md "Low rank"). Kept as
-            the field ``state.chooser`` (a DropChooser or None); ``state.lowrank_codec`` is the low-rank path's codec
-            when a chooser has that mode.
+            warmup_iters)`` (lossless and lossy DGT only), ``"lowrank"``: that chooser with the low-rank path as one
+            more mode (``CHOOSER_LOW_RANK``, PowerSGD's factors with error feedback on the direct all-reduce, its
+            time per iteration weighed by the chooser's ``lowrank_steps`` prior; docs/shim.md "Low rank"), or
+            ``"auto"`` (default): ``"lowrank"`` for the default codec (True where the collective is ``"ps"``, which
+            cannot run the low-rank path), none for an explicitly given codec. Kept as the field ``state.chooser``
+            (a DropChooser or None); ``state.lowrank_codec`` is the low-rank path's codec when a chooser has that
+            mode.
         collective: ``"ring"`` (ring all-reduce), ``"direct"`` (the direct all-reduce: one reduce-scatter round
             and one all-gather round whatever the world size, :class:`~dgt.collectives.DirectAllReduce`), ``"auto"``
             (the default: the ring, and with the chooser on 3 or more ranks the direct all-reduce too, lossless and
@@ -114,8 +117,8 @@ class DGTState:
             ``"auto"`` (default): ``DEFAULT_P_WARMUP`` (50) for the default codec, 0 for an explicitly given one.
             Only the ``dgt`` codec has a p; docs/shim.md "Warm-up of p".
 
-    ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser=DropChooser(start=2), p_warmup=50)``
-    spelt out.
+    ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser="lowrank", p_warmup=50)`` spelt
+    out, i.e. ``chooser=DropChooser(start=2, modes=("lossless", "lossy", "lowrank"))``.
     The keywords ``choose=`` and ``wire=`` of before issue 44 still work for one release, with a DeprecationWarning.
     """
 
@@ -183,7 +186,7 @@ class DGTState:
         default = is_default_codec(codec)
         self.p_warmup = _p_warmup(p_warmup, default, self.codec)
         self.wire_dtype = _wire_dtype(wire_dtype, default)
-        self.chooser: DropChooser | None = _chooser(chooser, default, warmup_iters, self.codec)
+        self.chooser: DropChooser | None = _chooser(chooser, default, warmup_iters, self.codec, collective)
         self.lowrank_codec: LowRankCodec | None = _chooser_low_rank(self.chooser, collective)
 
     # -- the loss feed ----------------------------------------------------------------------------------------
@@ -509,11 +512,11 @@ def _low_rank_options(codec: LowRankCodec, collective: str, chooser: Any, wire_d
     return None, None, transport
 
 
-def _chooser(chooser: Any, default: bool, warmup_iters: int, codec: Codec) -> DropChooser | None:
+def _chooser(chooser: Any, default: bool, warmup_iters: int, codec: Codec, collective: str) -> DropChooser | None:
     """The state's chooser from its ``chooser`` argument (DGTState's docstring); None for a lossless codec."""
-    if chooser == "auto":
-        chooser = default
-    elif chooser == "lowrank":
+    if chooser == "auto":  # the default codec: its chooser with the low-rank path where the collective can run it
+        chooser = ("lowrank" if collective in LOW_RANK_INNER else True) if default else None
+    if chooser == "lowrank":
         chooser = DropChooser(start=warmup_iters, modes=(LOSSLESS, LOSSY, LOWRANK))
     elif isinstance(chooser, str):
         raise ValueError(f"chooser must be a DropChooser, None, True, False, 'auto' or 'lowrank', not {chooser!r}")
