@@ -212,9 +212,10 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     probes lossless, lossy and low rank (4 iterations each), decides at iteration 13 on the agreed figures, low rank
     weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path. dgt-hook-sparse
     (DGTState(sparse=True)) trains through its probe window and counts what its owners held back."""
-    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip", "dgt-hook-nolowrank"]
+    arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip", "dgt-hook-nolowrank",
+            "dgt-hook-probe2"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse, pwarm, noskip, nolowrank = res["runs"]
+    choose, sparse, pwarm, noskip, nolowrank, probe2 = res["runs"]
     assert [r["arm"] for r in res["runs"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
@@ -241,3 +242,8 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     for d in nolowrank["dgt"]:
         (first,) = d["choice"]["decisions"]
         assert first["iter"] == 9 and "seconds" not in first and "lowrank" not in d["paths"], d
+    # dgt-hook-probe2 (probe=2): 1 + 2 iterations per path, the three paths decided at iteration 2 + 9 - 1 = 10
+    for d in probe2["dgt"]:
+        first = d["choice"]["decisions"][0]
+        assert first["iter"] == 10 and set(first["seconds"]) == {"lossless", "lossy", "lowrank"}, d
+        assert d["paths"]["lowrank"]["buckets"] >= 3, d["paths"]

@@ -62,13 +62,14 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank": {**_LOWRANK_STATE, "collective": "auto"},
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
-    "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True},
+    "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {},
 }
 # arms whose state gets a DropChooser of these settings (built when the arm is attached: importing dgt.shim here
 # would load it into every arm's workers); dgt-hook-noskip: the default's chooser (its three paths) without skipping
 # far losers in its re-probes
 HOOK_CHOOSERS: dict[str, dict[str, Any]] = {
-    "dgt-hook-noskip": {"start": 2, "skip": math.inf, "modes": ("lossless", "lossy", "lowrank")}}
+    "dgt-hook-noskip": {"start": 2, "skip": math.inf, "modes": ("lossless", "lossy", "lowrank")},
+    "dgt-hook-probe2": {"start": 2, "probe": 2, "modes": ("lossless", "lossy", "lowrank")}}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
 
