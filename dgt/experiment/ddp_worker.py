@@ -64,12 +64,10 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
     "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {},
 }
-# arms whose state gets a DropChooser of these settings (built when the arm is attached: importing dgt.shim here
-# would load it into every arm's workers); dgt-hook-noskip: the default's chooser (its three paths) without skipping
-# far losers in its re-probes
-HOOK_CHOOSERS: dict[str, dict[str, Any]] = {
-    "dgt-hook-noskip": {"start": 2, "skip": math.inf, "modes": ("lossless", "lossy", "lowrank")},
-    "dgt-hook-probe2": {"start": 2, "probe": 2, "modes": ("lossless", "lossy", "lowrank")}}
+# arms whose state gets the default's chooser (start=2, chooser.DEFAULT_MODES) with these settings changed, built
+# when the arm is attached (importing dgt.shim here would load it into every arm's workers): dgt-hook-noskip never
+# skips far losers in its re-probes, dgt-hook-probe2 times 2 iterations per path
+HOOK_CHOOSERS: dict[str, dict[str, Any]] = {"dgt-hook-noskip": {"skip": math.inf}, "dgt-hook-probe2": {"probe": 2}}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
 
@@ -114,11 +112,11 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         return state
     if arm in HOOK_ARMS:
         import dgt.shim
-        from dgt.shim.chooser import DropChooser
+        from dgt.shim.chooser import DEFAULT_MODES, DropChooser
 
         kwargs = dict(HOOK_ARMS[arm])
         if arm in HOOK_CHOOSERS:
-            kwargs["chooser"] = DropChooser(**HOOK_CHOOSERS[arm])
+            kwargs["chooser"] = DropChooser(**{"start": 2, "modes": DEFAULT_MODES, **HOOK_CHOOSERS[arm]})
         state = dgt.shim.DGTState(**kwargs)
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state

@@ -58,6 +58,7 @@ LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT, LOWRANK})
 DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
 ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)  # what collective="auto" offers on 3+ ranks
 KNOWN_MODES = ALL_MODES + (LOWRANK,)
+DEFAULT_MODES = (LOSSLESS, LOSSY, LOWRANK)  # DGTState()'s chooser (chooser="lowrank"); collective="auto" adds direct
 # the low-rank mode's prior: its steps to target relative to the other paths' (PowerSGD rank 1 against Gloo, medians of
 # 3 seeds at 40 Mbit: ResNet 146/116 = 1.26x, GPT 252/148 = 1.70x; AlexNet/digits 180/136 = 1.32x, one seed)
 LOWRANK_STEPS = 1.5

@@ -24,7 +24,7 @@ from dgt.codecs.lowrank import LowRankCodec
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
-from dgt.shim.chooser import ALL_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, LOWRANK, DropChooser
+from dgt.shim.chooser import ALL_MODES, DEFAULT_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, LOWRANK, DropChooser
 from dgt.shim.net import group_connector, transport_config
 
 logger = logging.getLogger(__name__)
@@ -517,7 +517,7 @@ def _chooser(chooser: Any, default: bool, warmup_iters: int, codec: Codec, colle
     if chooser == "auto":  # the default codec: its chooser with the low-rank path where the collective can run it
         chooser = ("lowrank" if collective in LOW_RANK_INNER else True) if default else None
     if chooser == "lowrank":
-        chooser = DropChooser(start=warmup_iters, modes=(LOSSLESS, LOSSY, LOWRANK))
+        chooser = DropChooser(start=warmup_iters, modes=DEFAULT_MODES)
     elif isinstance(chooser, str):
         raise ValueError(f"chooser must be a DropChooser, None, True, False, 'auto' or 'lowrank', not {chooser!r}")
     if chooser is True:
