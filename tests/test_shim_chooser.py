@@ -26,6 +26,94 @@ def _run(ch: DropChooser, iters: range, seconds, buckets: int = 2) -> list[str]:
     return modes
 
 
+def _run_screened(ch: DropChooser, iters: range, seconds, buckets: int = 2) -> list[str]:
+    """:func:`_run` with the hook's screening (DGTState.after_round): at a screening point the ranks agree on their
+    figures and the chooser cuts; at a window's close it decides. Iterations before ``ch.start`` are the dense
+    warm-up (mode "warmup", timed as ``seconds(it, LOSSLESS)``)."""
+    modes = []
+    for it in iters:
+        mode = ch.mode(it) if it >= ch.start else "warmup"
+        modes.append(mode)
+        for b in range(buckets):
+            ch.observe(it, seconds(it, LOSSLESS if mode == "warmup" else mode) / buckets, b == buckets - 1)
+        if it < ch.start:
+            continue
+        agreed = ch.local() if ch.screening(it) else None
+        if agreed is not None:
+            ch.cut(it, agreed)
+        if ch.due(it):
+            ch.decide(it, agreed if agreed is not None else ch.local())
+    return modes
+
+
+# at 40 Mbit, 4 workers, AlexNet (2026-12-07, fifo seed 0, the default's first window): seconds per iteration
+ALEX = {LOWRANK: 0.035, LOSSY: 0.137, "lossy-direct": 0.136, LOSSLESS: 0.21, "lossless-direct": 0.27}
+
+
+def test_a_screened_window_cuts_the_probes_of_paths_that_cannot_win():
+    """The default's first window on a bottleneck: the low-rank path probed first; every other path's probe is cut
+    after its first (cold) iteration because it took more than ``screen`` (2) times the best figure so far, and the
+    lossless ring's is not run at all: its figure is the dense warm-up's last iteration. 7 iterations instead of 20,
+    and the decision is the same as with full probes."""
+    from dgt.shim.chooser import LOSSLESS_DIRECT, LOSSY_DIRECT, SCREEN_ORDER
+
+    cold = {LOWRANK: 0.06, LOSSY: 0.25, LOSSY_DIRECT: 0.25, LOSSLESS_DIRECT: 0.30}  # each path's first iteration
+    seen: dict[str, int] = {}  # each path's first iteration (the warm-up's lossless ones are not cold)
+
+    def secs(it, m):
+        return cold.get(m, ALEX[m]) if it >= 2 and seen.setdefault(m, it) == it else ALEX[m]
+
+    ch = DropChooser(start=2, hold=50, modes=SCREEN_ORDER)
+    assert ch.screen == 2.0 and ch.window == [LOWRANK] * 4 + [LOSSY] * 4 + [LOSSY_DIRECT] * 4 + [LOSSLESS] * 4 + [
+        LOSSLESS_DIRECT] * 4
+    modes = _run_screened(ch, range(0, 9), secs)
+    assert modes == ["warmup"] * 2 + [LOWRANK] * 4 + [LOSSY, LOSSY_DIRECT, LOSSLESS_DIRECT]
+    d = ch.decisions[0]
+    assert d["iter"] == 8 and d["chosen"] == LOWRANK
+    # lossless cut at the low-rank path's first iteration (0.21 > 2 x 0.06 x 1.5), the others at their own first
+    assert d["cut"] == [LOSSLESS, LOSSY, LOSSY_DIRECT, LOSSLESS_DIRECT]
+    assert d["seconds"][LOSSLESS] == pytest.approx(0.21) and d["seconds"][LOWRANK] == pytest.approx(0.035)
+    assert d["seconds"][LOSSY] == pytest.approx(0.25)  # a cut probe keeps its first (cold) iteration's figure
+    # the full window decides the same
+    full = DropChooser(start=2, hold=50, modes=SCREEN_ORDER, screen=math.inf)
+    seen.clear()
+    assert len(_run_screened(full, range(0, 22), secs)) == 22 and full.decisions[0]["iter"] == 21
+    assert full.decisions[0]["chosen"] == LOWRANK and "cut" not in full.decisions[0]
+    # the re-probe (every other path lost by far: only the nearest by its figure, here the warm-up's lossless one,
+    # after a doubled hold) is cut after one iteration
+    assert ch.window_start == 8 + 1 + 100 and ch.window == [LOSSLESS] * 4
+    modes = _run_screened(ch, range(9, 111), secs)
+    assert modes[-3:] == [LOWRANK, LOSSLESS, LOWRANK] and ch.decisions[1]["iter"] == 109
+    assert ch.decisions[1]["cut"] == [LOSSLESS] and ch.chosen == LOWRANK and ch.mode(110) == LOWRANK
+
+
+def test_screening_on_loopback_keeps_the_slow_iterations_few():
+    """Loopback, 2 ranks (no bottleneck): the warm-up's lossless figure screens out the low-rank and the lossy path
+    after one iteration each; the lossless path is probed in full and kept. 2 slow iterations instead of 8."""
+    secs = {LOSSLESS: 0.008, LOSSY: 0.025, LOWRANK: 0.040}
+    ch = DropChooser(start=2, modes=(LOWRANK, LOSSY, LOSSLESS))
+    modes = _run_screened(ch, range(0, 8), lambda it, m: secs[m])
+    assert modes == ["warmup"] * 2 + [LOWRANK, LOSSY] + [LOSSLESS] * 4
+    assert ch.decisions[0]["chosen"] == LOSSLESS and ch.decisions[0]["cut"] == [LOWRANK, LOSSY]
+    assert ch.decisions[0]["iter"] == 7
+
+
+def test_a_cold_first_iteration_within_the_factor_is_not_cut():
+    """The lossy path's first iteration at 40 Mbit takes 1.3-1.6x its later ones: a path that would win is not cut
+    by its cold start (0.3 s against the warm-up's 0.2 s lossless), and DDP's own first iteration (iteration 0:
+    bucket rebuild) is never a figure."""
+    ch = DropChooser(start=2, modes=(LOSSY, LOSSLESS))
+    first = {0: 5.0, 2: 0.3}
+    modes = _run_screened(ch, range(0, 10), lambda it, m: first.get(it, 0.2 if m == LOSSLESS else 0.15))
+    assert modes == ["warmup"] * 2 + [LOSSY] * 4 + [LOSSLESS] * 4
+    assert ch.chosen == LOSSY and "cut" not in ch.decisions[0]
+    # screening needs another figure: with no warm-up (start 0) the first probe runs in full
+    ch = DropChooser(start=0, modes=(LOSSY, LOSSLESS))
+    assert not ch.screening(0) and not ch.screening(1)
+    with pytest.raises(ValueError, match="screen > 1"):
+        DropChooser(screen=1.0)
+
+
 def test_probe_window_then_the_faster_path_holds():
     # (skip=inf: the losing path re-probed after every hold; test_a_path_that_lost_by_far_sits_out_one_reprobe)
     ch = DropChooser(probe=3, settle=0, gain=0.9, hold=5, hold_max=20, start=2, skip=math.inf)
@@ -206,20 +294,20 @@ def test_state_chooser_lowrank_adds_the_low_rank_path():
     from dgt.shim import DGTState
     from dgt.shim.state import CHOOSER_LOW_RANK
 
-    st = DGTState(chooser="lowrank")
-    assert st.chooser.modes == (LOSSLESS, LOSSY, LOWRANK) and st.chooser.start == 2
+    st = DGTState(chooser="lowrank")  # (in the screened window's order: the paths that win on a bottleneck first)
+    assert st.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and st.chooser.start == 2
     assert isinstance(st.lowrank_codec, LowRankCodec) and st.lowrank_codec.name == "lowrank"
     assert CHOOSER_LOW_RANK == "lowrank:rank=2,min_ratio=2" and st.lowrank_codec.rank == 2
     assert st.needs_shapes and not st.low_rank and st.wire_dtype == torch.float16
     # the README line's DGTState() is that chooser; chooser=True is lossless and lossy DGT only (the default before)
     plain = DGTState()
-    assert plain.chooser.modes == (LOSSLESS, LOSSY, LOWRANK) and plain.needs_shapes
+    assert plain.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and plain.needs_shapes
     assert isinstance(plain.lowrank_codec, LowRankCodec) and plain.lowrank_codec.rank == 2
     two = DGTState(chooser=True)
     assert two.lowrank_codec is None and not two.needs_shapes and LOWRANK not in two.chooser.modes
     # the parameter server cannot run the low-rank path: its default chooser leaves it out, asking for it is refused
     ps = DGTState(collective="ps")
-    assert ps.chooser.modes == (LOSSLESS, LOSSY) and ps.lowrank_codec is None
+    assert ps.chooser.modes == (LOSSY, LOSSLESS) and ps.lowrank_codec is None
     assert DGTState(chooser="lowrank", warmup_iters=5).chooser.start == 5
     assert DGTState(warmup_iters=5).chooser.start == 5
     # a DropChooser given with the mode gets the codec too; a lossless codec has nothing to choose
@@ -335,6 +423,8 @@ def test_ranks_switch_paths_together_and_lossless_rounds_stay_exact():
     chosen = [d["chosen"] for d in r0["decisions"]]
     assert LOSSY in chosen and LOSSLESS in chosen and chosen.index(LOSSY) < len(chosen) - 1 - chosen[::-1].index(
         LOSSLESS), f"a switch to lossy and back: {chosen}"
+    # the re-probes of the path that is 5x slower were cut after their first iteration, on both ranks alike
+    assert any(d.get("cut") for d in r0["decisions"]), r0["decisions"]
     # per iteration: two buckets of 0.01 (rank 0) and 0.011 (rank 1) s, averaged over the ranks
     assert r0["decisions"][0]["lossy_s"] == pytest.approx(2 * 0.0105, rel=1e-5)
     dropped = 0

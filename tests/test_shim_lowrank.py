@@ -23,7 +23,7 @@ from dgt.collectives.launch import run_ranks
 
 WORLD = 3
 STEPS = 6
-CHOOSE_STEPS = 16  # chooser variant: warm-up 1, window 1-5, low rank 6-7, re-probe 8-11, low rank 12-15
+CHOOSE_STEPS = 16  # chooser variant: warm-up 1, window 1-5 (low rank first), low rank 6-7, re-probe 8-11, low rank 12-15
 
 
 def _model() -> torch.nn.Module:
@@ -113,9 +113,10 @@ def _ranks(rank: int, world: int) -> dict:
     out["residual"] = _train(rank, st, 4)
     # the default hook whose chooser also has the low-rank path, with a steps prior that makes it win; one iteration
     # per mode in the probe windows (on 3 ranks: the ring and the direct all-reduce, lossless and lossy, and low rank)
-    # (skip=inf: every other path is re-probed, though each lost by far more than the default skip factor)
+    # (skip=inf, screen=inf: every other path is re-probed in full, though each lost by far more than the default
+    # skip and screen factors)
     ch = DropChooser(start=1, probe=1, settle=0, hold=2, modes=(LOSSLESS, LOSSY, LOWRANK), lowrank_steps=1e-6,
-                     skip=math.inf)
+                     skip=math.inf, screen=math.inf)
     out["chosen"] = _train(rank, dgt.shim.DGTState(chooser=ch, warmup_iters=1), CHOOSE_STEPS)
     # a bucket id past the low-rank all-reduce's range: a clear error on every rank, no hang
     st = dgt.shim.DGTState(codec="lowrank:rank=1", warmup_iters=0)
@@ -231,7 +232,7 @@ def test_the_chooser_can_pick_the_low_rank_path_and_every_rank_applies_the_same_
             assert torch.equal(c["output"], call[0]["output"]), (call[0]["iter"], call[0]["index"], call[0]["mode"])
     assert {m for m in modes if m is not None} == set(ALL_MODES) | {LOWRANK}
     low = [c for c in calls if c[0]["mode"] == LOWRANK]
-    assert {c[0]["iter"] for c in low} == {5, 6, 7, 12, 13, 14, 15}
+    assert {c[0]["iter"] for c in low} == {1, 6, 7, 12, 13, 14, 15}  # the window's first: the screened order
     assert _check_low_rank_calls(low, CHOOSER_LOW_RANK) > 0
     for call in calls:  # the lossless paths (warm-up, probes) are the plain mean; lossy ones are finite
         mean = sum(c["input"] for c in call) / WORLD

@@ -57,12 +57,17 @@ ARMS: dict[str, str] = {
                       "whose p falls from 1 to 0.1 over the 50 iterations after the dense warm-up (p ** (t / 50); "
                       "Deep Gradient Compression's sparsity warm-up; the default's p_warmup=\"auto\" spelt out)",
     "dgt-hook-noskip": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, skip=math.inf, "
-                       "modes=(\"lossless\", \"lossy\", \"lowrank\"))), dgt.shim.hook): the default hook whose "
+                       "modes=(\"lowrank\", \"lossy\", \"lossless\"))), dgt.shim.hook): the default hook whose "
                        "chooser re-probes every other path after each hold, also those that lost by more than 2x",
     "dgt-hook-probe2": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, probe=2, modes=("
-                       "\"lossless\", \"lossy\", \"lowrank\"))), dgt.shim.hook): the default hook whose chooser "
+                       "\"lowrank\", \"lossy\", \"lossless\"))), dgt.shim.hook): the default hook whose chooser "
                        "times 2 iterations per path instead of 3 (a shorter probe window: 15 iterations on 3+ ranks "
                        "instead of 20)",
+    "dgt-hook-noscreen": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, "
+                         "screen=math.inf, modes=(\"lowrank\", \"lossy\", \"lossless\"))), dgt.shim.hook): the "
+                         "default hook whose chooser probes every path in full (3 + 1 iterations each: 20 on 3+ "
+                         "ranks) instead of cutting the probes of paths over 2x the best figure after one iteration "
+                         "(the default before 2026-12-07's screening)",
     "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
                        "without the warm-up of p (the default before it)",
 }

@@ -62,12 +62,13 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank": {**_LOWRANK_STATE, "collective": "auto"},
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
-    "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {},
+    "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {}, "dgt-hook-noscreen": {},
 }
 # arms whose state gets the default's chooser (start=2, chooser.DEFAULT_MODES) with these settings changed, built
 # when the arm is attached (importing dgt.shim here would load it into every arm's workers): dgt-hook-noskip never
-# skips far losers in its re-probes, dgt-hook-probe2 times 2 iterations per path
-HOOK_CHOOSERS: dict[str, dict[str, Any]] = {"dgt-hook-noskip": {"skip": math.inf}, "dgt-hook-probe2": {"probe": 2}}
+# skips far losers in its re-probes, dgt-hook-probe2 times 2 iterations per path, dgt-hook-noscreen probes in full
+HOOK_CHOOSERS: dict[str, dict[str, Any]] = {"dgt-hook-noskip": {"skip": math.inf}, "dgt-hook-probe2": {"probe": 2},
+                                            "dgt-hook-noscreen": {"screen": math.inf}}
 POWERSGD_ARMS = ("powersgd", "fp16-powersgd", "batched-powersgd", "powersgd-rank2")
 
 

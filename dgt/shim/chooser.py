@@ -58,12 +58,23 @@ LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT, LOWRANK})
 DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
 ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)  # what collective="auto" offers on 3+ ranks
 KNOWN_MODES = ALL_MODES + (LOWRANK,)
-DEFAULT_MODES = (LOSSLESS, LOSSY, LOWRANK)  # DGTState()'s chooser (chooser="lowrank"); collective="auto" adds direct
+# the order of a screened window (DropChooser.screen): the paths that win on a bottleneck first, so that the cheapest
+# figure is known early and the expensive paths' probes are cut after one iteration; lossless last (its figure from
+# the dense warm-up is there from the start)
+SCREEN_ORDER = (LOWRANK, LOSSY, LOSSY_DIRECT, LOSSLESS, LOSSLESS_DIRECT)
+DEFAULT_MODES = (LOWRANK, LOSSY, LOSSLESS)  # DGTState()'s chooser (chooser="lowrank"); collective="auto" adds direct
 # the low-rank mode's prior: its steps to target relative to the other paths' (PowerSGD rank 1 against Gloo, medians of
 # 3 seeds at 40 Mbit: ResNet 146/116 = 1.26x, GPT 252/148 = 1.70x; AlexNet/digits 180/136 = 1.32x, one seed)
 LOWRANK_STEPS = 1.5
 # a mode whose figure was more than SKIP times the chosen one's sits out the next re-probe (see DropChooser.decide)
 SKIP = 2.0
+# a probe whose first iteration took more than SCREEN times the best figure so far is cut short (DropChooser.cut)
+SCREEN = 2.0
+
+
+def screen_order(modes: tuple[str, ...]) -> tuple[str, ...]:
+    """``modes`` in :data:`SCREEN_ORDER` (the order of the default's probe windows)."""
+    return tuple(m for m in SCREEN_ORDER if m in modes)
 
 
 @dataclass
@@ -84,6 +95,7 @@ class DropChooser:
     modes: tuple[str, ...] = (LOSSLESS, LOSSY)
     lowrank_steps: float = LOWRANK_STEPS
     skip: float = SKIP
+    screen: float = SCREEN
     chosen: str | None = None  # None until the first window was decided
     window_start: int = -1  # the current (or next) probe window: its first iteration and its modes
     window: list[str] = field(default_factory=list)
@@ -91,15 +103,17 @@ class DropChooser:
     _hold: int = 0
     _samples: dict[str, list[float]] = field(default_factory=dict)  # this window's per-iteration seconds
     _recent: list[float] = field(default_factory=list)  # the chosen path's last ``probe`` iterations outside windows
+    _first: dict[str, float] = field(default_factory=dict)  # this window's first (screened) iteration of each mode
+    _cut: list[str] = field(default_factory=list)  # the modes whose probe this window cut short
     _acc: dict[int, float] = field(default_factory=dict)  # seconds so far of iterations not yet complete
     decisions: list[dict] = field(default_factory=list)
     iters: dict[str, int] = field(default_factory=lambda: {LOSSLESS: 0, LOSSY: 0})
 
     def __post_init__(self) -> None:
         if (self.probe < 1 or self.settle < 0 or self.hold < 1 or self.hold_max < self.hold or not 0 < self.gain
-                or not 0 < self.lowrank_steps < math.inf or not self.skip > 1):
+                or not 0 < self.lowrank_steps < math.inf or not self.skip > 1 or not self.screen > 1):
             raise ValueError("DropChooser needs probe >= 1, settle >= 0, 1 <= hold <= hold_max, gain > 0, a finite "
-                             "lowrank_steps > 0 and skip > 1 (math.inf: never skip)")
+                             "lowrank_steps > 0, skip > 1 and screen > 1 (math.inf: never skip, never screen)")
         self.modes = tuple(self.modes)
         if (len(set(self.modes)) != len(self.modes) or not set(self.modes) <= set(KNOWN_MODES)
                 or not any(m not in LOSSY_MODES for m in self.modes) or not any(m in LOSSY_MODES for m in self.modes)):
@@ -156,10 +170,16 @@ class DropChooser:
         total = self._acc.pop(it)
         for old in [k for k in self._acc if k < it]:  # an iteration whose last bucket never came (cannot happen)
             del self._acc[old]
+        if it < self.start:  # the dense warm-up (the lossless ring): its last iteration, if not DDP's first, is
+            if it == self.start - 1 >= 1 and self.chosen is None and LOSSLESS in self.modes:  # lossless's first figure
+                self._first[LOSSLESS] = total
+            return
         mode = self.mode(it)
         self.iters[mode] = self.iters.get(mode, 0) + 1
         k = it - self.window_start
         if 0 <= k < len(self.window):
+            if k == 0 or self.window[k - 1] != mode:
+                self._first[mode] = total
             if self.timed[k]:
                 self._samples.setdefault(mode, []).append(total)
         elif mode == self.chosen:
@@ -167,13 +187,61 @@ class DropChooser:
 
     def local(self) -> list[float]:
         """This rank's median seconds per iteration of each of ``modes`` ([lossless, lossy] by default) for the
-        window that just closed (from the window's own iterations, else, for the chosen path, from its last
-        iterations before the window)."""
+        window that just closed (from the window's own timed iterations, else, for the chosen path, from its last
+        iterations before the window, else the mode's first iteration in the window when its probe was cut short,
+        or, for the lossless path in the first window, the last iteration of the dense warm-up)."""
         out = []
         for mode in self.modes:
             xs = self._samples.get(mode) or (self._recent if mode == self.chosen else [])
-            out.append(statistics.median(xs) if xs else float("nan"))
+            out.append(statistics.median(xs) if xs else self._first.get(mode, float("nan")))
         return out
+
+    # -- screening: a probe cut short after its first iteration ------------------------------------------------
+    def _later(self, k: int) -> list[str]:
+        """The modes of the window after the block that window index ``k`` belongs to, in order."""
+        out: list[str] = []
+        for m in self.window[k + 1 :]:
+            if m != self.window[k] and m not in out:
+                out.append(m)
+        return out
+
+    def screening(self, it: int) -> bool:
+        """Whether iteration ``it`` is a screening point: the first iteration of a mode's probe in the current window
+        (``screen`` finite), with a figure of another mode to compare it with and something left to cut (the rest of
+        this probe, or a later probe whose mode has a figure already: the warm-up's lossless one). After its last
+        bucket the ranks agree on :meth:`local` and call :meth:`cut`. A function of the schedule: every rank agrees
+        at the same iterations."""
+        k = it - self.window_start
+        if self.screen == math.inf or not 0 <= k < len(self.window) or (k and self.window[k - 1] == self.window[k]):
+            return False
+        mode = self.window[k]
+        rest = k + 1 < len(self.window) and self.window[k + 1] == mode
+        known = {m for m in self.modes if self._samples.get(m) or m in self._first
+                 or (m == self.chosen and self._recent)}
+        later = [m for m in self._later(k) if m in known]
+        return bool(known - {mode}) and (rest or bool(later))
+
+    def cut(self, it: int, agreed: list[float]) -> list[str]:
+        """At a screening point ``it``, with the figures every rank agreed on (the mean of :meth:`local` over ranks):
+        cut the probe of this iteration's mode short, and drop a later probe from the window, when that mode's
+        figure (weighed, as in :meth:`decide`) is more than ``screen`` times the best other figure. A path that slow
+        cannot win the window (its first iteration is cold, so its figure is an overestimate, but by less than
+        ``screen``: the lossy path's first iteration at 40 Mbit takes 1.3-1.6x its later ones), and its probe
+        iterations are the window's most expensive ones (at 40 Mbit on AlexNet: 0.21-0.27 s lossless against
+        0.035 s low rank). Returns the modes cut; the figure a cut mode keeps is its first iteration's."""
+        k = it - self.window_start
+        cost = {m: v * self.lowrank_steps if m == LOWRANK else v for m, v in zip(self.modes, map(float, agreed))}
+        cut = []
+        for m in [self.window[k]] + self._later(k):
+            others = [v for x, v in cost.items() if x != m and v == v]
+            if cost[m] == cost[m] and others and cost[m] > self.screen * min(others):
+                cut.append(m)
+        if cut:
+            keep = [i for i in range(len(self.window)) if i <= k or self.window[i] not in cut]
+            self.window = [self.window[i] for i in keep]
+            self.timed = [self.timed[i] for i in keep]
+            self._cut += [m for m in cut if m not in self._cut]
+        return cut
 
     # -- the decision -------------------------------------------------------------------------------------------
     def decide(self, it: int, agreed: list[float]) -> str:
@@ -208,17 +276,19 @@ class DropChooser:
             self._hold = min(self.hold_max, self._hold * 2)
         entry = {"iter": it, "lossless_s": secs.get(LOSSLESS, math.nan), "lossy_s": secs.get(LOSSY, math.nan),
                  "chosen": choice, "hold": self._hold}
-        if len(self.modes) > 2 or self.modes != (LOSSLESS, LOSSY):
+        if set(self.modes) != {LOSSLESS, LOSSY}:
             entry["seconds"] = secs
         if LOWRANK in secs:
             entry["lowrank_weighed_s"] = cost[LOWRANK]
         if far:
             entry["skip_next"] = far
+        if self._cut:
+            entry["cut"] = list(self._cut)
         self.decisions.append(entry)
         if choice != self.chosen:
             self._recent = []
         self.chosen = choice
-        self._samples = {}
+        self._samples, self._first, self._cut = {}, {}, []
         self._plan(it + 1 + self._hold, nxt)
         return choice
 

@@ -74,8 +74,11 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
             res = await coll.allreduce(buf, index, segments)
         seconds = time.perf_counter() - t0
         state.record(index, res.stats, use_codec, seconds, lossy, mode)
-        if use_codec and it is not None and state.chooser is not None:
-            await state.after_round(group, it, last, seconds)
+        if it is not None and state.chooser is not None:
+            if use_codec:
+                await state.after_round(group, it, last, seconds)
+            else:  # the dense warm-up: its last iteration is the lossless path's first figure
+                state.chooser.observe(it, seconds, last)
         return res.tensor.to(buf.dtype).view_as(buf)
 
     return for_cpp(state.worker.submit(job, devices))

@@ -24,7 +24,17 @@ from dgt.codecs.lowrank import LowRankCodec
 from dgt.codecs.registry import make_codec, parse_spec
 from dgt.collectives.stats import CollectiveStats
 from dgt.collectives.worker import TrioWorker
-from dgt.shim.chooser import ALL_MODES, DEFAULT_MODES, DIRECT_MODES, LOSSLESS, LOSSY, LOSSY_MODES, LOWRANK, DropChooser
+from dgt.shim.chooser import (
+    ALL_MODES,
+    DEFAULT_MODES,
+    DIRECT_MODES,
+    LOSSLESS,
+    LOSSY,
+    LOSSY_MODES,
+    LOWRANK,
+    DropChooser,
+    screen_order,
+)
 from dgt.shim.net import group_connector, transport_config
 
 logger = logging.getLogger(__name__)
@@ -231,7 +241,8 @@ class DGTState:
             self._lowrank = None
             if self.collective == "auto" and self.chooser is not None and group.world >= DIRECT_MIN_WORLD:
                 extra = (LOWRANK,) if LOWRANK in self.chooser.modes else ()
-                self.chooser.offer(ALL_MODES + extra)  # before its first iteration (the first call, on every rank)
+                # before its first iteration (the first call, on every rank); the screened window's order
+                self.chooser.offer(screen_order(ALL_MODES + extra))
         return self._collectives
 
     def pick(self, group: Any, use_codec: bool, it: int | None) -> tuple[Any, str]:
@@ -325,15 +336,25 @@ class DGTState:
         a tiny lossless all-reduce and the chooser decides."""
         ch = self.chooser
         ch.observe(it, seconds, last)
-        if not (last and ch.due(it)):
+        if not last:
             return
+        agreed = await self._agree(group) if ch.screening(it) else None
+        if agreed is not None:
+            ch.cut(it, agreed)  # a probe cut short leaves the figures as they were: the decision may reuse them
+        if ch.due(it):
+            ch.decide(it, agreed if agreed is not None else await self._agree(group))
+            self.totals["choice"] = ch.summary()
+
+    async def _agree(self, group: Any) -> list[float]:
+        """The mean over ranks of the chooser's :meth:`~DropChooser.local` figures: one tiny all-reduce on the
+        lossless collective, bit-identical on every rank. A mode without a figure (one that sat out the window:
+        DropChooser.skip) travels as -1, not NaN; every rank runs the same schedule, so either all ranks have a
+        figure for a mode or none has."""
         warm, _main = self.collectives(group)
-        # a mode without a figure (one that sat out the window: DropChooser.skip) travels as -1, not NaN; every
-        # rank runs the same schedule, so either all ranks have a figure for a mode or none has
-        mine = torch.tensor([-1.0 if math.isnan(x) else x for x in ch.local()], dtype=torch.float32)
+        assert self.chooser is not None
+        mine = torch.tensor([-1.0 if math.isnan(x) else x for x in self.chooser.local()], dtype=torch.float32)
         res = await warm.allreduce(mine, AGREE_BUCKET)
-        ch.decide(it, [x if x >= 0 else math.nan for x in res.tensor.tolist()])
-        self.totals["choice"] = ch.summary()
+        return [x if x >= 0 else math.nan for x in res.tensor.tolist()]
 
     def note_bucket(self, index: int, numel: int, dtype: torch.dtype, segments: list[int]) -> bool:
         """Record a bucket's geometry; True when it changed (DDP rebuilt its buckets) and this is the first change
@@ -521,7 +542,7 @@ def _chooser(chooser: Any, default: bool, warmup_iters: int, codec: Codec, colle
     elif isinstance(chooser, str):
         raise ValueError(f"chooser must be a DropChooser, None, True, False, 'auto' or 'lowrank', not {chooser!r}")
     if chooser is True:
-        chooser = DropChooser(start=warmup_iters)
+        chooser = DropChooser(start=warmup_iters, modes=screen_order((LOSSLESS, LOSSY)))
     if chooser and not codec.capabilities.lossy_tolerant:
         chooser = None  # a lossless codec has nothing to choose
     return chooser or None
