@@ -440,3 +440,37 @@ def test_ranks_switch_paths_together_and_lossless_rounds_stay_exact():
                 dropped += 1
     assert dropped > 0, "the lossy iterations dropped blocks (30 % datagram loss)"
     assert r0["totals"]["choice"]["iters"][LOSSY] > 0 and r0["totals"]["choice"]["iters"][LOSSLESS] > 0
+
+
+def test_ddps_first_iteration_opens_the_connections_of_the_direct_paths():
+    """DGTState.open_paths (called by the hook in iteration 0, which the chooser never times): with a path on the
+    direct all-reduce among the chooser's modes it connects to every other rank, so no probe iteration pays for a
+    handshake (on the `lossy` profile a lost handshake packet made the low-rank path's first iteration 0.7-1.1 s);
+    with ring paths only it opens nothing (the ring connects to its neighbours itself)."""
+    import trio
+
+    from dgt.shim import DGTState
+    from dgt.shim.chooser import ALL_MODES, screen_order
+
+    class Group:
+        world, rank = 4, 1
+
+        def __init__(self) -> None:
+            self.calls: list[list[int]] = []
+
+        async def links(self, peers) -> None:
+            self.calls.append(list(peers))
+
+    default = DGTState()
+    default.chooser.offer(screen_order(ALL_MODES + (LOWRANK,)))  # what collectives() offers on 4 ranks
+    ring_only = DGTState(collective="ring", chooser=True)
+    lowrank_auto = DGTState()  # 2 ranks: no direct DGT modes, but the low-rank path's P and Q go direct
+    lowrank_ring = DGTState(collective="ring")  # the low-rank path on the ring
+    got = {}
+    for name, st in {"default": default, "ring_only": ring_only, "lowrank_auto": lowrank_auto,
+                     "lowrank_ring": lowrank_ring, "none": DGTState(chooser=None)}.items():
+        g = Group()
+        trio.run(st.open_paths, g)
+        got[name] = g.calls
+    assert got == {"default": [[0, 2, 3]], "ring_only": [], "lowrank_auto": [[0, 2, 3]], "lowrank_ring": [],
+                   "none": []}

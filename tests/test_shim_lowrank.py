@@ -23,7 +23,7 @@ from dgt.collectives.launch import run_ranks
 
 WORLD = 3
 STEPS = 6
-CHOOSE_STEPS = 16  # chooser variant: warm-up 1, window 1-5 (low rank first), low rank 6-7, re-probe 8-11, low rank 12-15
+CHOOSE_STEPS = 16  # chooser: warm-up 1, window 1-5 (low rank first), low rank 6-7, re-probe 8-11, low rank 12-15
 
 
 def _model() -> torch.nn.Module:

@@ -61,6 +61,8 @@ def submit(state: DGTState, buf: torch.Tensor, index: int, segments: list[int] |
         if clear:  # DDP rebuilt its buckets: the codec's per-bucket state describes tensors that no longer exist
             state.clear_codecs()
         coll, mode = state.pick(group, use_codec, it)
+        if it == 0:  # DDP's first iteration (never timed by the chooser): the connections its paths will need
+            await state.open_paths(group)
         lossy = mode in LOSSY_MODES
         t0 = time.perf_counter()
         if mode == LOWRANK:  # the chooser's low-rank path: native dtype, mean, bucket ids apart from the rings'
