@@ -474,3 +474,15 @@ def test_ddps_first_iteration_opens_the_connections_of_the_direct_paths():
         got[name] = g.calls
     assert got == {"default": [[0, 2, 3]], "ring_only": [], "lowrank_auto": [[0, 2, 3]], "lowrank_ring": [],
                    "none": []}
+
+
+def test_a_chooser_pickled_before_skip_and_screen_loads_with_their_defaults():
+    import pickle
+
+    ch = DropChooser(start=2, modes=(LOWRANK, LOSSY, LOSSLESS))
+    old = pickle.loads(pickle.dumps(ch))
+    for name in ("skip", "screen", "_first", "_cut"):  # fields added after the chooser's first checkpoints
+        del old.__dict__[name]
+    back = pickle.loads(pickle.dumps(old))
+    assert back.skip == 2.0 and back.screen == 2.0 and back._first == {} and back._cut == []
+    assert back == ch and back.window == ch.window and back.mode(2) == LOWRANK
