@@ -91,9 +91,10 @@ class DGTState:
         chooser: whether the hook measures if dropping pays (:class:`~dgt.shim.chooser.DropChooser`: it times
             lossless and lossy iterations, the ranks agree, and it keeps the faster path, re-probing now and then):
             a ``DropChooser`` with its settings, ``None`` (or False) for none, True for ``DropChooser(start=
-            warmup_iters)`` (lossless and lossy DGT only), ``"lowrank"``: that chooser with the low-rank path as one
-            more mode (``CHOOSER_LOW_RANK``, PowerSGD's factors with error feedback on the direct all-reduce, its
-            time per iteration weighed by the chooser's ``lowrank_steps`` prior; docs/shim.md "Low rank"), or
+            warmup_iters, modes=("lossy", "lossless"))`` (lossless and lossy DGT only), ``"lowrank"``: that
+            chooser with the low-rank path as one more mode (``CHOOSER_LOW_RANK``, PowerSGD's factors with error
+            feedback on the direct all-reduce, its time per iteration weighed by the chooser's ``lowrank_steps``
+            prior; docs/shim.md "Low rank"), or
             ``"auto"`` (default): ``"lowrank"`` for the default codec (True where the collective is ``"ps"``, which
             cannot run the low-rank path), none for an explicitly given codec. Kept as the field ``state.chooser``
             (a DropChooser or None); ``state.lowrank_codec`` is the low-rank path's codec when a chooser has that
@@ -128,7 +129,7 @@ class DGTState:
             Only the ``dgt`` codec has a p; docs/shim.md "Warm-up of p".
 
     ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser="lowrank", p_warmup=50)`` spelt
-    out, i.e. ``chooser=DropChooser(start=2, modes=("lossless", "lossy", "lowrank"))``.
+    out, i.e. ``chooser=DropChooser(start=2, modes=("lowrank", "lossy", "lossless"))``.
     The keywords ``choose=`` and ``wire=`` of before issue 44 still work for one release, with a DeprecationWarning.
     """
 
