@@ -223,11 +223,17 @@ class DropChooser:
     # -- screening: a probe cut short after its first iteration ------------------------------------------------
     def _later(self, k: int) -> list[str]:
         """The modes of the window after the block that window index ``k`` belongs to, in order."""
-        out: list[str] = []
-        for m in self.window[k + 1 :]:
-            if m != self.window[k] and m not in out:
-                out.append(m)
-        return out
+        return list(dict.fromkeys(m for m in self.window[k + 1 :] if m != self.window[k]))
+
+    def _has_figure(self, mode: str) -> bool:
+        """Whether :meth:`local` has a figure for ``mode`` now (timed samples, the chosen path's recent iterations,
+        or a first iteration)."""
+        return bool(self._samples.get(mode)) or mode in self._first or (mode == self.chosen and bool(self._recent))
+
+    def _weigh(self, agreed: list[float]) -> dict[str, float]:
+        """What each mode's agreed seconds per iteration count for in :meth:`cut` and :meth:`decide`: the low-rank
+        mode's weighed by its steps prior (``lowrank_steps``); NaN stays NaN (no figure)."""
+        return {m: float(v) * self.lowrank_steps if m == LOWRANK else float(v) for m, v in zip(self.modes, agreed)}
 
     def screening(self, it: int) -> bool:
         """Whether iteration ``it`` is a screening point: the first iteration of a mode's probe in the current window
@@ -240,10 +246,8 @@ class DropChooser:
             return False
         mode = self.window[k]
         rest = k + 1 < len(self.window) and self.window[k + 1] == mode
-        known = {m for m in self.modes if self._samples.get(m) or m in self._first
-                 or (m == self.chosen and self._recent)}
-        later = [m for m in self._later(k) if m in known]
-        return bool(known - {mode}) and (rest or bool(later))
+        others = any(self._has_figure(m) for m in self.modes if m != mode)
+        return others and (rest or any(self._has_figure(m) for m in self._later(k)))
 
     def cut(self, it: int, agreed: list[float]) -> list[str]:
         """At a screening point ``it``, with the figures every rank agreed on (the mean of :meth:`local` over ranks):
@@ -254,7 +258,7 @@ class DropChooser:
         iterations are the window's most expensive ones (at 40 Mbit on AlexNet: 0.21-0.27 s lossless against
         0.035 s low rank). Returns the modes cut; the figure a cut mode keeps is its first iteration's."""
         k = it - self.window_start
-        cost = {m: v * self.lowrank_steps if m == LOWRANK else v for m, v in zip(self.modes, map(float, agreed))}
+        cost = self._weigh(agreed)
         cut = []
         for m in [self.window[k]] + self._later(k):
             others = [v for x, v in cost.items() if x != m and v == v]
@@ -272,8 +276,7 @@ class DropChooser:
         """Apply the figures every rank agreed on (the mean of :meth:`local` over ranks) at the close of the window
         ending at ``it``; plans the next window. Returns the chosen path."""
         secs = {m: float(v) for m, v in zip(self.modes, agreed)}
-        # what each mode's seconds count for: the low-rank mode's weighed by its steps prior
-        cost = {m: v * self.lowrank_steps if m == LOWRANK else v for m, v in secs.items()}
+        cost = self._weigh(agreed)
         # the fastest lossless and the fastest lossy mode with a figure (a NaN: that mode has none)
         safe = min(((v, m) for m, v in cost.items() if m not in LOSSY_MODES and v == v), default=None)
         risky = min(((v, m) for m, v in cost.items() if m in LOSSY_MODES and v == v), default=None)

@@ -354,8 +354,8 @@ class DGTState:
             return
         agreed = await self._agree(group) if ch.screening(it) else None
         if agreed is not None:
-            ch.cut(it, agreed)  # a probe cut short leaves the figures as they were: the decision may reuse them
-        if ch.due(it):
+            ch.cut(it, agreed)  # (a cut can close the window here: it drops the window's later probes)
+        if ch.due(it):  # one agreement serves both: a cut leaves the figures as they were
             ch.decide(it, agreed if agreed is not None else await self._agree(group))
             self.totals["choice"] = ch.summary()
 
