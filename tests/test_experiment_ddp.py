@@ -220,11 +220,12 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     probes low rank, lossy and lossless (4 iterations each, less what screening cuts), decides on the agreed
     figures, low rank weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path.
     dgt-hook-noscreen probes all three in full and decides at iteration 13. dgt-hook-sparse (DGTState(sparse=True))
-    trains through its probe window and counts what its owners held back."""
+    trains through its probe window and counts what its owners held back. The default's low-rank path is rank 4;
+    dgt-hook-rank2 probes it at rank 2."""
     arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip", "dgt-hook-nolowrank",
-            "dgt-hook-probe2", "dgt-hook-noscreen"]
+            "dgt-hook-probe2", "dgt-hook-noscreen", "dgt-hook-rank2"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse, pwarm, noskip, nolowrank, probe2, noscreen = res["runs"]
+    choose, sparse, pwarm, noskip, nolowrank, probe2, noscreen, rank2 = res["runs"]
     assert [r["arm"] for r in res["runs"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
@@ -264,3 +265,8 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     for d in noscreen["dgt"]:
         first = d["choice"]["decisions"][0]
         assert first["iter"] == 13 and "cut" not in first and d["paths"]["lowrank"]["buckets"] >= 4, d
+    # the default's low-rank path is rank 4; dgt-hook-rank2 runs it at rank 2 (the default before), and probes it
+    assert {d["lowrank_rank"] for d in choose["dgt"]} == {4} and {d["lowrank_rank"] for d in rank2["dgt"]} == {2}
+    for d in rank2["dgt"]:
+        assert d["paths"]["lowrank"]["buckets"] >= 1 and set(d["choice"]["decisions"][0]["seconds"]) == {
+            "lossless", "lossy", "lowrank"}, d

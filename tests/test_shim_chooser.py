@@ -297,12 +297,12 @@ def test_state_chooser_lowrank_adds_the_low_rank_path():
     st = DGTState(chooser="lowrank")  # (in the screened window's order: the paths that win on a bottleneck first)
     assert st.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and st.chooser.start == 2
     assert isinstance(st.lowrank_codec, LowRankCodec) and st.lowrank_codec.name == "lowrank"
-    assert CHOOSER_LOW_RANK == "lowrank:rank=2,min_ratio=2" and st.lowrank_codec.rank == 2
+    assert CHOOSER_LOW_RANK == "lowrank:rank=4,min_ratio=2" and st.lowrank_codec.rank == 4
     assert st.needs_shapes and not st.low_rank and st.wire_dtype == torch.float16
     # the README line's DGTState() is that chooser; chooser=True is lossless and lossy DGT only (the default before)
     plain = DGTState()
     assert plain.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and plain.needs_shapes
-    assert isinstance(plain.lowrank_codec, LowRankCodec) and plain.lowrank_codec.rank == 2
+    assert isinstance(plain.lowrank_codec, LowRankCodec) and plain.lowrank_codec.rank == 4
     two = DGTState(chooser=True)
     assert two.lowrank_codec is None and not two.needs_shapes and LOWRANK not in two.chooser.modes
     # the parameter server cannot run the low-rank path: its default chooser leaves it out, asking for it is refused

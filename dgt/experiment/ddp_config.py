@@ -25,7 +25,7 @@ ARMS: dict[str, str] = {
                         "take them, see ddp_worker.runnable_batched_powersgd)",
     "powersgd-rank2": "powersgd with matrix_approximation_rank=2 (what a user tries when rank 1 costs too many steps)",
     "dgt-hook": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook), no options (the README line: its "
-                "chooser times lossless and lossy DGT, ring and direct, and the rank-2 low-rank path, and keeps the "
+                "chooser times lossless and lossy DGT, ring and direct, and the rank-4 low-rank path, and keeps the "
                 "fastest, low rank weighed by a 1.5x steps prior)",
     "dgt-backend": "init_process_group(backend=\"dgt\"), no options",
     "dgt-hook-direct": "Gloo + register_comm_hook(dgt.shim.DGTState(collective=\"direct\"), dgt.shim.hook): the direct "
@@ -48,7 +48,7 @@ ARMS: dict[str, str] = {
                        "whose ring holds each owner's own contribution back where nothing arrived, so its update and "
                        "all-gather carry only the blocks that arrived",
     "dgt-hook-choose-lowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=\"lowrank\"), dgt.shim.hook): "
-                               "the default spelt out: the chooser also probes the low-rank path (rank-2 P/Q factors "
+                               "the default spelt out: the chooser also probes the low-rank path (rank-4 P/Q factors "
                                "on the direct all-reduce), its seconds weighed by a 1.5x steps prior",
     "dgt-hook-nolowrank": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=True), dgt.shim.hook): the default "
                           "hook whose chooser times DGT's paths only, lossless and lossy, ring and direct (the "
@@ -68,6 +68,9 @@ ARMS: dict[str, str] = {
                          "default hook whose chooser probes every path in full (3 + 1 iterations each: 20 on 3+ "
                          "ranks) instead of cutting the probes of paths over 2x the best figure after one iteration "
                          "(the default before 2026-12-07's screening)",
+    "dgt-hook-rank2": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook) with state.lowrank_codec = "
+                      "make_codec(\"lowrank:rank=2,min_ratio=2\"): the default hook whose chooser's low-rank path "
+                      "runs at rank 2 (the default before 2026-12-07, evening) instead of 4",
     "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
                        "without the warm-up of p (the default before it)",
 }

@@ -63,7 +63,10 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
     "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {}, "dgt-hook-noscreen": {},
+    "dgt-hook-rank2": {},
 }
+# arms whose state's chooser runs its low-rank path with another codec than the default's CHOOSER_LOW_RANK
+HOOK_LOWRANK: dict[str, str] = {"dgt-hook-rank2": LOWRANK2_CODEC}
 # arms whose state gets the default's chooser (start=2, chooser.DEFAULT_MODES) with these settings changed, built
 # when the arm is attached (importing dgt.shim here would load it into every arm's workers): dgt-hook-noskip never
 # skips far losers in its re-probes, dgt-hook-probe2 times 2 iterations per path, dgt-hook-noscreen probes in full
@@ -119,6 +122,10 @@ def attach_arm(arm: str, ddp: Any) -> Any:
         if arm in HOOK_CHOOSERS:
             kwargs["chooser"] = DropChooser(**{"start": 2, "modes": DEFAULT_MODES, **HOOK_CHOOSERS[arm]})
         state = dgt.shim.DGTState(**kwargs)
+        if arm in HOOK_LOWRANK:
+            from dgt.codecs.registry import make_codec
+
+            state.lowrank_codec = make_codec(HOOK_LOWRANK[arm])
         ddp.register_comm_hook(state, dgt.shim.hook)
         return state
     raise ValueError(f"unknown arm {arm!r}")
@@ -157,6 +164,7 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
                 "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"]),
                 "lossy_buckets": int(t.get("lossy_buckets", 0)), "held_blocks": int(t.get("held_blocks", 0)),
                 "paths": t.get("paths", {}), "p": state.codec.current_p(),
+                "lowrank_rank": getattr(getattr(state, "lowrank_codec", None), "rank", None),
                 "transport": _transport_summary(state.transport_stats()),
                 "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":
