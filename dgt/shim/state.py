@@ -57,11 +57,9 @@ WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, 
 # ranks both are the same two transfers). The dense warm-up stays on the ring. "ps" cannot drive the codec
 LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
 # chooser="lowrank" (the default's chooser): the codec of its low-rank path, rank 4 and only matrices that the factors
-# compress at least 2x (torch's min_compression_rate=2). Rank 4 rather than PowerSGDState's default 1 or the rank 2
-# of before 2026-12-07 (evening): under AdamW the first low-rank steps cost the most (Adam's bias-corrected first
-# updates move every coordinate about lr, whatever the factors left out); GPT at 40 Mbit, fifo, 3 seeds, the default
-# needed 220 [136-244] steps to 2.6 at rank 2 and 128 [116-204] at rank 4 (Gloo: 148 [132-188]), 59.8 s against
-# 42.7 s; AlexNet/digits 5.3 s against 6.1 s (docs/shim.md "Low rank")
+# compress at least 2x (torch's min_compression_rate=2). Rank 4, not 1 (PowerSGDState's default) or 2 (until
+# 2026-12-07, evening): GPT/AdamW at 40 Mbit, fifo, 5 seeds, 172 steps to 2.6 in the median at rank 4, 208 at rank 2,
+# Gloo 156; AlexNet 6.1-6.9 s against 5.3 s at rank 2 (docs/experiment-ddp.md "Rank 4 for the default's low-rank path")
 CHOOSER_LOW_RANK = "lowrank:rank=4,min_ratio=2"
 # ... and its bucket ids: DDP bucket i runs as low-rank bucket LOWRANK_BUCKETS + i, i.e. transport bucket ids from
 # 3 * LOWRANK_BUCKETS on, apart from the ids the ring and the direct all-reduce use for the same bucket (the
