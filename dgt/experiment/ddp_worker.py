@@ -164,7 +164,7 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
                 "blocks": int(t["blocks"]), "codec_buckets": int(t["codec_buckets"]), "buckets": int(t["buckets"]),
                 "lossy_buckets": int(t.get("lossy_buckets", 0)), "held_blocks": int(t.get("held_blocks", 0)),
                 "paths": t.get("paths", {}), "p": state.codec.current_p(),
-                "lowrank_rank": getattr(getattr(state, "lowrank_codec", None), "rank", None),
+                "lowrank_rank": state.lowrank_codec.rank if state.lowrank_codec is not None else None,
                 "transport": _transport_summary(state.transport_stats()),
                 "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":

@@ -214,11 +214,12 @@ class DropChooser:
         window that just closed (from the window's own timed iterations, else, for the chosen path, from its last
         iterations before the window, else the mode's first iteration in the window when its probe was cut short,
         or, for the lossless path in the first window, the last iteration of the dense warm-up)."""
-        out = []
-        for mode in self.modes:
-            xs = self._samples.get(mode) or (self._recent if mode == self.chosen else [])
-            out.append(statistics.median(xs) if xs else self._first.get(mode, float("nan")))
-        return out
+        return [self._figure(mode) for mode in self.modes]
+
+    def _figure(self, mode: str) -> float:
+        """:meth:`local`'s figure for ``mode``; NaN when it has none."""
+        xs = self._samples.get(mode) or (self._recent if mode == self.chosen else [])
+        return statistics.median(xs) if xs else self._first.get(mode, math.nan)
 
     # -- screening: a probe cut short after its first iteration ------------------------------------------------
     def _later(self, k: int) -> list[str]:
@@ -226,9 +227,8 @@ class DropChooser:
         return list(dict.fromkeys(m for m in self.window[k + 1 :] if m != self.window[k]))
 
     def _has_figure(self, mode: str) -> bool:
-        """Whether :meth:`local` has a figure for ``mode`` now (timed samples, the chosen path's recent iterations,
-        or a first iteration)."""
-        return bool(self._samples.get(mode)) or mode in self._first or (mode == self.chosen and bool(self._recent))
+        """Whether :meth:`local` has a figure for ``mode`` now."""
+        return not math.isnan(self._figure(mode))
 
     def _weigh(self, agreed: list[float]) -> dict[str, float]:
         """What each mode's agreed seconds per iteration count for in :meth:`cut` and :meth:`decide`: the low-rank
