@@ -270,3 +270,41 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     for d in rank2["dgt"]:
         assert d["paths"]["lowrank"]["buckets"] >= 1 and set(d["choice"]["decisions"][0]["seconds"]) == {
             "lossless", "lossy", "lowrank"}, d
+
+
+def test_rank_zeros_decision_reaches_the_other_ranks_through_the_run_directory(tmp_path):
+    """The evaluation pause's decision (worker.publish_decision): a waiting rank gets exactly what rank 0 wrote,
+    whenever rank 0 writes it, and a clear error when it never does."""
+    import threading
+
+    from dgt.experiment.worker import await_decision, decision_path, publish_decision
+
+    out = str(tmp_path)
+    decision = {"value": 0.5, "stop": False, "reason": None}
+    writer = threading.Timer(0.05, publish_decision, (out, 4, decision))
+    writer.start()
+    try:
+        assert await_decision(out, 4, timeout=30) == decision
+    finally:
+        writer.cancel()
+    assert os.path.exists(decision_path(out, 4)) and not os.path.exists(decision_path(out, 4) + ".tmp")
+    with pytest.raises(TimeoutError, match="no decision for iteration 6"):
+        await_decision(out, 6, timeout=0.01)
+
+
+def test_a_stale_decision_in_a_reused_run_directory_is_not_read(tmp_path):
+    """A run directory reused by a later run (same --out) holds the earlier run's decision files: launch() removes
+    them before the workers start, and after. Here the stale file says 'stop' at iteration 2: read by rank 1 while
+    rank 0 evaluates and goes on, it would leave rank 0 alone in the next all-reduce."""
+    from dgt.cli import main
+    from dgt.experiment.worker import decision_path, publish_decision
+
+    out = str(tmp_path / "res")
+    publish_decision(os.path.join(out, "gloo"), 2, {"value": 1.0, "stop": True, "reason": "target"})
+    rc = main(["experiment", "ddp", "--network", "loopback", "--workers", "2", "--max-iters", "4", "--eval-every",
+               "2", "--target", "0.99", "--arms", "gloo", "--out", out, "--no-plots"])
+    assert rc == 0
+    with open(os.path.join(out, "results.json")) as f:
+        run = json.load(f)["runs"][0]
+    assert run["summary"]["iterations_run"] == 4 and len(run["curve"]) == 2  # no rank stopped at iteration 2
+    assert not os.path.exists(os.path.dirname(decision_path(os.path.join(out, "gloo"), 2)))

@@ -6,8 +6,9 @@ differs: no hook (Gloo), torch's fp16 or PowerSGD hook (plain, in fp16, or batch
 or ``backend="dgt"``.
 
 Timing: a step is forward + backward (DDP all-reduces the buckets inside backward, and waits for them at its end)
-+ optimizer step. Every ``eval_every`` steps rank 0 measures test accuracy while the others wait on the store; that
-pause is outside every step, so training time = sum of step times. Bytes on the wire: the host's eth0 counters
++ optimizer step. Every ``eval_every`` steps rank 0 measures test accuracy while the others wait for its decision
+(a file in the run's directory: ``worker.publish_decision``); every rank resumes within about a millisecond, so that
+pause is outside every step and training time = sum of step times. Bytes on the wire: the host's eth0 counters
 (netem: each rank has its own namespace), None on loopback, where every rank shares ``lo``.
 """
 
@@ -22,7 +23,7 @@ from typing import Any
 
 from dgt.experiment.data import ShardSampler
 from dgt.experiment.ddp_config import DDPSpec
-from dgt.experiment.worker import PROGRESS, worker_main
+from dgt.experiment.worker import PROGRESS, await_decision, publish_decision, worker_main
 from dgt.experiment.workloads import Workload, build_workload
 
 POWERSGD = {"matrix_approximation_rank": 1, "start_powerSGD_iter": 10, "use_error_feedback": True,
@@ -238,7 +239,7 @@ def train(spec: DDPSpec, rank: int, world: int, emit: bool) -> dict[str, Any]:
         train_time += dt
         decision = None
         if it % spec.eval_every == 0 or it == spec.max_iters:
-            decision = _decide(store, rank, it, spec, wl, train_time)
+            decision = _decide(rank, it, spec, wl, train_time)
             wire = wire_bytes(spec.wire_if)
             evals.append({"it": it, "train_time": train_time, wl.metric: decision["value"],
                           "wire": _delta(wire, wire0)})
@@ -265,18 +266,17 @@ def _delta(now: dict[str, int] | None, then: dict[str, int] | None) -> dict[str,
     return None if now is None or then is None else {k: now[k] - then[k] for k in now}
 
 
-def _decide(store: Any, rank: int, it: int, spec: DDPSpec, wl: Workload, train_time: float) -> dict[str, Any]:
-    """Rank 0 evaluates (test accuracy, or gpt's validation loss) and publishes {value, stop, reason} in the store;
-    the others wait for it."""
-    key = f"dgtddp/eval/{it}"
+def _decide(rank: int, it: int, spec: DDPSpec, wl: Workload, train_time: float) -> dict[str, Any]:
+    """Rank 0 evaluates (test accuracy, or gpt's validation loss) and publishes {value, stop, reason}; the others
+    wait for it (``worker.publish_decision``: a file, not the store, whose answer reaches them late)."""
     if rank == 0:
         value = wl.evaluate()
         reason = ("target" if wl.reached(value, spec.target) else "max_iters" if it >= spec.max_iters
                   else "max_time" if train_time >= spec.max_time else None)
         decision = {"value": value, "stop": reason is not None, "reason": reason}
-        store.set(key, json.dumps(decision))
+        publish_decision(spec.out_dir, it, decision)
         return decision
-    return json.loads(store.get(key))
+    return await_decision(spec.out_dir, it)
 
 
 def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:

@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,6 +57,10 @@ def launch(net: Network, spec: Any, run_dir: str, on_progress: Callable[[dict[st
     for r in range(spec.workers):
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(run_dir, f"rank{r}.json"))
+    # rank 0's evaluation decisions (worker.publish_decision): a previous run's in this directory would be read as
+    # this run's
+    decisions = os.path.join(run_dir, "decisions")
+    shutil.rmtree(decisions, ignore_errors=True)
     port = MASTER_PORT if net.mode == "netem" else free_port()
     base = dict(os.environ)
     base.update({"WORLD_SIZE": str(spec.workers), "MASTER_ADDR": net.master_addr, "MASTER_PORT": str(port),
@@ -79,6 +84,7 @@ def launch(net: Network, spec: Any, run_dir: str, on_progress: Callable[[dict[st
             _kill(p)
         if procs and procs[0].stdout is not None:
             procs[0].stdout.close()
+        shutil.rmtree(decisions, ignore_errors=True)
     results = []
     for r in range(spec.workers):
         path = os.path.join(run_dir, f"rank{r}.json")

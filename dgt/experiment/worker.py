@@ -31,6 +31,9 @@ from dgt.experiment.data import Dataset, ShardSampler, load_dataset
 from dgt.experiment.models import build_model
 
 PROGRESS = "@@ "
+# how often a rank waiting for rank 0's evaluation looks for its decision file (publish_decision)
+DECISION_POLL_S = 0.0005
+DECISION_TIMEOUT_S = 900.0
 SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)
 
 
@@ -141,7 +144,7 @@ async def _train(spec: RunSpec, rank: int, world: int, bind: str, emit: bool, se
             decision = None
             if it % spec.eval_every == 0 or it == spec.max_iters:  # every rank pauses at the same iterations
                 te = time.perf_counter()
-                decision = await _decide(store, rank, it, spec, model, data, train_time)
+                decision = await _decide(rank, it, spec, model, data, train_time)
                 eval_time += time.perf_counter() - te
                 evals.append({"it": it, "train_time": train_time, "acc": decision["acc"]})
             if emit:
@@ -250,12 +253,12 @@ def _leave(store: Any, rank: int, world: int, timeout: float = 30.0) -> None:
         time.sleep(0.01)
 
 
-async def _decide(store: Any, rank: int, it: int, spec: RunSpec, model: torch.nn.Module, data: Dataset,
+async def _decide(rank: int, it: int, spec: RunSpec, model: torch.nn.Module, data: Dataset,
                   train_time: float) -> dict[str, Any]:
-    """Rank 0 evaluates and publishes {acc, stop, reason}; the others wait for it (this is the evaluation pause)."""
+    """Rank 0 evaluates and publishes {acc, stop, reason}; the others wait for it (this is the evaluation pause; see
+    :func:`publish_decision` for why not through the store)."""
     import trio
 
-    key = f"dgtexp/eval/{it}"
     if rank == 0:
         acc = evaluate(model, data)
         reason = ""
@@ -266,10 +269,42 @@ async def _decide(store: Any, rank: int, it: int, spec: RunSpec, model: torch.nn
         elif train_time >= spec.max_time:
             reason = "max_time"
         decision = {"acc": acc, "stop": bool(reason), "reason": reason or None}
-        await trio.to_thread.run_sync(store.set, key, json.dumps(decision))
+        publish_decision(spec.out_dir, it, decision)
         return decision
-    raw = await trio.to_thread.run_sync(store.get, key)
-    return json.loads(raw)
+    return await trio.to_thread.run_sync(await_decision, spec.out_dir, it)
+
+
+def decision_path(out_dir: str, it: int) -> str:
+    return os.path.join(out_dir, "decisions", f"{it}.json")
+
+
+def publish_decision(out_dir: str, it: int, decision: dict[str, Any]) -> None:
+    """Rank 0's decision after its evaluation at iteration ``it``, for :func:`await_decision`.
+
+    A file in the run's directory (which every worker shares already: its result goes there), not the c10d store:
+    the store's server runs beside rank 0, so through it the other ranks heard the decision one to two round trips
+    of the emulated network after rank 0 went on (``store.get`` is a wait and a get), and rank 0's next step waited
+    that long for them inside its first all-reduce. On ``wan`` (80 ms round trips) that added about 0.19 s to every
+    step after an evaluation, for every arm. Read by polling every :data:`DECISION_POLL_S`, every rank resumes within
+    about a millisecond of rank 0, so the evaluation pause stays outside the steps."""
+    os.makedirs(os.path.dirname(decision_path(out_dir, it)), exist_ok=True)
+    write_json(decision_path(out_dir, it), decision)
+
+
+def await_decision(out_dir: str, it: int, timeout: float = DECISION_TIMEOUT_S) -> dict[str, Any]:
+    """The decision rank 0 published for iteration ``it`` (:func:`publish_decision`); TimeoutError after
+    ``timeout`` seconds without it (rank 0 died or evaluates far too slowly)."""
+    path = decision_path(out_dir, it)
+    end = time.monotonic() + timeout
+    while True:
+        try:
+            with open(path) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            if time.monotonic() > end:
+                raise TimeoutError(f"rank 0 published no decision for iteration {it} within {timeout:g} s "
+                                   f"(expected {path})") from None
+            time.sleep(DECISION_POLL_S)
 
 
 def write_json(path: str, obj: Any, indent: int | None = None) -> None:
