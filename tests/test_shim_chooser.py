@@ -64,14 +64,14 @@ def test_a_screened_window_cuts_the_probes_of_paths_that_cannot_win():
         return cold.get(m, ALEX[m]) if it >= 2 and seen.setdefault(m, it) == it else ALEX[m]
 
     ch = DropChooser(start=2, hold=50, modes=SCREEN_ORDER)
-    assert ch.screen == 2.0 and ch.window == [LOWRANK] * 4 + [LOSSY] * 4 + [LOSSY_DIRECT] * 4 + [LOSSLESS] * 4 + [
+    assert ch.screen == 2.0 and ch.window == [LOWRANK] * 4 + [LOSSY_DIRECT] * 4 + [LOSSY] * 4 + [LOSSLESS] * 4 + [
         LOSSLESS_DIRECT] * 4
     modes = _run_screened(ch, range(0, 9), secs)
-    assert modes == ["warmup"] * 2 + [LOWRANK] * 4 + [LOSSY, LOSSY_DIRECT, LOSSLESS_DIRECT]
+    assert modes == ["warmup"] * 2 + [LOWRANK] * 4 + [LOSSY_DIRECT, LOSSY, LOSSLESS_DIRECT]
     d = ch.decisions[0]
     assert d["iter"] == 8 and d["chosen"] == LOWRANK
     # lossless cut at the low-rank path's first iteration (0.21 > 2 x 0.06 x 1.5), the others at their own first
-    assert d["cut"] == [LOSSLESS, LOSSY, LOSSY_DIRECT, LOSSLESS_DIRECT]
+    assert d["cut"] == [LOSSLESS, LOSSY_DIRECT, LOSSY, LOSSLESS_DIRECT]
     assert d["seconds"][LOSSLESS] == pytest.approx(0.21) and d["seconds"][LOWRANK] == pytest.approx(0.035)
     assert d["seconds"][LOSSY] == pytest.approx(0.25)  # a cut probe keeps its first (cold) iteration's figure
     # the full window decides the same
@@ -85,6 +85,26 @@ def test_a_screened_window_cuts_the_probes_of_paths_that_cannot_win():
     modes = _run_screened(ch, range(9, 111), secs)
     assert modes[-3:] == [LOWRANK, LOSSLESS, LOWRANK] and ch.decisions[1]["iter"] == 109
     assert ch.decisions[1]["cut"] == [LOSSLESS] and ch.chosen == LOWRANK and ch.mode(110) == LOWRANK
+
+
+def test_on_a_long_lossy_path_the_direct_lossy_figure_cuts_the_rings_probes():
+    """The ``wan`` profile (20 ms and 0.5 % loss per link direction, 4 workers, AlexNet; figures of 2026-12-07's
+    runs): the low-rank path is only a little faster per iteration than the direct lossy one, so its weighed figure
+    does not screen the ring's lossy path out (0.95 s < 2 x 0.32 x 1.5). The direct lossy path is probed before the
+    ring's (SCREEN_ORDER), so the ring's lossy probe, at almost 3x its figure, is cut after its first iteration
+    instead of running 4 iterations of about 1 s."""
+    from dgt.shim.chooser import LOSSLESS_DIRECT, LOSSY_DIRECT, SCREEN_ORDER
+
+    wan = {LOWRANK: 0.32, LOSSY_DIRECT: 0.34, LOSSY: 0.95, LOSSLESS: 1.0, LOSSLESS_DIRECT: 0.5}
+    ch = DropChooser(start=2, hold=50, modes=SCREEN_ORDER)
+    modes = _run_screened(ch, range(0, 17), lambda it, m: wan[m])
+    assert modes == ["warmup"] * 2 + [LOWRANK] * 4 + [LOSSY_DIRECT] * 4 + [LOSSY] + [LOSSLESS_DIRECT] * 4 + [
+        LOSSY_DIRECT] * 2
+    d = ch.decisions[0]
+    assert d["iter"] == 14 and d["chosen"] == LOSSY_DIRECT and d["cut"] == [LOSSLESS, LOSSY]
+    # probed in the other order, the ring's lossy path would have run in full (its figure within 2x of the best)
+    ring_first = DropChooser(start=2, hold=50, modes=(LOWRANK, LOSSY, LOSSY_DIRECT, LOSSLESS, LOSSLESS_DIRECT))
+    assert _run_screened(ring_first, range(0, 10), lambda it, m: wan[m])[6:10] == [LOSSY] * 4
 
 
 def test_screening_on_loopback_keeps_the_slow_iterations_few():

@@ -46,13 +46,17 @@ point, at which the ranks agree on their figures so far (the same tiny all-reduc
 behind is dropped from the window. Its first iteration is cold, so that figure overestimates it, but by less than
 ``screen`` (the lossy path's first iteration at 40 Mbit: 1.3-1.6x its later ones), so a path that would win the
 window is not cut. The dense warm-up's last iteration (if it is not DDP's first) gives the lossless ring its first
-figure, and the default windows run the paths that win on a bottleneck first (``SCREEN_ORDER``: low rank, lossy,
-lossy direct, then lossless), so the cheapest figure is known early. Measured in the default's first window at
-40 Mbit on AlexNet (4 workers): lossless 0.21 s and lossless direct 0.27 s per iteration, lossy 0.14 s, low rank
-0.035 s; the full window's 20 iterations cost 3.2 s of collective time, about 2.5 s more than 20 low-rank ones.
-Screened, the window is the low-rank probe and one iteration of each other path but the lossless ring (7
-iterations). On loopback (no bottleneck) the warm-up's lossless figure screens the low-rank path out after one
-iteration (``dgt bench ddp``: 65-67 ms against lossless 5-6 ms).
+figure, and the default windows run the paths that win on a bottleneck first (``SCREEN_ORDER``: low rank, lossy
+direct, lossy, then lossless), so the cheapest figure is known early. The direct lossy path goes before the ring's:
+on a bottleneck the two are level (AlexNet at 40 Mbit, ``fifo``: 0.136 s and 0.137 s per iteration), on a long lossy
+path (``wan``: 80 ms round trips, 0.5 % loss per link direction) the direct one takes a third of the ring's time
+(0.31-0.40 s against 0.81-1.0 s), and probed first it cuts the ring's probe after one iteration, which the low-rank
+path's weighed figure did not always do (4-5 ring iterations of ~1 s in 4 of 11 runs probed in the other order).
+Measured in the default's first window at 40 Mbit on AlexNet (4 workers): lossless 0.21 s and lossless direct 0.27 s
+per iteration, lossy 0.14 s, low rank 0.035 s; the full window's 20 iterations cost 3.2 s of collective time, about
+2.5 s more than 20 low-rank ones. Screened, the window is the low-rank probe and one iteration of each other path
+but the lossless ring (7 iterations). On loopback (no bottleneck) the warm-up's lossless figure screens the low-rank
+path out after one iteration (``dgt bench ddp``: 65-67 ms against lossless 5-6 ms).
 
 Every rank runs the same schedule (a function of the iteration number and the agreed decisions and cuts), so their
 rounds line up. The class holds no clock and no network: :meth:`observe` takes measured seconds, :meth:`decide` and
@@ -73,9 +77,10 @@ DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
 ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)  # what collective="auto" offers on 3+ ranks
 KNOWN_MODES = ALL_MODES + (LOWRANK,)
 # the order of a screened window (DropChooser.screen): the paths that win on a bottleneck first, so that the cheapest
-# figure is known early and the expensive paths' probes are cut after one iteration; lossless last (its figure from
-# the dense warm-up is there from the start)
-SCREEN_ORDER = (LOWRANK, LOSSY, LOSSY_DIRECT, LOSSLESS, LOSSLESS_DIRECT)
+# figure is known early and the expensive paths' probes are cut after one iteration; the direct lossy path before the
+# ring's (level on a bottleneck, 3x faster on a long lossy path); lossless last (its figure from the dense warm-up is
+# there from the start)
+SCREEN_ORDER = (LOWRANK, LOSSY_DIRECT, LOSSY, LOSSLESS, LOSSLESS_DIRECT)
 DEFAULT_MODES = (LOWRANK, LOSSY, LOSSLESS)  # DGTState()'s chooser (chooser="lowrank"); collective="auto" adds direct
 # the low-rank mode's prior: its steps to target relative to the other paths' (PowerSGD rank 1 against Gloo, medians of
 # 3 seeds at 40 Mbit: ResNet 146/116 = 1.26x, GPT 252/148 = 1.70x; AlexNet/digits 180/136 = 1.32x, one seed)
