@@ -20,7 +20,7 @@ from typing import Any
 
 from dgt.collectives.launch import free_port
 from dgt.experiment.network import MASTER_PORT, Network
-from dgt.experiment.worker import PROGRESS
+from dgt.experiment.worker import PROGRESS, decisions_dir
 
 
 class RunFailed(RuntimeError):
@@ -59,7 +59,7 @@ def launch(net: Network, spec: Any, run_dir: str, on_progress: Callable[[dict[st
             os.remove(os.path.join(run_dir, f"rank{r}.json"))
     # rank 0's evaluation decisions (worker.publish_decision): a previous run's in this directory would be read as
     # this run's
-    decisions = os.path.join(run_dir, "decisions")
+    decisions = decisions_dir(run_dir)
     shutil.rmtree(decisions, ignore_errors=True)
     port = MASTER_PORT if net.mode == "netem" else free_port()
     base = dict(os.environ)

@@ -274,8 +274,13 @@ async def _decide(rank: int, it: int, spec: RunSpec, model: torch.nn.Module, dat
     return await trio.to_thread.run_sync(await_decision, spec.out_dir, it)
 
 
+def decisions_dir(out_dir: str) -> str:
+    """Where rank 0's decisions of a run go (launch() clears it before and after the run)."""
+    return os.path.join(out_dir, "decisions")
+
+
 def decision_path(out_dir: str, it: int) -> str:
-    return os.path.join(out_dir, "decisions", f"{it}.json")
+    return os.path.join(decisions_dir(out_dir), f"{it}.json")
 
 
 def publish_decision(out_dir: str, it: int, decision: dict[str, Any]) -> None:
@@ -287,7 +292,7 @@ def publish_decision(out_dir: str, it: int, decision: dict[str, Any]) -> None:
     that long for them inside its first all-reduce. On ``wan`` (80 ms round trips) that added about 0.19 s to every
     step after an evaluation, for every arm. Read by polling every :data:`DECISION_POLL_S`, every rank resumes within
     about a millisecond of rank 0, so the evaluation pause stays outside the steps."""
-    os.makedirs(os.path.dirname(decision_path(out_dir, it)), exist_ok=True)
+    os.makedirs(decisions_dir(out_dir), exist_ok=True)
     write_json(decision_path(out_dir, it), decision)
 
 
