@@ -22,6 +22,7 @@ from dgt.transport import Faults, Timeouts, TransportConfig
 SHAPES = [(48, 40), (40,), (3, 4, 5), (10, 48), (10,)]  # a 3-D tensor is read as 3 x 20
 NUMEL = sum(math.prod(s) for s in SHAPES)
 SPECS = ["lowrank:rank=2", "lowrank:rank=2,residual_p=0.2,block=32"]
+BF16 = ["lowrank:rank=2,wire=bf16", "lowrank:rank=2,residual_p=0.2,block=32,wire=bf16"]  # the payloads as bfloat16
 
 
 def _inputs(k: int, step: int, dtype=torch.float32) -> list[torch.Tensor]:
@@ -85,7 +86,7 @@ def test_1d_tensors_are_summed_exactly_and_hold_no_error_feedback(spec):
             assert not bool(st.values["ef"][dense].any())
 
 
-@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("spec", SPECS + BF16)
 def test_every_rank_gets_the_same_bits_in_process(spec):
     codecs, states = _ranks(spec, 4)
     for step in range(4):
@@ -128,6 +129,41 @@ def test_conservation_sent_plus_error_feedback_is_the_input(spec, dtype, tol):
                 assert torch.equal(rebuilt, last["residual"])
         total = sent[0] + sent[1] + sent[2]
         assert float((outs[0] - total).abs().max()) <= tol * float(total.abs().max()) * 4
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-12), (torch.float32, 2e-6)])
+@pytest.mark.parametrize("spec", BF16)
+def test_bf16_wire_halves_the_payloads_and_keeps_the_rounding_in_error_feedback(spec, dtype, tol):
+    """``wire=bf16``: P and the Q(+dense) payload are bfloat16 (half of float32's bytes), and nothing is lost to the
+    rounding: sent (P_hat times the rounded Q, the rounded 1-D tensors) + error feedback after = input + error feedback
+    before, to float rounding; the 1-D tensors' error feedback is exactly their rounding error. The sum every rank
+    applies is the sum of what they sent, to the one rounding of the reduced payload (2^-9 relative)."""
+    k = 3
+    codecs, states = _ranks(spec, k, dtype)
+    plan = codecs[0].plan(states[0])
+    native, nst = _ranks(spec.replace(",wire=bf16", ""), 1, dtype)
+    for step in range(4):
+        xs = _inputs(k, step, dtype)
+        before = [st.values.get("ef", torch.zeros(NUMEL, dtype=dtype)).clone() for st in states]
+        p0 = codecs[0].begin(xs[0], states[0])
+        assert p0.dtype == torch.bfloat16 and p0.numel() == plan.p_numel
+        states[0].values.pop("m")  # (begin again below, inside the reduction)
+        outs = reduce_in_process(codecs, states, xs)
+        sent = [_sent(codecs[r], states[r], NUMEL) for r in range(k)]
+        for r in range(k):
+            last = states[r].values["last"]
+            assert torch.equal(last["q"], last["q"].to(torch.bfloat16).to(dtype))  # what travels: the rounded Q
+            assert torch.equal(last["dense"], last["dense"].to(torch.bfloat16).to(dtype))
+            ef = states[r].values["ef"]
+            assert torch.equal(ef[plan.dense_mask] + last["dense"], (xs[r] + before[r])[plan.dense_mask])
+            lhs = sent[r] + ef
+            rhs = xs[r] + before[r]
+            assert float((lhs - rhs).abs().max()) <= tol * float(rhs.abs().max()), (step, r)
+        total = sent[0] + sent[1] + sent[2]
+        assert float((outs[0] - total).abs().max()) <= 2 ** -7 * float(total.abs().max())
+        assert codecs[0].last_stats["p_bytes"] == 2 * plan.p_numel
+        reduce_in_process(native, nst, xs[:1])
+        assert native[0].last_stats["p_bytes"] == torch.finfo(dtype).bits // 8 * plan.p_numel
 
 
 def test_residual_blocks_are_the_estimators_top_blocks_and_lost_ones_are_missing_from_the_sum():
@@ -261,6 +297,8 @@ def test_refusals():
         make_codec("lowrank:rank=0")
     with pytest.raises(ValueError, match="residual_p"):
         make_codec("lowrank:residual_p=1.5")
+    with pytest.raises(ValueError, match="wire must be one of"):
+        make_codec("lowrank:wire=fp16")
 
 
 def _open(world: int, prefix: str, **cfg):
@@ -280,8 +318,9 @@ async def _run_all(groups, fn):
     return out
 
 
-@pytest.mark.parametrize("spec,drop", [(SPECS[0], 0.0), (SPECS[1], 0.0), (SPECS[1], 0.3)],
-                         ids=["lowrank", "lowrank+dgt", "lowrank+dgt-lossy"])
+@pytest.mark.parametrize("spec,drop", [(SPECS[0], 0.0), (SPECS[1], 0.0), (SPECS[1], 0.3), (BF16[0], 0.0),
+                                       (BF16[1], 0.3)],
+                         ids=["lowrank", "lowrank+dgt", "lowrank+dgt-lossy", "lowrank-bf16", "lowrank+dgt-bf16-lossy"])
 async def test_over_the_transport_every_rank_applies_the_same_bits(spec, drop):
     """3 ranks in one process over loopback, 3 calls (warm start, error feedback): every rank's result is the same
     tensor bit for bit, and it matches the in-process reduction to float rounding (the ring adds in another order).
@@ -291,7 +330,10 @@ async def test_over_the_transport_every_rank_applies_the_same_bits(spec, drop):
         # the residual's 32-element blocks are the codec's (block=32 in the spec): the one block size (issue 44)
         async with _open(W, f"lowrank-{spec}-{drop}", error_feedback=False, faults=Faults(drop_fraction=drop,
                                                                                             drop_seed=7)) as groups:
-            colls = [LowRankAllReduce(g, spec, op="sum") for g in groups]
+            # bf16: on the direct all-reduce (the default's), which adds the terms in rank order in float32 and rounds
+            # once, as the reference does (a ring rounds each partial sum, and a moved P compounds over the calls)
+            inner = "direct" if "bf16" in spec else "ring"
+            colls = [LowRankAllReduce(g, spec, op="sum", inner=inner) for g in groups]
             ref_codecs, ref_states = _ranks(spec, W)
             dropped = 0
             for step in range(3):

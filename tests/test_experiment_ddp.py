@@ -221,11 +221,11 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     figures, low rank weighed by its 1.5x steps prior, and the low-rank iterations ran on their own path.
     dgt-hook-noscreen probes all three in full and decides at iteration 13. dgt-hook-sparse (DGTState(sparse=True))
     trains through its probe window and counts what its owners held back. The default's low-rank path is rank 4;
-    dgt-hook-rank2 probes it at rank 2."""
+    dgt-hook-rank2 probes it at rank 2; its factors travel as bfloat16, dgt-hook-fp32lr's as float32."""
     arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip", "dgt-hook-nolowrank",
-            "dgt-hook-probe2", "dgt-hook-noscreen", "dgt-hook-rank2"]
+            "dgt-hook-probe2", "dgt-hook-noscreen", "dgt-hook-rank2", "dgt-hook-fp32lr"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse, pwarm, noskip, nolowrank, probe2, noscreen, rank2 = res["runs"]
+    choose, sparse, pwarm, noskip, nolowrank, probe2, noscreen, rank2, fp32lr = res["runs"]
     assert [r["arm"] for r in res["runs"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
@@ -270,6 +270,10 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     for d in rank2["dgt"]:
         assert d["paths"]["lowrank"]["buckets"] >= 1 and set(d["choice"]["decisions"][0]["seconds"]) == {
             "lossless", "lossy", "lowrank"}, d
+    # the default's factors travel as bfloat16; dgt-hook-fp32lr's (the default before) as float32, also probed
+    assert {d["lowrank_wire"] for d in choose["dgt"]} == {"bf16"} and {d["lowrank_wire"] for d in fp32lr["dgt"]} == {
+        "native"} and {d["lowrank_rank"] for d in fp32lr["dgt"]} == {4}
+    assert all(d["paths"]["lowrank"]["buckets"] >= 1 for d in fp32lr["dgt"])
 
 
 def test_rank_zeros_decision_reaches_the_other_ranks_through_the_run_directory(tmp_path):

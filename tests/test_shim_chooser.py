@@ -317,7 +317,8 @@ def test_state_chooser_lowrank_adds_the_low_rank_path():
     st = DGTState(chooser="lowrank")  # (in the screened window's order: the paths that win on a bottleneck first)
     assert st.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and st.chooser.start == 2
     assert isinstance(st.lowrank_codec, LowRankCodec) and st.lowrank_codec.name == "lowrank"
-    assert CHOOSER_LOW_RANK == "lowrank:rank=4,min_ratio=2" and st.lowrank_codec.rank == 4
+    assert CHOOSER_LOW_RANK == "lowrank:rank=4,min_ratio=2,wire=bf16" and st.lowrank_codec.rank == 4
+    assert st.lowrank_codec.wire_dtype == torch.bfloat16
     assert st.needs_shapes and not st.low_rank and st.wire_dtype == torch.float16
     # the README line's DGTState() is that chooser; chooser=True is lossless and lossy DGT only (the default before)
     plain = DGTState()

@@ -19,6 +19,14 @@ packed residual sum scattered back onto its blocks. What this rank sent (its sha
 1-D tensors, its packed residual blocks) plus what it keeps in error feedback is its input plus the error feedback it
 started with (exact for the 1-D tensors and the residual split, to float rounding for ``M - P_hat Q^T``).
 
+With ``wire=bf16`` the P and Q payloads (and the 1-D tensors) travel as bfloat16: half the bytes, the range of
+float32 (no overflow, no flush of small gradients to zero), 8 significant bits. The codec rounds what it hands over
+and keeps the rounding in error feedback: its Q is rounded before the residual ``M - P_hat Q^T`` is taken, and a 1-D
+tensor's rounding error (``x - bf16(x)``, exact in float32) is its error feedback, so what a rank sent plus what it
+keeps is still its input (conservation). Rounding P only moves the basis, which every rank orthonormalises from the
+same reduced P. The reductions add the bfloat16 terms in float32 and round the sum once (the direct all-reduce), the
+same on every rank; that last rounding (2^-9 relative) is the one error not carried over.
+
 The codec contract's single ``encode``/``decode`` cannot express the two dependent reductions, so the codec is
 driven by :class:`dgt.collectives.lowrank.LowRankAllReduce` over the transport, or :func:`reduce_in_process` (K
 ranks in one process: tests and :func:`dgt.harness.simulate.train_allreduce`); the generic collectives refuse it
@@ -41,6 +49,9 @@ from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
 
 SHAPES_KEY = "shapes"
+# the ``wire`` option: the dtype of the P and Q(+dense) payloads; fp16 is not offered (its range is 6.5e4 and the sum
+# of several ranks' factors would need clamping), bf16 has float32's range
+WIRE_DTYPES: dict[str, torch.dtype | None] = {"native": None, "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
 
 
 def set_shapes(state: BucketState, shapes: Sequence[Sequence[int]]) -> None:
@@ -102,15 +113,19 @@ class LowRankCodec(Codec):
     reduced Q), ``seed`` (0; the first Q, the same on every rank), ``min_ratio`` (1.0: a matrix is sent dense unless
     its factors are at least this many times smaller than it), ``residual_p`` (0: no residual; > 0: the top share of
     each matrix's residual blocks by DGT's estimator on the droppable lane, the rest in error feedback), ``alpha``
-    (the estimator's momentum, 0.3), ``block`` (elements per residual block, 1024). float32 and float64 buckets."""
+    (the estimator's momentum, 0.3), ``block`` (elements per residual block, 1024), ``wire`` (``native``: the payloads
+    in the bucket's dtype; ``bf16``: P, Q and the 1-D tensors as bfloat16, the rounding kept in error feedback).
+    float32 and float64 buckets."""
 
     name = "lowrank"
     runner = "dgt.collectives.lowrank.LowRankAllReduce (or dgt.codecs.lowrank.reduce_in_process; docs/codecs.md)"
     capabilities = Capabilities(summable=True, lossy_tolerant=False)
     accepted_dtypes = frozenset({torch.float32, torch.float64})
+    wire = "native"  # (class defaults: a codec pickled before the option existed unpickles as native)
+    wire_dtype: torch.dtype | None = None
 
     def __init__(self, rank: int = 1, warm_start: bool = True, seed: int = 0, min_ratio: float = 1.0,
-                 residual_p: float = 0.0, alpha: float = 0.3, block: int = 1024) -> None:
+                 residual_p: float = 0.0, alpha: float = 0.3, block: int = 1024, wire: str = "native") -> None:
         super().__init__()
         if int(rank) != rank or rank < 1:
             raise ValueError(f"lowrank rank must be an integer >= 1, got {rank!r}")
@@ -120,6 +135,8 @@ class LowRankCodec(Codec):
             raise ValueError(f"lowrank min_ratio must be >= 1, got {min_ratio!r}")
         if int(block) < 1:
             raise ValueError(f"lowrank block must be >= 1, got {block!r}")
+        if wire not in WIRE_DTYPES:
+            raise ValueError(f"lowrank wire must be one of {sorted(WIRE_DTYPES)}, got {wire!r}")
         self.rank = int(rank)
         self.warm_start = bool(warm_start)
         self.seed = int(seed)
@@ -127,6 +144,9 @@ class LowRankCodec(Codec):
         self.residual_p = float(residual_p)
         self.alpha = float(alpha)
         self.block = int(block)
+        self.wire = wire
+        self.wire_dtype: torch.dtype | None = WIRE_DTYPES[wire]
+        """The dtype of the P and Q(+dense) payloads; None: the bucket's own."""
         if self.residual_p > 0:
             self.name = "lowrank+dgt"
         self.capabilities = replace(self.capabilities, block=self.block, lossy_tolerant=self.residual_p > 0,
@@ -199,7 +219,7 @@ class LowRankCodec(Codec):
             torch.matmul(mat, qs[m.index], out=p[po : po + m.rows * m.rank].view(m.rows, m.rank))
             po += m.rows * m.rank
         state.values["q"] = qs
-        return p
+        return p if self.wire_dtype is None else p.to(self.wire_dtype)
 
     def middle(self, p_sum: torch.Tensor, state: BucketState) -> torch.Tensor:
         """Step 2: orthonormalise the reduced P (identical on every rank), this rank's Q = M^T P_hat, its residual;
@@ -218,14 +238,23 @@ class LowRankCodec(Codec):
             mat = m_all[m.offset : m.offset + m.rows * m.cols].view(m.rows, m.cols)
             q = q_local[qo : qo + m.cols * m.rank].view(m.cols, m.rank)
             torch.matmul(mat.T, ph, out=q)
+            if self.wire_dtype is not None:  # the rounded Q travels: the residual (error feedback) keeps the rest
+                q.copy_(q.to(self.wire_dtype))
             res = residual[ro : ro + m.rows * m.cols].view(m.rows, m.cols)
             torch.sub(mat, ph @ q.T, out=res)  # this rank's share of the sum is P_hat Q^T; the rest is residual
             po, qo, ro = po + m.rows * m.rank, qo + m.cols * m.rank, ro + m.rows * m.cols
         state.values["p_hat"], state.values["q_local"], state.values["residual"] = p_hat, q_local, residual
-        pieces = [q_local, m_all[plan.dense_mask.to(m_all.device)]]
+        dense = m_all[plan.dense_mask.to(m_all.device)]
+        if self.wire_dtype is not None:  # the 1-D tensors travel rounded; their rounding error is their error feedback
+            sent = dense.to(self.wire_dtype).to(m_all.dtype)
+            state.values["dense_error"] = dense - sent
+            dense = sent
+        state.values["dense_sent"] = dense
+        pieces = [q_local, dense]
         if self.residual_p > 0:
             pieces.append(plan.residual.block_abs_mean(residual).to(m_all.dtype))
-        return torch.cat(pieces)
+        payload = torch.cat(pieces)
+        return payload if self.wire_dtype is None else payload.to(self.wire_dtype)
 
     def end(self, qd_sum: torch.Tensor, state: BucketState) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Step 3: the sum every rank applies (``P_hat Q_sum^T`` per matrix, the dense sum) and, with
@@ -236,6 +265,8 @@ class LowRankCodec(Codec):
         p_hat: torch.Tensor = state.values.pop("p_hat")
         residual: torch.Tensor = state.values.pop("residual")
         q_local: torch.Tensor = state.values.pop("q_local")
+        dense_sent: torch.Tensor = state.values.pop("dense_sent")
+        dense_error: torch.Tensor | None = state.values.pop("dense_error", None)
         nblk = plan.residual.nblocks if self.residual_p > 0 else 0
         if qd_sum.numel() != plan.q_numel + plan.dense_numel + nblk:
             raise InputRejected(f"reduced Q payload has {qd_sum.numel()} elements, the plan expects "
@@ -273,13 +304,15 @@ class LowRankCodec(Codec):
         for m in plan.matrices:
             ef[m.offset : m.offset + m.rows * m.cols] = kept[ro : ro + m.rows * m.cols]
             ro += m.rows * m.cols
+        if dense_error is not None:
+            ef[plan.dense_mask.to(m_all.device)] = dense_error
         state.values["ef"] = ef
         state.values["out"] = out
         # what this rank handed to the reductions (references, no copies): its factors and packed residual blocks
-        state.values["last"] = {"p_hat": p_hat, "q": q_local, "dense": m_all[plan.dense_mask.to(m_all.device)],
+        state.values["last"] = {"p_hat": p_hat, "q": q_local, "dense": dense_sent,
                                 "packed": packed, "residual_mask": sent_mask,
                                 "residual": residual}
-        nbytes = m_all.element_size()
+        nbytes = m_all.element_size() if self.wire_dtype is None else self.wire_dtype.itemsize
         self.last_stats = {"p_bytes": plan.p_numel * nbytes,
                            "q_dense_bytes": (plan.q_numel + plan.dense_numel + nblk) * nbytes,
                            "residual_bytes": 0 if packed is None else packed.numel() * nbytes}
@@ -359,6 +392,12 @@ def reduce_in_process(codecs: Sequence[LowRankCodec], states: Sequence[BucketSta
 
 
 def _sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The ranks' terms added in rank order; 16-bit terms in float32, rounded once (as the direct all-reduce)."""
+    if xs[0].dtype in (torch.float16, torch.bfloat16):
+        acc = xs[0].to(torch.float32)
+        for x in xs[1:]:
+            acc += x.to(torch.float32)
+        return acc.to(xs[0].dtype)
     out = xs[0].clone()
     for x in xs[1:]:
         out += x

@@ -71,6 +71,10 @@ ARMS: dict[str, str] = {
     "dgt-hook-rank2": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook) with state.lowrank_codec = "
                       "make_codec(\"lowrank:rank=2,min_ratio=2\"): the default hook whose chooser's low-rank path "
                       "runs at rank 2 (the default before 2026-12-07, evening) instead of 4",
+    "dgt-hook-fp32lr": "Gloo + register_comm_hook(dgt.shim.DGTState(), dgt.shim.hook) with state.lowrank_codec = "
+                       "make_codec(\"lowrank:rank=4,min_ratio=2\"): the default hook whose chooser's low-rank path "
+                       "sends its P and Q factors in float32 (the default before 2026-12-07's second session) instead "
+                       "of bfloat16",
     "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
                        "without the warm-up of p (the default before it)",
 }

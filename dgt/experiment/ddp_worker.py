@@ -64,10 +64,10 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
     "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {}, "dgt-hook-noscreen": {},
-    "dgt-hook-rank2": {},
+    "dgt-hook-rank2": {}, "dgt-hook-fp32lr": {},
 }
 # arms whose state's chooser runs its low-rank path with another codec than the default's CHOOSER_LOW_RANK
-HOOK_LOWRANK: dict[str, str] = {"dgt-hook-rank2": LOWRANK2_CODEC}
+HOOK_LOWRANK: dict[str, str] = {"dgt-hook-rank2": LOWRANK2_CODEC, "dgt-hook-fp32lr": "lowrank:rank=4,min_ratio=2"}
 # arms whose state gets the default's chooser (start=2, chooser.DEFAULT_MODES) with these settings changed, built
 # when the arm is attached (importing dgt.shim here would load it into every arm's workers): dgt-hook-noskip never
 # skips far losers in its re-probes, dgt-hook-probe2 times 2 iterations per path, dgt-hook-noscreen probes in full
@@ -166,6 +166,7 @@ def dgt_counters(arm: str, state: Any) -> dict[str, Any]:
                 "lossy_buckets": int(t.get("lossy_buckets", 0)), "held_blocks": int(t.get("held_blocks", 0)),
                 "paths": t.get("paths", {}), "p": state.codec.current_p(),
                 "lowrank_rank": state.lowrank_codec.rank if state.lowrank_codec is not None else None,
+                "lowrank_wire": state.lowrank_codec.wire if state.lowrank_codec is not None else None,
                 "transport": _transport_summary(state.transport_stats()),
                 "choice": state.chooser.summary() if getattr(state, "chooser", None) is not None else None}
     if arm == "dgt-backend":

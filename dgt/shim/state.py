@@ -60,7 +60,7 @@ LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
 # compress at least 2x (torch's min_compression_rate=2). Rank 4, not 1 (PowerSGDState's default) or 2 (until
 # 2026-12-07, evening): GPT/AdamW at 40 Mbit, fifo, 5 seeds, 172 steps to 2.6 in the median at rank 4, 208 at rank 2,
 # Gloo 156; AlexNet 6.1-6.9 s against 5.3 s at rank 2 (docs/experiment-ddp.md "Rank 4 for the default's low-rank path")
-CHOOSER_LOW_RANK = "lowrank:rank=4,min_ratio=2"
+CHOOSER_LOW_RANK = "lowrank:rank=4,min_ratio=2,wire=bf16"
 # ... and its bucket ids: DDP bucket i runs as low-rank bucket LOWRANK_BUCKETS + i, i.e. transport bucket ids from
 # 3 * LOWRANK_BUCKETS on, apart from the ids the ring and the direct all-reduce use for the same bucket (the
 # transport adds a bucket id's error-feedback residual to the next round of that id, and the low-rank path's rounds
