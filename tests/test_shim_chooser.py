@@ -107,6 +107,70 @@ def test_on_a_long_lossy_path_the_direct_lossy_figure_cuts_the_rings_probes():
     assert _run_screened(ring_first, range(0, 10), lambda it, m: wan[m])[6:10] == [LOSSY] * 4
 
 
+def test_the_ring_twins_bound_drops_the_direct_lossless_probe():
+    """On 4 ranks (``world``) a direct mode takes at least 1/3 of its ring twin's time (the same bytes in 2 of the
+    ring's 6 rounds in series). AlexNet at 40 Mbit with the bfloat16 factors (2026-12-07, second session: low rank
+    0.015-0.02 s per iteration): the warm-up's lossless ring (0.21 s) bounds the lossless direct all-reduce at 0.07 s,
+    more than 2x the low-rank path's weighed figure, so its probe (0.27 s) is dropped at the lossy direct path's
+    screening point and never runs. The decision is the same, the bound is not a figure in it (NaN), and the
+    dropped path sits out the next re-probe (its bound is far too); the re-probe goes to the nearest measured path.
+    Without the world size the probe runs as before."""
+    from dgt.shim.chooser import LOSSLESS_DIRECT, LOSSY_DIRECT, SCREEN_ORDER
+
+    figs = {LOWRANK: 0.018, LOSSY: 0.11, LOSSY_DIRECT: 0.115, LOSSLESS: 0.21, LOSSLESS_DIRECT: 0.27}
+    cold = {LOWRANK: 0.027, LOSSY: 0.16, LOSSY_DIRECT: 0.17}
+    seen: dict[str, int] = {}
+
+    def secs(it, m):
+        return cold.get(m, figs[m]) if it >= 2 and seen.setdefault(m, it) == it else figs[m]
+
+    ch = DropChooser(start=2, hold=50, modes=SCREEN_ORDER, world=4)
+    modes = _run_screened(ch, range(0, 8), secs)
+    assert modes == ["warmup"] * 2 + [LOWRANK] * 4 + [LOSSY_DIRECT, LOSSY]
+    d = ch.decisions[0]
+    assert d["iter"] == 7 and d["chosen"] == LOWRANK
+    assert d["cut"] == [LOSSLESS, LOSSY_DIRECT, LOSSLESS_DIRECT, LOSSY]
+    assert math.isnan(d["seconds"][LOSSLESS_DIRECT]) and d["seconds"][LOSSLESS] == pytest.approx(0.21)
+    assert LOSSLESS_DIRECT in d["skip_next"] and ch.window == [LOSSY] * 4  # the nearest measured path: 0.16 s
+    # the same figures without the world size: the lossless direct probe runs (one iteration, then cut)
+    seen.clear()
+    old = DropChooser(start=2, hold=50, modes=SCREEN_ORDER)
+    assert _run_screened(old, range(0, 9), secs)[6:] == [LOSSY_DIRECT, LOSSY, LOSSLESS_DIRECT]
+    assert old.decisions[0]["chosen"] == LOWRANK
+    # on 2 ranks there is no bound (and no direct mode: the hook offers them from 3 ranks on)
+    assert DropChooser(modes=SCREEN_ORDER, world=2)._bounded({LOSSLESS: 1.0, LOSSLESS_DIRECT: math.nan})[
+        LOSSLESS_DIRECT] != 0.5
+
+
+def test_the_default_warm_up_is_ddps_first_iteration_and_gives_the_lossless_figure():
+    """``DGTState()``: one dense iteration (DDP's first; its connections opened before the clock starts), whose time
+    is the lossless ring's first figure, so the first window's first iteration is already a screening point."""
+    from dgt.shim import DGTState
+    from dgt.shim.state import DEFAULT_WARMUP_ITERS
+
+    st = DGTState()
+    assert DEFAULT_WARMUP_ITERS == st.warmup_iters == st.chooser.start == 1 and st.chooser.window_start == 1
+    ch = st.chooser
+    ch.observe(0, 0.15, False)
+    ch.observe(0, 0.10, True)  # two buckets: 0.25 s
+    assert ch.local()[ch.modes.index(LOSSLESS)] == pytest.approx(0.25)
+    assert ch.mode(1) == LOWRANK and ch.screening(1)
+
+
+def test_the_twins_bound_keeps_the_direct_probe_where_it_may_win():
+    """``wan`` (80 ms round trips): the lossless ring's 1.0 s bounds the direct one at 0.33 s on 4 ranks, within 2x of
+    the best figure (the direct lossy path's 0.34 s), so its probe runs and the window is the one without the bound."""
+    from dgt.shim.chooser import LOSSLESS_DIRECT, LOSSY_DIRECT, SCREEN_ORDER
+
+    wan = {LOWRANK: 0.32, LOSSY_DIRECT: 0.34, LOSSY: 0.95, LOSSLESS: 1.0, LOSSLESS_DIRECT: 0.5}
+    with_world = DropChooser(start=2, hold=50, modes=SCREEN_ORDER, world=4)
+    without = DropChooser(start=2, hold=50, modes=SCREEN_ORDER)
+    a = _run_screened(with_world, range(0, 17), lambda it, m: wan[m])
+    b = _run_screened(without, range(0, 17), lambda it, m: wan[m])
+    assert a == b and a.count(LOSSLESS_DIRECT) == 4
+    assert with_world.decisions[0]["chosen"] == without.decisions[0]["chosen"] == LOSSY_DIRECT
+
+
 def test_screening_on_loopback_keeps_the_slow_iterations_few():
     """Loopback, 2 ranks (no bottleneck): the warm-up's lossless figure screens out the low-rank and the lossy path
     after one iteration each; the lossless path is probed in full and kept. 2 slow iterations instead of 8."""
@@ -315,7 +379,7 @@ def test_state_chooser_lowrank_adds_the_low_rank_path():
     from dgt.shim.state import CHOOSER_LOW_RANK
 
     st = DGTState(chooser="lowrank")  # (in the screened window's order: the paths that win on a bottleneck first)
-    assert st.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and st.chooser.start == 2
+    assert st.chooser.modes == (LOWRANK, LOSSY, LOSSLESS) and st.chooser.start == 1
     assert isinstance(st.lowrank_codec, LowRankCodec) and st.lowrank_codec.name == "lowrank"
     assert CHOOSER_LOW_RANK == "lowrank:rank=4,min_ratio=2,wire=bf16" and st.lowrank_codec.rank == 4
     assert st.lowrank_codec.wire_dtype == torch.bfloat16
@@ -348,7 +412,7 @@ def test_default_state_chooses_and_an_explicit_codec_does_not():
     from dgt.shim import DGTState
 
     assert isinstance(DGTState().chooser, DropChooser)
-    assert DGTState().chooser.start == 2  # governs the iterations after the dense warm-up
+    assert DGTState().chooser.start == 1  # governs the iterations after the dense warm-up (DDP's first iteration)
     assert DGTState(codec="dgt:p=0.3").chooser is None
     assert DGTState(codec="dgt:p=0.3", chooser=True).chooser is not None
     assert DGTState(codec="dense", chooser=True).chooser is None  # nothing to choose
@@ -430,6 +494,7 @@ def _switching_rank(rank: int, world: int) -> dict:
                 for b in range(len(SIZES))]
         out["results"].append([f.wait() for f in futs])
     out["decisions"] = st.chooser.decisions
+    out["world"] = st.chooser.world  # (set by the state on its first call: the direct modes' bound)
     out["totals"] = dict(st.totals)
     st.close()
     dist.destroy_process_group()
@@ -440,7 +505,7 @@ def test_ranks_switch_paths_together_and_lossless_rounds_stay_exact():
     res = run_ranks(_switching_rank, 2, timeout=120)
     r0, r1 = res[0], res[1]
     assert repr(r0["decisions"]) == repr(r1["decisions"]), "both ranks decide on the same agreed figures (NaN-safe)"
-    assert r0["modes"] == r1["modes"]
+    assert r0["modes"] == r1["modes"] and r0["world"] == r1["world"] == 2
     chosen = [d["chosen"] for d in r0["decisions"]]
     assert LOSSY in chosen and LOSSLESS in chosen and chosen.index(LOSSY) < len(chosen) - 1 - chosen[::-1].index(
         LOSSLESS), f"a switch to lossy and back: {chosen}"
@@ -464,10 +529,11 @@ def test_ranks_switch_paths_together_and_lossless_rounds_stay_exact():
 
 
 def test_ddps_first_iteration_opens_the_connections_of_the_direct_paths():
-    """DGTState.open_paths (called by the hook in iteration 0, which the chooser never times): with a path on the
-    direct all-reduce among the chooser's modes it connects to every other rank, so no probe iteration pays for a
-    handshake (on the `lossy` profile a lost handshake packet made the low-rank path's first iteration 0.7-1.1 s);
-    with ring paths only it opens nothing (the ring connects to its neighbours itself)."""
+    """DGTState.open_paths (called by the hook in iteration 0 before it starts the clock: that iteration's time is
+    the lossless ring's first figure): with a path on the direct all-reduce among the chooser's modes it connects to
+    every other rank, so no probe iteration pays for a handshake (on the `lossy` profile a lost handshake packet made
+    the low-rank path's first iteration 0.7-1.1 s); with ring paths only, to the ring's two neighbours (so the
+    warm-up's figure has no handshake in it either); the parameter server's, or no chooser: nothing."""
     import trio
 
     from dgt.shim import DGTState
@@ -489,12 +555,13 @@ def test_ddps_first_iteration_opens_the_connections_of_the_direct_paths():
     lowrank_ring = DGTState(collective="ring")  # the low-rank path on the ring
     got = {}
     for name, st in {"default": default, "ring_only": ring_only, "lowrank_auto": lowrank_auto,
-                     "lowrank_ring": lowrank_ring, "none": DGTState(chooser=None)}.items():
+                     "lowrank_ring": lowrank_ring, "none": DGTState(chooser=None),
+                     "ps": DGTState(collective="ps")}.items():
         g = Group()
         trio.run(st.open_paths, g)
-        got[name] = g.calls
-    assert got == {"default": [[0, 2, 3]], "ring_only": [], "lowrank_auto": [[0, 2, 3]], "lowrank_ring": [],
-                   "none": []}
+        got[name] = [sorted(c) for c in g.calls]
+    assert got == {"default": [[0, 2, 3]], "ring_only": [[0, 2]], "lowrank_auto": [[0, 2, 3]],
+                   "lowrank_ring": [[0, 2]], "none": [], "ps": []}
 
 
 def test_a_chooser_pickled_before_skip_and_screen_loads_with_their_defaults():

@@ -206,7 +206,9 @@ def _check_low_rank_calls(calls, spec: str) -> int:
             torch.testing.assert_close(ef_after[r], sts[r].values["ef"], rtol=1e-4, atol=1e-5)
         lhs = applied + sum(ef_after)
         rhs = sum(inputs) + sum(ef_before)
-        assert float((lhs - rhs).abs().max()) <= 1e-5 * max(1.0, float(rhs.abs().max())), (c0["iter"], c0["index"])
+        # (a bfloat16 wire: the reduced payload's one rounding, 2^-9 relative, is not carried over; docs/codecs.md)
+        tol = 1e-5 if codecs[0].wire_dtype is None else 2 ** -7
+        assert float((lhs - rhs).abs().max()) <= tol * max(1.0, float(rhs.abs().max())), (c0["iter"], c0["index"])
         # compression happened: the error feedback is not all zero once a matrix was approximated
         if codecs[0].plan(sts[0]).matrices:
             assert any(bool(e.any()) for e in ef_after)
@@ -290,7 +292,7 @@ def test_state_options_the_low_rank_codec_takes_and_refuses():
 
     st = DGTState(codec="lowrank:rank=1")
     assert st.low_rank and st.chooser is None and st.wire_dtype is None and st.transport is None
-    assert st.collective == "auto" and st.warmup_iters == 2
+    assert st.collective == "auto" and st.warmup_iters == 1
     assert not DGTState().low_rank and not DGTState(codec="dense").low_rank
     assert DGTState(codec="lowrank", wire_dtype="native", chooser=None).chooser is None
     with pytest.raises(ValueError, match="parameter server"):

@@ -35,7 +35,7 @@ def test_the_codec_ramps_p_from_one_to_the_schedule():
 def test_state_sets_the_ramp_by_iteration_and_checks_the_option():
     from dgt.shim import DGTState
 
-    st = DGTState(p_warmup=4, chooser=None)  # default codec (idle p = 0.1), dense warm-up of 2 iterations
+    st = DGTState(p_warmup=4, chooser=None, warmup_iters=2)  # default codec (idle p = 0.1), dense warm-up of 2
     assert st.codec.ramp == 1.0  # nothing happens before a lossy round
     got = []
     for it in range(2, 8):
@@ -45,7 +45,7 @@ def test_state_sets_the_ramp_by_iteration_and_checks_the_option():
     # with the chooser, p holds still through a probe window (the paths are timed at one p): its first window runs
     # iterations 2-9 (lossless, then lossy, 1 + 3 each on 2 modes: chooser=True, without the default's low-rank path)
     # at the p of iteration 2; the warm-up goes on after
-    ch = DGTState(p_warmup=16, chooser=True)
+    ch = DGTState(p_warmup=16, chooser=True, warmup_iters=2)
     assert [ch.chooser.window_first(it) for it in (1, 2, 9, 10)] == [None, 2, 2, None]
     got = []
     for it in (2, 5, 9, 10, 14):

@@ -14,7 +14,7 @@ from dgt.shim.state import DEFAULT_CODEC
 def test_the_default_state_is_the_explicit_fields_spelt_out() -> None:
     default = DGTState()
     spelt = DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16",
-                     chooser=DropChooser(start=2, modes=("lowrank", "lossy", "lossless")))
+                     chooser=DropChooser(start=1, modes=("lowrank", "lossy", "lossless")))
     assert default.wire_dtype == spelt.wire_dtype == torch.float16
     assert isinstance(default.chooser, DropChooser) and default.chooser == spelt.chooser
     assert default.lowrank_codec is not None and default.lowrank_codec.name == spelt.lowrank_codec.name

@@ -266,7 +266,6 @@ class LowRankCodec(Codec):
         residual: torch.Tensor = state.values.pop("residual")
         q_local: torch.Tensor = state.values.pop("q_local")
         dense_sent: torch.Tensor = state.values.pop("dense_sent")
-        dense_error: torch.Tensor | None = state.values.pop("dense_error", None)
         nblk = plan.residual.nblocks if self.residual_p > 0 else 0
         if qd_sum.numel() != plan.q_numel + plan.dense_numel + nblk:
             raise InputRejected(f"reduced Q payload has {qd_sum.numel()} elements, the plan expects "
@@ -298,14 +297,10 @@ class LowRankCodec(Codec):
             packed = residual[sent_mask]
             state.values["residual_blocks"] = important
             state.values["residual_mask"] = sent_mask
-        # error feedback: the residual, less what was packed (exact: the packed blocks are zeroed, nothing added)
+        # error feedback: the residual, less what was packed (exact: the packed blocks are zeroed, nothing added), and
+        # with a 16-bit wire the 1-D tensors' rounding error
         kept = residual if sent_mask is None else residual.masked_fill(sent_mask, 0)
-        ro = 0
-        for m in plan.matrices:
-            ef[m.offset : m.offset + m.rows * m.cols] = kept[ro : ro + m.rows * m.cols]
-            ro += m.rows * m.cols
-        if dense_error is not None:
-            ef[plan.dense_mask.to(m_all.device)] = dense_error
+        self._fill_ef(ef, plan, kept, state.values.pop("dense_error", None))
         state.values["ef"] = ef
         state.values["out"] = out
         # what this rank handed to the reductions (references, no copies): its factors and packed residual blocks
@@ -318,6 +313,16 @@ class LowRankCodec(Codec):
                            "residual_bytes": 0 if packed is None else packed.numel() * nbytes}
         state.step += 1
         return out, packed
+
+    @staticmethod
+    def _fill_ef(ef: torch.Tensor, plan: _Plan, kept: torch.Tensor, dense_error: torch.Tensor | None) -> None:
+        """Write the kept residual of each matrix (and the 1-D tensors' rounding error, if any) into ``ef``."""
+        ro = 0
+        for m in plan.matrices:
+            ef[m.offset : m.offset + m.rows * m.cols] = kept[ro : ro + m.rows * m.cols]
+            ro += m.rows * m.cols
+        if dense_error is not None:
+            ef[plan.dense_mask.to(ef.device)] = dense_error
 
     def land_residual(self, r_sum: torch.Tensor, state: BucketState) -> torch.Tensor:
         """With ``residual_p > 0``: add the reduced packed residual (lost blocks read as zero) onto the result of

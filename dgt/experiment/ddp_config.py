@@ -56,14 +56,14 @@ ARMS: dict[str, str] = {
     "dgt-hook-pwarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=50), dgt.shim.hook): the default hook "
                       "whose p falls from 1 to 0.1 over the 50 iterations after the dense warm-up (p ** (t / 50); "
                       "Deep Gradient Compression's sparsity warm-up; the default's p_warmup=\"auto\" spelt out)",
-    "dgt-hook-noskip": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, skip=math.inf, "
+    "dgt-hook-noskip": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=1, skip=math.inf, "
                        "modes=(\"lowrank\", \"lossy\", \"lossless\"))), dgt.shim.hook): the default hook whose "
                        "chooser re-probes every other path after each hold, also those that lost by more than 2x",
-    "dgt-hook-probe2": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, probe=2, modes=("
+    "dgt-hook-probe2": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=1, probe=2, modes=("
                        "\"lowrank\", \"lossy\", \"lossless\"))), dgt.shim.hook): the default hook whose chooser "
                        "times 2 iterations per path instead of 3 (a shorter probe window: 15 iterations on 3+ ranks "
                        "instead of 20)",
-    "dgt-hook-noscreen": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=2, "
+    "dgt-hook-noscreen": "Gloo + register_comm_hook(dgt.shim.DGTState(chooser=DropChooser(start=1, "
                          "screen=math.inf, modes=(\"lowrank\", \"lossy\", \"lossless\"))), dgt.shim.hook): the "
                          "default hook whose chooser probes every path in full (3 + 1 iterations each: 20 on 3+ "
                          "ranks) instead of cutting the probes of paths over 2x the best figure after one iteration "
@@ -75,6 +75,9 @@ ARMS: dict[str, str] = {
                        "make_codec(\"lowrank:rank=4,min_ratio=2\"): the default hook whose chooser's low-rank path "
                        "sends its P and Q factors in float32 (the default before 2026-12-07's second session) instead "
                        "of bfloat16",
+    "dgt-hook-warm2": "Gloo + register_comm_hook(dgt.shim.DGTState(warmup_iters=2), dgt.shim.hook): the default "
+                      "hook with two dense lossless iterations before the chooser's first window (the default before "
+                      "2026-12-07's second session) instead of DDP's first iteration alone",
     "dgt-hook-nowarm": "Gloo + register_comm_hook(dgt.shim.DGTState(p_warmup=0), dgt.shim.hook): the default hook "
                        "without the warm-up of p (the default before it)",
 }

@@ -64,11 +64,12 @@ HOOK_ARMS: dict[str, dict[str, Any]] = {
     "dgt-hook-lowrank-ring": {**_LOWRANK_STATE, "collective": "ring"},
     "dgt-hook-lowrank2": {**_LOWRANK_STATE, "codec": LOWRANK2_CODEC, "collective": "auto"},
     "dgt-hook-noskip": {}, "dgt-hook-nolowrank": {"chooser": True}, "dgt-hook-probe2": {}, "dgt-hook-noscreen": {},
-    "dgt-hook-rank2": {}, "dgt-hook-fp32lr": {},
+    "dgt-hook-rank2": {}, "dgt-hook-fp32lr": {}, "dgt-hook-warm2": {"warmup_iters": 2},
 }
 # arms whose state's chooser runs its low-rank path with another codec than the default's CHOOSER_LOW_RANK
 HOOK_LOWRANK: dict[str, str] = {"dgt-hook-rank2": LOWRANK2_CODEC, "dgt-hook-fp32lr": "lowrank:rank=4,min_ratio=2"}
-# arms whose state gets the default's chooser (start=2, chooser.DEFAULT_MODES) with these settings changed, built
+# arms whose state gets the default's chooser (start=DEFAULT_WARMUP_ITERS, chooser.DEFAULT_MODES) with these settings
+# changed, built
 # when the arm is attached (importing dgt.shim here would load it into every arm's workers): dgt-hook-noskip never
 # skips far losers in its re-probes, dgt-hook-probe2 times 2 iterations per path, dgt-hook-noscreen probes in full
 HOOK_CHOOSERS: dict[str, dict[str, Any]] = {"dgt-hook-noskip": {"skip": math.inf}, "dgt-hook-probe2": {"probe": 2},
@@ -118,10 +119,12 @@ def attach_arm(arm: str, ddp: Any) -> Any:
     if arm in HOOK_ARMS:
         import dgt.shim
         from dgt.shim.chooser import DEFAULT_MODES, DropChooser
+        from dgt.shim.state import DEFAULT_WARMUP_ITERS
 
         kwargs = dict(HOOK_ARMS[arm])
         if arm in HOOK_CHOOSERS:
-            kwargs["chooser"] = DropChooser(**{"start": 2, "modes": DEFAULT_MODES, **HOOK_CHOOSERS[arm]})
+            kwargs["chooser"] = DropChooser(**{"start": DEFAULT_WARMUP_ITERS, "modes": DEFAULT_MODES,
+                                               **HOOK_CHOOSERS[arm]})
         state = dgt.shim.DGTState(**kwargs)
         if arm in HOOK_LOWRANK:
             from dgt.codecs.registry import make_codec

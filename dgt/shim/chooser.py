@@ -45,9 +45,11 @@ point, at which the ranks agree on their figures so far (the same tiny all-reduc
 ``screen`` times the best other one is cut short there, and a later probe whose path already has a figure that far
 behind is dropped from the window. Its first iteration is cold, so that figure overestimates it, but by less than
 ``screen`` (the lossy path's first iteration at 40 Mbit: 1.3-1.6x its later ones), so a path that would win the
-window is not cut. The dense warm-up's last iteration (if it is not DDP's first) gives the lossless ring its first
-figure, and the default windows run the paths that win on a bottleneck first (``SCREEN_ORDER``: low rank, lossy
-direct, lossy, then lossless), so the cheapest figure is known early. The direct lossy path goes before the ring's:
+window is not cut. The dense warm-up's last iteration gives the lossless ring its first figure (the default's
+warm-up is DDP's first iteration alone, whose connections the hook opens before it starts the clock: AlexNet at
+40 Mbit 0.25 s against 0.21 s for the next dense iteration, a cold figure too), and the default windows run the
+paths that win on a bottleneck first (``SCREEN_ORDER``: low rank, lossy direct, lossy, then lossless), so the
+cheapest figure is known early. The direct lossy path goes before the ring's:
 on a bottleneck the two are level (AlexNet at 40 Mbit, ``fifo``: 0.136 s and 0.137 s per iteration), on a long lossy
 path (``wan``: 80 ms round trips, 0.5 % loss per link direction) the direct one takes a third of the ring's time
 (0.31-0.40 s against 0.81-1.0 s), and probed first it cuts the ring's probe after one iteration, which the low-rank
@@ -57,6 +59,17 @@ per iteration, lossy 0.14 s, low rank 0.035 s; the full window's 20 iterations c
 2.5 s more than 20 low-rank ones. Screened, the window is the low-rank probe and one iteration of each other path
 but the lossless ring (7 iterations). On loopback (no bottleneck) the warm-up's lossless figure screens the low-rank
 path out after one iteration (``dgt bench ddp``: 65-67 ms against lossless 5-6 ms).
+
+**The direct twin's bound** (``world``, set by the hook once it knows the group's size; 0: unknown). A direct mode
+moves the same bytes per rank as its ring twin (``LOSSLESS_DIRECT`` and ``LOSSLESS``, ``LOSSY_DIRECT`` and ``LOSSY``)
+in 2 rounds in series where the ring has ``2 (world - 1)``, so it takes at least ``1 / (world - 1)`` of the ring's
+time: equal where bytes are the bottleneck, that fraction where every round waits on latency. Where a direct mode has
+no figure yet and its twin has one, that bound stands in for it when a screening point weighs the later probes
+(:meth:`cut`) and when :meth:`decide` picks the modes that sit out the next re-probe; it never enters a decision
+(the chosen path is always a measured one). Measured on the first window at 40 Mbit on 4 workers, the lossless ring
+took 0.21 s per iteration (AlexNet) and 2.0-2.1 s (GPT), the lossless direct all-reduce 0.24-0.30 s and 1.9-2.2 s, the
+low-rank path 0.015-0.02 s and 0.11-0.12 s: the bound (0.07 s, 0.7 s) is beyond ``screen`` times the low-rank path's
+weighed figure, so the lossless direct probe (one iteration of 0.24-0.30 s and ~2 s) is dropped from the window.
 
 Every rank runs the same schedule (a function of the iteration number and the agreed decisions and cuts), so their
 rounds line up. The class holds no clock and no network: :meth:`observe` takes measured seconds, :meth:`decide` and
@@ -74,6 +87,7 @@ LOSSLESS_DIRECT, LOSSY_DIRECT = "lossless-direct", "lossy-direct"  # the same on
 LOWRANK = "lowrank"  # PowerSGD's rank-r factors (DGTState()'s default chooser): a lossy mode, weighed by lowrank_steps
 LOSSY_MODES = frozenset({LOSSY, LOSSY_DIRECT, LOWRANK})
 DIRECT_MODES = frozenset({LOSSLESS_DIRECT, LOSSY_DIRECT})
+RING_TWIN = {LOSSLESS_DIRECT: LOSSLESS, LOSSY_DIRECT: LOSSY}  # a direct mode's ring twin: the same bytes, more rounds
 ALL_MODES = (LOSSLESS, LOSSY, LOSSLESS_DIRECT, LOSSY_DIRECT)  # what collective="auto" offers on 3+ ranks
 KNOWN_MODES = ALL_MODES + (LOWRANK,)
 # the order of a screened window (DropChooser.screen): the paths that win on a bottleneck first, so that the cheapest
@@ -105,6 +119,8 @@ class DropChooser:
     ``start``: the first iteration it governs (the hook's ``warmup_iters``; earlier iterations are dense anyway).
     ``modes``: the paths it chooses between, in this order in a probe window (the default's: ``SCREEN_ORDER``).
     ``lowrank_steps``: the weight of the ``LOWRANK`` mode's seconds per iteration in the decision (module docstring).
+    ``world``: the group's size (the hook sets it on its first call; 0: unknown): bounds a direct mode's figure by its
+    ring twin's (module docstring, "The direct twin's bound").
     """
 
     probe: int = 3
@@ -117,6 +133,7 @@ class DropChooser:
     lowrank_steps: float = LOWRANK_STEPS
     skip: float = SKIP
     screen: float = SCREEN
+    world: int = 0
     chosen: str | None = None  # None until the first window was decided
     window_start: int = -1  # the current (or next) probe window: its first iteration and its modes
     window: list[str] = field(default_factory=list)
@@ -199,8 +216,8 @@ class DropChooser:
         total = self._acc.pop(it)
         for old in [k for k in self._acc if k < it]:  # an iteration whose last bucket never came (cannot happen)
             del self._acc[old]
-        if it < self.start:  # the dense warm-up (the lossless ring): its last iteration, if not DDP's first, is
-            if it == self.start - 1 >= 1 and self.chosen is None and LOSSLESS in self.modes:  # lossless's first figure
+        if it < self.start:  # the dense warm-up (the lossless ring): its last iteration is lossless's first figure
+            if it == self.start - 1 and self.chosen is None and LOSSLESS in self.modes:
                 self._first[LOSSLESS] = total
             return
         mode = self.mode(it)
@@ -235,6 +252,21 @@ class DropChooser:
         """Whether :meth:`local` has a figure for ``mode`` now."""
         return not math.isnan(self._figure(mode))
 
+    def _has_bound(self, mode: str) -> bool:
+        """Whether ``mode`` has a figure now, or a lower bound from its ring twin's (:meth:`_bounded`)."""
+        twin = RING_TWIN.get(mode)
+        return self._has_figure(mode) or (self.world >= 3 and twin in self.modes and self._has_figure(twin))
+
+    def _bounded(self, cost: dict[str, float]) -> dict[str, float]:
+        """``cost`` with a direct mode that has no figure given its ring twin's divided by ``world - 1`` (a lower
+        bound: the same bytes in 1/(world - 1) of the rounds in series); NaN where neither has one."""
+        out = dict(cost)
+        if self.world >= 3:
+            for m, twin in RING_TWIN.items():
+                if m in out and out[m] != out[m] and out.get(twin, math.nan) == out.get(twin, math.nan):
+                    out[m] = out[twin] / (self.world - 1)
+        return out
+
     def _weigh(self, agreed: list[float]) -> dict[str, float]:
         """What each mode's agreed seconds per iteration count for in :meth:`cut` and :meth:`decide`: the low-rank
         mode's weighed by its steps prior (``lowrank_steps``); NaN stays NaN (no figure)."""
@@ -252,7 +284,7 @@ class DropChooser:
         mode = self.window[k]
         rest = k + 1 < len(self.window) and self.window[k + 1] == mode
         others = any(self._has_figure(m) for m in self.modes if m != mode)
-        return others and (rest or any(self._has_figure(m) for m in self._later(k)))
+        return others and (rest or any(self._has_bound(m) for m in self._later(k)))
 
     def cut(self, it: int, agreed: list[float]) -> list[str]:
         """At a screening point ``it``, with the figures every rank agreed on (the mean of :meth:`local` over ranks):
@@ -261,12 +293,15 @@ class DropChooser:
         cannot win the window (its first iteration is cold, so its figure is an overestimate, but by less than
         ``screen``: the lossy path's first iteration at 40 Mbit takes 1.3-1.6x its later ones), and its probe
         iterations are the window's most expensive ones (at 40 Mbit on AlexNet: 0.21-0.27 s lossless against
-        0.035 s low rank). Returns the modes cut; the figure a cut mode keeps is its first iteration's."""
+        0.035 s low rank). A later direct probe without a figure is weighed by its ring twin's bound (module
+        docstring). Returns the modes cut; the figure a cut mode keeps is its first iteration's (none for a probe
+        dropped before it ran)."""
         k = it - self.window_start
-        cost = self._weigh(agreed)
+        real = self._weigh(agreed)
+        cost = self._bounded(real)
         cut = []
         for m in [self.window[k]] + self._later(k):
-            others = [v for x, v in cost.items() if x != m and v == v]
+            others = [v for x, v in real.items() if x != m and v == v]  # measured figures only
             if cost[m] == cost[m] and others and cost[m] > self.screen * min(others):
                 cut.append(m)
         if cut:
@@ -301,10 +336,12 @@ class DropChooser:
         # mode that sat out this one, is never far): they cost the most per probe iteration and are the least
         # likely to win; when all lost by that much only the nearest is re-probed, after the hold doubles once more
         others = [m for m in self.modes if m != choice]
-        far = [m for m in others if cost[m] > self.skip * cost[choice]] if cost.get(choice, math.nan) > 0 else []
+        est = self._bounded(cost)  # (a direct mode dropped unprobed: its twin's bound)
+        far = [m for m in others if est[m] > self.skip * est[choice]] if est.get(choice, math.nan) > 0 else []
         nxt = [m for m in others if m not in far]
         if not nxt:  # every other mode lost by far: only the nearest is re-probed, after a doubled hold
-            nxt = [min(others, key=lambda m: cost[m])]
+            measured = [m for m in others if cost[m] == cost[m]] or others  # (nearest by a measured figure first)
+            nxt = [min(measured, key=lambda m: est[m])]
             self._hold = min(self.hold_max, self._hold * 2)
         entry = {"iter": it, "lossless_s": secs.get(LOSSLESS, math.nan), "lossy_s": secs.get(LOSSY, math.nan),
                  "chosen": choice, "hold": self._hold}

@@ -52,24 +52,21 @@ DEFAULT_CODEC = "dgt:idle_p=0.1"
 WIRE_DTYPES = {"native": None, "fp16": torch.float16, "float16": torch.float16, "bf16": torch.bfloat16,
                "bfloat16": torch.bfloat16}
 # the low-rank codec's P and Q reductions: on the ring or the direct all-reduce, as ``collective`` names; "auto": the
-# direct all-reduce (its small payloads wait on latency, and it has 2 rounds in series where the ring has 2(n-1): on
-# the wan profile 0.52 s a step against the ring's 0.79 s, on fifo the same 0.059 s; docs/shim.md "Low rank"; on 2
-# ranks both are the same two transfers). The dense warm-up stays on the ring. "ps" cannot drive the codec
+# direct one (2 rounds in series, not 2(n-1): on wan 0.52 s a step against the ring's 0.79 s, on fifo the same; docs/
+# shim.md "Low rank"). The dense warm-up stays on the ring. "ps" cannot drive the codec
 LOW_RANK_INNER = {"ring": "ring", "direct": "direct", "auto": "direct"}
-# chooser="lowrank" (the default's chooser): the codec of its low-rank path, rank 4 and only matrices that the factors
-# compress at least 2x (torch's min_compression_rate=2). Rank 4, not 1 (PowerSGDState's default) or 2 (until
-# 2026-12-07, evening): GPT/AdamW at 40 Mbit, fifo, 5 seeds, 172 steps to 2.6 in the median at rank 4, 208 at rank 2,
-# Gloo 156; AlexNet 6.1-6.9 s against 5.3 s at rank 2 (docs/experiment-ddp.md "Rank 4 for the default's low-rank path")
+# chooser="lowrank": its low-rank path's codec: rank 4 (GPT/AdamW needed 172 steps at rank 4, 208 at rank 2, Gloo 156),
+# matrices compressed 2x or more (torch's min_compression_rate), factors as bfloat16 (half the bytes; float32 until
+# 2026-12-07's second session). docs/experiment-ddp.md "Rank 4 ..." and "bfloat16 factors ..."
 CHOOSER_LOW_RANK = "lowrank:rank=4,min_ratio=2,wire=bf16"
-# ... and its bucket ids: DDP bucket i runs as low-rank bucket LOWRANK_BUCKETS + i, i.e. transport bucket ids from
-# 3 * LOWRANK_BUCKETS on, apart from the ids the ring and the direct all-reduce use for the same bucket (the
-# transport adds a bucket id's error-feedback residual to the next round of that id, and the low-rank path's rounds
-# have other sizes and meanings)
+# ... and its bucket ids: DDP bucket i is low-rank bucket LOWRANK_BUCKETS + i (transport ids from 3 * LOWRANK_BUCKETS),
+# apart from the ring's and the direct all-reduce's ids (error feedback is per id; these rounds mean other things)
 LOWRANK_BUCKETS = 4096
 # p_warmup="auto" (the default codec): DGT's p falls from 1 to its idle 0.1 over 50 iterations after the dense
 # warm-up, p ** (t / 50) (Deep Gradient Compression's sparsity warm-up). GPT/AdamW, fifo, 3 seeds: steps to target
 # 1.09x Gloo's (paired median) against 1.16x without, time 0.81x the hook's without (docs/shim.md "Warm-up of p")
 DEFAULT_P_WARMUP = 50
+DEFAULT_WARMUP_ITERS = 1  # DDP's first iteration alone (2 until 2026-12-07's 2nd session; docs/options.md)
 AGREE_BUCKET = 16383  # the bucket id of the chooser's agreement all-reduce (DDP's buckets are numbered from 0)
 _starts = itertools.count()  # one rendezvous prefix per worker start; every rank starts its workers in the same order
 _starts_lock = threading.Lock()
@@ -129,7 +126,7 @@ class DGTState:
             Only the ``dgt`` codec has a p; docs/shim.md "Warm-up of p".
 
     ``DGTState()`` is ``DGTState(codec=DEFAULT_CODEC, wire_dtype="fp16", chooser="lowrank", p_warmup=50)`` spelt
-    out, i.e. ``chooser=DropChooser(start=2, modes=("lowrank", "lossy", "lossless"))``.
+    out, i.e. ``chooser=DropChooser(start=1, modes=("lowrank", "lossy", "lossless"))`` (``DEFAULT_WARMUP_ITERS``).
     The keywords ``choose=`` and ``wire=`` of before issue 44 still work for one release, with a DeprecationWarning.
     """
 
@@ -152,7 +149,7 @@ class DGTState:
         codec: str | Codec = DEFAULT_CODEC,
         collective: str = "auto",
         *,
-        warmup_iters: int = 2,
+        warmup_iters: int = DEFAULT_WARMUP_ITERS,
         server: int | str = 0,
         normalize: str = "world",
         lossy_pull: bool = False,
@@ -240,7 +237,9 @@ class DGTState:
             self._collectives = (self._make(group, self.warmup_codec), self._make(group, self.codec, op))
             self._direct = None
             self._lowrank = None
-            if self.collective == "auto" and self.chooser is not None and group.world >= DIRECT_MIN_WORLD:
+            if self.chooser is not None:  # (the direct modes' bound: DropChooser.world)
+                self.chooser.world = group.world
+            if self.collective == "auto" and self.chooser and group.world >= DIRECT_MIN_WORLD:
                 extra = (LOWRANK,) if LOWRANK in self.chooser.modes else ()
                 # before its first iteration (the first call, on every rank); the screened window's order
                 self.chooser.offer(screen_order(ALL_MODES + extra))
@@ -332,17 +331,19 @@ class DGTState:
         return self.chooser is None or it is None or self.chooser.mode(it) in LOSSY_MODES
 
     async def open_paths(self, group: Any) -> None:
-        """Connect to every other rank now, when the chooser has a path on the direct all-reduce (its direct modes,
-        or the low-rank path on ``collective="auto"``/``"direct"``): the hook calls it in DDP's first iteration,
-        which the chooser never times, so no probe iteration pays for opening connections (the ring connects to its
-        two neighbours only). On a lossy link a lost handshake packet costs a retransmission timeout of 1 s: on the
-        ``lossy`` profile (1 % loss) the low-rank path's first iteration, the first on the direct all-reduce, took
-        0.7 and 1.1 s against 0.04 s after. Connected peers return at once (worker thread, in job order)."""
+        """Connect to the peers the chooser's paths need before the hook times DDP's first iteration (the lossless
+        ring's first figure), so neither it nor a probe pays for a handshake (on the ``lossy`` profile a lost one
+        made the low-rank path's first iteration 0.7-1.1 s): every other rank for a path on the direct all-reduce
+        (direct modes, or low rank on ``"auto"``/``"direct"``), else the ring's two neighbours (none for ``"ps"``).
+        Connected peers return at once (worker thread, in job order)."""
         ch = self.chooser
-        if ch is None or not (any(m in DIRECT_MODES for m in ch.modes)
-                              or (LOWRANK in ch.modes and LOW_RANK_INNER[self.collective] == "direct")):
+        if ch is None or group.world < 2:
             return
-        await group.links([r for r in range(group.world) if r != group.rank])
+        if any(m in DIRECT_MODES for m in ch.modes) or (LOWRANK in ch.modes and LOW_RANK_INNER.get(
+                self.collective) == "direct"):
+            await group.links([r for r in range(group.world) if r != group.rank])
+        elif self.collective in ("ring", "auto"):
+            await group.links({(group.rank + 1) % group.world, (group.rank - 1) % group.world})
 
     async def after_round(self, group: Any, it: int, last: bool, seconds: float) -> None:
         """Feed one bucket's collective time to the chooser (worker thread); at the close of a probe window (after
