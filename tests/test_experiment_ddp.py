@@ -223,11 +223,12 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     own path.
     dgt-hook-noscreen probes all three in full and decides at iteration 12. dgt-hook-sparse (DGTState(sparse=True))
     trains through its probe window and counts what its owners held back. The default's low-rank path is rank 4;
-    dgt-hook-rank2 probes it at rank 2; its factors travel as bfloat16, dgt-hook-fp32lr's as float32."""
+    dgt-hook-rank2 probes it at rank 2; its factors travel as bfloat16, dgt-hook-fp32lr's as float32.
+    dgt-hook-warm2 has two dense iterations, the default one."""
     arms = ["dgt-hook-choose-lowrank", "dgt-hook-sparse", "dgt-hook-pwarm", "dgt-hook-noskip", "dgt-hook-nolowrank",
-            "dgt-hook-probe2", "dgt-hook-noscreen", "dgt-hook-rank2", "dgt-hook-fp32lr"]
+            "dgt-hook-probe2", "dgt-hook-noscreen", "dgt-hook-rank2", "dgt-hook-fp32lr", "dgt-hook-warm2"]
     res = _tiny_loopback_run(tmp_path, arms, 16)
-    choose, sparse, pwarm, noskip, nolowrank, probe2, noscreen, rank2, fp32lr = res["runs"]
+    choose, sparse, pwarm, noskip, nolowrank, probe2, noscreen, rank2, fp32lr, warm2 = res["runs"]
     assert [r["arm"] for r in res["runs"]] == arms
     assert choose["summary"]["iterations"] == sparse["summary"]["iterations"] == 16
     decisions = []
@@ -276,6 +277,10 @@ def test_choose_lowrank_sparse_and_pwarm_arms_on_loopback_tiny(tmp_path):
     assert {d["lowrank_wire"] for d in choose["dgt"]} == {"bf16"} and {d["lowrank_wire"] for d in fp32lr["dgt"]} == {
         "native"} and {d["lowrank_rank"] for d in fp32lr["dgt"]} == {4}
     assert all(d["paths"]["lowrank"]["buckets"] >= 1 for d in fp32lr["dgt"])
+    # dgt-hook-warm2 (warmup_iters=2, the default before): one more dense iteration, its window one iteration later
+    for d, c in zip(warm2["dgt"], choose["dgt"]):
+        _first_window(d["choice"]["decisions"][0], 13)
+        assert d["buckets"] - d["codec_buckets"] > c["buckets"] - c["codec_buckets"] > 0, (d, c)  # dense buckets
 
 
 def test_rank_zeros_decision_reaches_the_other_ranks_through_the_run_directory(tmp_path):
