@@ -7,9 +7,15 @@ A killed process sends no goodbye and no ABORT: its connections end (EOF, reset)
 each waited up to a second for an ABORT that could never come (1.03-2.04 s); a stopped peer (alive, silent) is still
 named after peer_timeout, which is set far above the bound here so that only the EOF path can pass."""
 
-import pytest
+import socket
+import struct
 
+import pytest
+import trio
+
+from dgt.channels.slot import Slot
 from dgt.collectives.launch import run_ranks
+from dgt.transport import Endpoint, PeerClosed, Timeouts, TransportConfig, control
 
 PEER_TIMEOUT = 10.0  # a rank that waited for liveness (or a round timeout) would take this long: far above the bound
 BOUND = 1.0
@@ -80,3 +86,41 @@ def test_a_killed_rank_is_named_on_every_other_rank_within_a_second(kind, codec,
         assert what == "PeerClosed", (r, what, msg)  # a DgtError that says the peer is gone (not a mismatch, no hang)
         assert "rank 1" in msg, (r, msg)  # names the dead rank (directly, or as the rank a peer's call failed on)
         assert when - killed < BOUND, (r, when - killed, msg)
+
+
+def test_a_write_that_meets_the_reset_does_not_hide_what_the_peer_said_before_it_went():
+    """The CI failure of deb3bfb: rank 0 saw rank 1 die, told rank 2 (LOST, naming rank 1), said goodbye and exited
+    with unread bytes from rank 2, so its kernel reset the connection; rank 2's write met the reset first and its
+    call named rank 0, with LOST and BYE still unread in its kernel. Here ``b`` is that rank 0: it reports a lost
+    rank 7, says goodbye and resets; ``a``'s reader is held until ``a``'s write has failed. The write's failure
+    must leave the reader time to read the peer's last words: the call names rank 7, the link ended with a goodbye."""
+    async def main():
+        cfg = TransportConfig(timeouts=Timeouts(peer=5))
+        async with Endpoint.open(0, 0x45_1A57, cfg) as a, Endpoint.open(1, 0x45_1A57, cfg) as b:
+            held = trio.Event()
+            real = a.inbound.read
+
+            async def held_read(link):
+                await held.wait()
+                await real(link)
+
+            a.inbound.read = held_read  # a's reader of b's link starts only when the test lets it
+            async with trio.open_nursery() as n:
+                n.start_soon(a.connect, {1: b.address})
+                n.start_soon(b.connect, {0: a.address})
+            b.call_failed("rank 1 <-> rank 7: the connection failed ([Errno 104] Connection reset by peer)")
+            b.links.table[0].chan.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            await b.aclose()  # LOST, then BYE (written), then a reset: what a's kernel holds is readable after it
+            slot = Slot()
+            a.links.table[1].writer.push([control.control(0x45_1A57, 0, control.PING)], slot=slot)
+            with trio.fail_after(5), pytest.raises(PeerClosed) as err:
+                await slot.wait()
+            assert "rank 7" not in str(err.value)  # the write itself knows only that the connection was reset
+            held.set()
+            with trio.fail_after(5):
+                gone = await a.failure([1], 2.0)
+            assert "rank 7" in str(gone), gone  # the peer's report, read after the write had failed
+            assert 1 in a.links.lost
+            assert getattr(a.links.table[1].error, "bye", False), a.links.table[1].error  # and its goodbye
+
+    trio.run(main)

@@ -15,6 +15,19 @@ import torch
 
 from dgt.layout import BucketLayout
 
+HALF = (torch.float16, torch.bfloat16)
+
+
+def rank_order_sum(terms: list[torch.Tensor] | tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+    """The ranks' ``terms`` added in rank order, as every rank adds them (the same bits on each): in ``dtype``, or
+    in float32 when ``dtype`` is 16-bit (the caller rounds the sum once). The direct all-reduce's reduce and the
+    low-rank codec's in-process reference both add this way."""
+    acc_dtype = torch.float32 if dtype in HALF else dtype
+    acc = terms[0].to(acc_dtype, copy=True)
+    for t in terms[1:]:
+        acc.add_(t.to(acc_dtype))
+    return acc
+
 RELIABLE = 0
 """Lane class of data that must arrive (TCP, DSCP EF)."""
 DROPPABLE = 1

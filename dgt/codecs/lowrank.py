@@ -42,7 +42,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from dgt.codecs.base import DROPPABLE, BucketState, Capabilities, Codec, Part, Received
+from dgt.codecs.base import DROPPABLE, BucketState, Capabilities, Codec, Part, Received, rank_order_sum
 from dgt.codecs.registry import register
 from dgt.errors import CodecMismatch, InputRejected
 from dgt.estimator import ContributionEstimator
@@ -397,13 +397,5 @@ def reduce_in_process(codecs: Sequence[LowRankCodec], states: Sequence[BucketSta
 
 
 def _sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The ranks' terms added in rank order; 16-bit terms in float32, rounded once (as the direct all-reduce)."""
-    if xs[0].dtype in (torch.float16, torch.bfloat16):
-        acc = xs[0].to(torch.float32)
-        for x in xs[1:]:
-            acc += x.to(torch.float32)
-        return acc.to(xs[0].dtype)
-    out = xs[0].clone()
-    for x in xs[1:]:
-        out += x
-    return out
+    """The ranks' terms added in rank order and rounded once, as the direct all-reduce adds them."""
+    return rank_order_sum(list(xs), xs[0].dtype).to(xs[0].dtype)

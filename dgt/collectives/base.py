@@ -74,7 +74,9 @@ async def _tell(coll: Collective, exc: BaseException) -> BaseException:
     mismatch = await _peer_abort(coll, exc)
     if mismatch is not None:
         return mismatch
-    gone = ep.failure_of(_call_peers(coll))  # the error that names the rank that went away
+    peers = _call_peers(coll)
+    # the error that names the rank that went away (a closed connection: once the links have seen it too)
+    gone = await ep.failure(peers, min(1.0, ep.cfg.timeouts.peer) if isinstance(exc, PeerClosed) else 0.0)
     # ranks of this call that are not connected to it (a central server's other workers) would wait for this rank
     # until round_timeout; they fail now, with this text
     ep.call_failed(str(gone or exc))

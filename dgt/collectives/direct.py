@@ -42,7 +42,7 @@ from functools import partial
 
 import torch
 
-from dgt.codecs.base import Codec, Part, Received
+from dgt.codecs.base import Codec, Part, Received, rank_order_sum
 from dgt.collectives.base import Collective, any_layout, tells_peers
 from dgt.collectives.chunks import Chunking
 from dgt.collectives.group import Group
@@ -66,7 +66,6 @@ RS, AG = 0, 1  # the step field of their keys: the reduce-scatter's round and th
 # its call code tells (RankMismatch), instead of this rank waiting on a key nobody sends. The transport keeps error
 # feedback per key and adds a key's residual to its next send, a lossless post included: a lossless call after lossy
 # ones of the same bucket id delivers what they kept back (conserved, not exact that once)
-_HALF = (torch.float16, torch.bfloat16)
 
 
 class DirectAllReduce(Collective):
@@ -294,16 +293,7 @@ class DirectAllReduce(Collective):
             if t.numel() != mine.numel():
                 raise RankMismatch(shape_mismatch(-1), detail=f"a contribution of {t.numel()} elements to a chunk of "
                                    f"{mine.numel()}")
-        if mine.dtype in _HALF:
-            acc = terms[0].to(torch.float32)
-            for t in terms[1:]:
-                acc.add_(t.to(torch.float32))
-            mine.copy_(acc)
-            return
-        acc = terms[0].to(mine.dtype).clone()
-        for t in terms[1:]:
-            acc.add_(t.to(mine.dtype))
-        mine.copy_(acc)
+        mine.copy_(rank_order_sum(terms, mine.dtype))
 
     def _direct(self, flat: torch.Tensor) -> bool:
         """A lossless codec whose chunks travel as one part in the bucket's own dtype (dense): posted and landed in

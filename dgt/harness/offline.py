@@ -95,7 +95,7 @@ class OfflineTransport:
     def abort_peers(self, why: str) -> None:
         return None  # no peer to tell
 
-    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
+    async def failure(self, peers: Iterable[int], within: float = 0.0) -> BaseException | None:
         return None  # no peer to lose
 
     def call_failed(self, why: str) -> None:

@@ -21,7 +21,7 @@ The five ways a bucket can leave, from the most general to the fastest:
   transfers, model broadcasts).
 
 Beside them: the session (``rank``, ``cfg``, ``address``, ``peers``, ``connect``, ``aclose``) and the failure and
-agreement notices (``abort_peers``, ``failure_of``, ``call_failed``, ``enter_round``, ``refuse_round``, ``aborted``).
+agreement notices (``abort_peers``, ``failure``, ``call_failed``, ``enter_round``, ``refuse_round``, ``aborted``).
 The hop-round plumbing ``lossy_hop`` is made of (plan, receipt, sent, land) is the endpoint's hop-round part's
 (:class:`dgt.transport.hop_round.HopRounds`), not the collectives' (:class:`dgt.transport.lossy_hop.HopEndpoint`).
 """
@@ -115,8 +115,9 @@ class Transport(Protocol):
         """Tell every connected peer that this rank's collective failed for ``why``."""
         ...
 
-    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
-        """The error naming why one of ``peers`` is gone (None: all alive)."""
+    async def failure(self, peers: Iterable[int], within: float = 0.0) -> BaseException | None:
+        """The error naming why one of ``peers`` is gone (None: all alive), once one of them has ended or reported
+        its own failure (waiting up to ``within`` s for that)."""
         ...
 
     def call_failed(self, why: str) -> None:

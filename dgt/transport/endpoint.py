@@ -338,9 +338,10 @@ class Endpoint:
         """Tell every connected peer that this rank's collective failed for ``why`` (:meth:`Links.abort_peers`)."""
         self.links.abort_peers(why)
 
-    def failure_of(self, peers: Iterable[int]) -> BaseException | None:
-        """The error naming why one of ``peers`` is gone, None if all are alive (:meth:`Links.failure_of`)."""
-        return self.links.failure_of(peers)
+    async def failure(self, peers: Iterable[int], within: float = 0.0) -> BaseException | None:
+        """The error naming why one of ``peers`` is gone, None if all are alive, once one of them has ended or
+        reported (waiting up to ``within`` s for that: :meth:`Links.failure`)."""
+        return await self.links.failure(peers, within)
 
     def call_failed(self, why: str) -> None:
         """Tell every live peer that this rank's collective failed on a failed peer (:meth:`Links.call_failed`)."""

@@ -28,6 +28,10 @@ from dgt.transport.streams import StreamHub
 
 SETTLE = 0.2
 """Seconds :meth:`Links.aborted` still waits for an ABORT once the peer it explains is known dead."""
+LAST_WORDS = 0.5
+"""Seconds a link whose write failed (the peer closed or reset the connection) waits for its reader to read what
+the peer sent before it went (its LOST, its goodbye: the kernel still holds them after a reset) and meet the end of
+the stream itself; a reader that sees the end at once makes it no wait at all."""
 
 
 RefusalKey = tuple[str, int, int]  # (round family: "ring", "ps", "gossip"; bucket id; round number)
@@ -175,7 +179,7 @@ class Links:
                     return
                 async with open_nursery() as n:
                     n.start_soon(self._link_task, link, reader, link)
-                    n.start_soon(self._link_task, link, link.writer.run)
+                    n.start_soon(self._writer_task, link)
         finally:
             self.fail_peer(link.rank, PeerClosed(f"rank {self.rank}: the connection to rank {link.rank} "
                                                  f"ended"))
@@ -184,6 +188,21 @@ class Links:
         """Run a connection task; its failure (connection lost, protocol violation) fails that peer only."""
         try:
             await fn(*args)
+        except Exception as exc:
+            self.fail_peer(link.rank, exc)
+
+    async def _writer_task(self, link: Link) -> None:
+        """The link's writer. A write that fails because the peer closed (a reset after its LOST and goodbye: a
+        rank that exits with unread bytes from us) does not fail the link before the reader has read what the peer
+        sent first (:data:`LAST_WORDS`): else that notice, which names the rank that really failed, is lost and this
+        rank names the one that merely left (issue 45's "name the dead rank on every rank")."""
+        try:
+            await link.writer.run()
+        except PeerClosed as exc:
+            with trio.move_on_after(min(LAST_WORDS, self.cfg.timeouts.peer)):
+                while link.error is None:
+                    await self._change.wait()
+            self.fail_peer(link.rank, exc)
         except Exception as exc:
             self.fail_peer(link.rank, exc)
 
@@ -374,13 +393,32 @@ class Links:
                 await self._change.wait()
         return self.abort
 
+    async def failure(self, peers: Iterable[int], within: float = 0.0) -> BaseException | None:
+        """:meth:`failure_of` once one of ``peers`` has ended (its session link failed, or it said goodbye) or
+        reported (LOST), waiting up to ``within`` s for that. A call that failed on a closed connection may know it
+        before the session link's reader does: a write that met a reset fails its call at once, while the peer's
+        report (which names the rank that really failed) still waits to be read (:data:`LAST_WORDS`)."""
+        watch = list(peers)
+        if within > 0:
+            with trio.move_on_after(within):
+                while not any(p in self.lost or self._ended(p) for p in watch):
+                    await self._change.wait()
+        return self.failure_of(watch)
+
+    def _ended(self, peer: int) -> bool:
+        link = self.table.get(peer)
+        return link is None or link.error is not None
+
     def failure_of(self, peers: Iterable[int]) -> BaseException | None:
         """The error that names why one of ``peers`` is gone: its session link's, when it ended without a goodbye
         or an ABORT (EOF, reset, silence), or the failure it reported (control LOST, naming the peer it lost);
-        None when every one of them is alive (or left on purpose)."""
-        for p in sorted(peers):
+        None when every one of them is alive (or left on purpose). A peer's report comes first: a peer that left
+        after it reported (its link ended with a reset, not always after its goodbye) did not fail first."""
+        peers = sorted(peers)
+        for p in peers:
             if p in self.lost:
                 return self.lost[p]
+        for p in peers:
             link = self.table.get(p)
             err = None if link is None else link.error
             if err is not None and not isinstance(err, RankMismatch) and not getattr(err, "bye", False):
