@@ -124,3 +124,19 @@ def test_a_write_that_meets_the_reset_does_not_hide_what_the_peer_said_before_it
             assert getattr(a.links.table[1].error, "bye", False), a.links.table[1].error  # and its goodbye
 
     trio.run(main)
+
+
+def test_a_hello_the_peer_hangs_up_on_is_a_goodbye_whose_reason_may_follow():
+    """A peer that hangs up on our hello is closing (another session's token here; in test_rank_mismatch's dtype-path
+    case, a rank that aborted on a third rank's ABORT before this one dialed it): the error says so (``bye``), so a
+    failing call waits a moment for the ABORT or the store's reason instead of naming the hang-up (that case failed
+    once in the clean-clone CI of 0af9670: the detecting rank published its reason a moment after the hang-up)."""
+
+    async def main():
+        cfg = TransportConfig(timeouts=Timeouts(peer=5))
+        async with Endpoint.open(0, 0x45_1A57, cfg) as a, Endpoint.open(1, 0x45_1A58, cfg) as b:
+            with trio.fail_after(10), pytest.raises(PeerClosed, match="hung up on our hello") as err:
+                await a.connect({1: b.address})
+            assert err.value.bye
+
+    trio.run(main)

@@ -153,8 +153,10 @@ async def _peer_abort(coll: Collective, exc: BaseException) -> RankMismatch | No
     stream lanes as it raises, and its ABORT (on the session link) may trail that by a moment; a rank that got another
     peer's ABORT closes its group (a goodbye) before that ABORT reaches us; a failed connect (ConnectionError) may be a
     peer that aborted: wait up to a second for the ABORT in those cases, less once one of the call's peers is known
-    dead (a killed peer sends no ABORT: it is named at once, issue 45). A peer that aborted before this rank connected
-    to it (it hung up on our hello) can only have left its reason in the store."""
+    dead (a killed peer sends no ABORT: it is named at once, issue 45). A peer that hung up on our hello is closing
+    (``bye``): it may have aborted on another rank's ABORT before this rank connected to it, and that rank's reason
+    reaches this one as an ABORT on a live link or in the store, where it may land a moment after the hang-up (the
+    detecting rank publishes it as its call raises: test_rank_mismatch's dtype-path case failed on that once)."""
     ep = coll.group.endpoint
     if isinstance(exc, ConnectionError) or (isinstance(exc, PeerClosed) and (exc.mid_hop or exc.bye)):
         mismatch = await ep.aborted(min(1.0, ep.cfg.timeouts.peer), dead=_call_peers(coll))  # less: a peer is dead

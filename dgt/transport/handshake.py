@@ -145,7 +145,9 @@ class Handshake:
                 except PeerClosed:
                     chan.close()
                     why = f"rank {self.rank}: rank {rank} hung up on our hello (another session token?)"
-                    raise PeerClosed(why) from None
+                    hung_up = PeerClosed(why)
+                    hung_up.bye = True  # a peer that is closing its endpoint (its call failed): its reason may follow
+                    raise hung_up from None
                 except BaseException:
                     chan.close()
                     raise
