@@ -7,7 +7,7 @@ received parts (with their per-block received masks) to ``decode``/``aggregate``
 
 from __future__ import annotations
 
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -18,7 +18,7 @@ from dgt.layout import BucketLayout
 HALF = (torch.float16, torch.bfloat16)
 
 
-def rank_order_sum(terms: list[torch.Tensor] | tuple[torch.Tensor, ...], dtype: torch.dtype) -> torch.Tensor:
+def rank_order_sum(terms: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     """The ranks' ``terms`` added in rank order, as every rank adds them (the same bits on each): in ``dtype``, or
     in float32 when ``dtype`` is 16-bit (the caller rounds the sum once). The direct all-reduce's reduce and the
     low-rank codec's in-process reference both add this way."""

@@ -398,4 +398,4 @@ def reduce_in_process(codecs: Sequence[LowRankCodec], states: Sequence[BucketSta
 
 def _sum(xs: Sequence[torch.Tensor]) -> torch.Tensor:
     """The ranks' terms added in rank order and rounded once, as the direct all-reduce adds them."""
-    return rank_order_sum(list(xs), xs[0].dtype).to(xs[0].dtype)
+    return rank_order_sum(xs, xs[0].dtype).to(xs[0].dtype)

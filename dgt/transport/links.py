@@ -199,9 +199,7 @@ class Links:
         try:
             await link.writer.run()
         except PeerClosed as exc:
-            with trio.move_on_after(min(LAST_WORDS, self.cfg.timeouts.peer)):
-                while link.error is None:
-                    await self._change.wait()
+            await self._until(lambda: link.error is not None, min(LAST_WORDS, self.cfg.timeouts.peer))
             self.fail_peer(link.rank, exc)
         except Exception as exc:
             self.fail_peer(link.rank, exc)
@@ -400,14 +398,19 @@ class Links:
         report (which names the rank that really failed) still waits to be read (:data:`LAST_WORDS`)."""
         watch = list(peers)
         if within > 0:
-            with trio.move_on_after(within):
-                while not any(p in self.lost or self._ended(p) for p in watch):
-                    await self._change.wait()
+            await self._until(lambda: any(p in self.lost or self._ended(p) for p in watch), within)
         return self.failure_of(watch)
 
     def _ended(self, peer: int) -> bool:
         link = self.table.get(peer)
         return link is None or link.error is not None
+
+    async def _until(self, done: Callable[[], bool], within: float) -> None:
+        """Wait until ``done()`` holds, looking again at every change of the links (:meth:`_changed`), at most
+        ``within`` s."""
+        with trio.move_on_after(within):
+            while not done():
+                await self._change.wait()
 
     def failure_of(self, peers: Iterable[int]) -> BaseException | None:
         """The error that names why one of ``peers`` is gone: its session link's, when it ended without a goodbye
