@@ -347,7 +347,7 @@ def test_run_collects_every_host(prefix: str, tmp_path: os.PathLike) -> None:
         t0 = time.monotonic()
         failing = "import os, sys, time; r = int(os.environ['RANK']); print('rank', r); " \
                   "time.sleep(0.5); sys.exit(3) if r == 1 else time.sleep(30)"
-        results = run(topo, [sys.executable, "-c", failing], timeout=20)
+        results = run(topo, [sys.executable, "-c", failing], logdir=str(tmp_path), timeout=20)
         assert time.monotonic() - t0 < 15
         assert results[1].returncode == 3 and results[0].killed and results[2].killed
         assert exit_code(results) == 3
@@ -367,7 +367,7 @@ def _table_rows(text: str) -> dict[tuple[str, str], int]:
     return rows
 
 
-def test_cli_up_status_run_down(prefix: str, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_up_status_run_down(prefix: str, capsys: pytest.CaptureFixture[str], tmp_path: os.PathLike) -> None:
     from dgt.netem import Flow, Topology, cross_traffic, nsutil
     from dgt.netem.cli import main as netem_main
 
@@ -406,7 +406,8 @@ def test_cli_up_status_run_down(prefix: str, capsys: pytest.CaptureFixture[str])
         drops = drops_by_class(stats)
         assert drops["LE"] > 0 and drops["EF"] == 0, drops
 
-        code = main(["netem", "run", "--prefix", prefix, "--timeout", "20", "--", sys.executable, "-c",
+        code = main(["netem", "run", "--prefix", prefix, "--timeout", "20", "--logdir", str(tmp_path), "--",
+                     sys.executable, "-c",
                      "import os; print('hello from', os.environ['RANK'])"])
         out = capsys.readouterr().out
         assert code == 0 and all(f"hello from {r}" in out for r in range(3)), out
