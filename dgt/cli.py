@@ -6,6 +6,7 @@ import argparse
 import importlib
 import sys
 
+from dgt.cliargs import BadOption
 from dgt.extras import missing_extra_message
 
 # module -> the subcommands it adds; a module provides add_parser(subparsers) that sets func=callable(args)->int
@@ -47,6 +48,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if args.command is None else 2
     try:
         return int(args.func(args) or 0)
+    except BadOption as exc:  # a value the command cannot run, found before it started: its usage error
+        getattr(args, "parser", parser).error(str(exc))
+        return 2  # not reached: error() exits
     except ModuleNotFoundError as exc:
         message = missing_extra_message(exc, args.command)
         if message is None:

@@ -8,6 +8,7 @@ import pytest
 
 from dgt.bench import allreduce
 from dgt.channels.duplex import NATIVE
+from dgt.cliargs import BadOption
 
 
 @pytest.mark.parametrize("hops", ["auto", "off"])
@@ -34,7 +35,7 @@ def test_bench_times_only_the_collectives_asked_for():
     out = allreduce.run(args)
     assert set(out["seconds"]) == {"gloo", "ps_central"} and "goal_met" not in out  # the goal is the ring's
     assert out["max_rel_diff_vs_gloo"]["ps_central"] < 1e-5
-    with pytest.raises(SystemExit, match="unknown"):
+    with pytest.raises(BadOption, match="unknown"):
         allreduce.run(argparse.Namespace(**{**vars(args), "collectives": "ring,tree"}))
 
 
@@ -46,7 +47,7 @@ def test_bench_times_the_ring_once_per_hop_thread_count():
     assert set(out["seconds"]) == {"gloo", "ring/1t", "ring/2t"} and "goal_met" not in out
     assert out["ring_hops"] == "native loop, 1/2 thread(s)"
     assert all(d < 1e-5 for d in out["max_rel_diff_vs_gloo"].values()), out["max_rel_diff_vs_gloo"]
-    with pytest.raises(SystemExit, match="hop-threads"):
+    with pytest.raises(BadOption, match="hop-threads"):
         allreduce.run(argparse.Namespace(**{**vars(args), "hop_threads": "3"}))
 
 
@@ -145,7 +146,7 @@ def test_the_cpu_gate_can_be_switched_off_for_a_run():
     assert out["cpu_gate"] == 0.0
     assert all(r["cpu_gated_rounds"] == 0 for r in out["per_trial"]["ring"])
     assert all(t["cpu_gated_rounds"] == 0 and t["cpu_wait"] is None for t in out["transport"].values())
-    with pytest.raises(SystemExit, match="cpu-gate"):
+    with pytest.raises(BadOption, match="cpu-gate"):
         allreduce.run(argparse.Namespace(ranks=2, mb=0.3, repeat=1, codec="dense", timeout=60.0, cpu_gate=1.5))
 
 

@@ -8,6 +8,7 @@ import statistics
 import pytest
 
 from dgt.bench import transport
+from dgt.cliargs import BadOption
 
 
 def _args(*flags: str) -> argparse.Namespace:
@@ -38,6 +39,11 @@ def test_stale_variant_reports_the_round_against_the_paced_send():
     assert v["datagrams"]["1"] + v["abandoned"]["1"] == v["unimportant_blocks"]
 
 
-def test_stale_pace_must_be_positive_before_any_process_starts():
-    with pytest.raises(ValueError, match="stale-pace"):
-        transport.run(_args("--stale-pace", "0", "--variants", "dgt-p30-stale"))
+def test_stale_pace_must_be_positive_before_any_process_starts(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exc:  # the option's type: the parser's usage error
+        _args("--stale-pace", "0", "--variants", "dgt-p30-stale")
+    assert exc.value.code == 2 and "--stale-pace" in capsys.readouterr().err
+    args = _args("--variants", "dgt-p30-stale")
+    args.stale_pace = 0.0  # run() called without the parser checks it too
+    with pytest.raises(BadOption, match="stale-pace"):
+        transport.run(args)

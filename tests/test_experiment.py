@@ -1,6 +1,7 @@
 """The Table 1 experiment: data loaders (digits, Fashion-MNIST IDX incl. gzip), models, the metrics, and the
 runner end to end on a tiny configuration (loopback always; netem namespaces when root)."""
 
+import dataclasses
 import gzip
 import json
 import os
@@ -277,9 +278,10 @@ def test_a_failing_rank_fails_the_run_fast_and_leaves_nothing_running(tmp_path):
     from dgt.experiment.launch import RunFailed, launch
     from dgt.experiment.network import Network
 
-    cfg = ExperimentConfig(workers=2, max_iters=3, network=NetworkConfig(mode="loopback"),
-                           codecs={"baseline": "dense", "dgt": "no-such-codec"})
-    spec = cfg.run_spec("alexnet", "dgt", str(tmp_path))
+    cfg = ExperimentConfig(workers=2, max_iters=3, network=NetworkConfig(mode="loopback"))
+    # the config refuses an unknown codec before anything starts; the spec it hands the ranks is altered here so
+    # that the ranks fail in their own processes
+    spec = dataclasses.replace(cfg.run_spec("alexnet", "dgt", str(tmp_path)), codec="no-such-codec")
     with Network(cfg.network, 2, "loopback") as net, pytest.raises(RunFailed, match="no-such-codec"):
         launch(net, spec, str(tmp_path), hard_timeout=90)
     assert _procs_with(str(tmp_path / "spec.json")) == []

@@ -3,6 +3,7 @@ link types, DSCP warnings, reordering, TCP reassembly, corruption and junk, volu
 
 from __future__ import annotations
 
+import argparse
 import json
 import random
 import struct
@@ -13,6 +14,7 @@ from scapy.utils import RawPcapReader, RawPcapWriter
 
 from dgt import wire
 from dgt.cli import main as dgt_main
+from dgt.cliargs import BadOption
 from dgt.inspect import pcapio, reassembly
 from dgt.inspect.summary import Options, summarize
 from dgt.inspect.synth import Wire, synth_rounds
@@ -253,7 +255,6 @@ def test_hundred_thousand_packets_are_summarised(tmp_path):
 
 def test_bench_inspect_reports_the_summary_against_the_bare_read():
     """``dgt bench inspect`` on a small capture: its figures, consistent with one another (not their values)."""
-    import argparse
 
     from dgt.bench import inspect as bench
 
@@ -268,8 +269,11 @@ def test_bench_inspect_reports_the_summary_against_the_bare_read():
         assert out["packets_per_s"][k] == pytest.approx(out["packets"] / out["seconds"][k])
     assert out["vs_bare_read"] == pytest.approx({k: out["seconds"][k] / out["seconds"]["bare_read"]
                                                  for k in ("read_pcap", "summarize")})
-    with pytest.raises(SystemExit, match="at least 1"):
-        bench.run(p.parse_args(["--repeat", "0"]))
+    with pytest.raises(SystemExit) as exc:  # the option's type: the parser's usage error
+        p.parse_args(["--repeat", "0"])
+    assert exc.value.code == 2
+    with pytest.raises(BadOption, match="at least 1"):  # run() called without the parser checks too
+        bench.run(argparse.Namespace(**{**vars(p.parse_args([])), "repeat": 0}))
 
 
 def test_gso_aggregates_are_cut_into_datagrams(tmp_path):

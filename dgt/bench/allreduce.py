@@ -15,6 +15,7 @@ from contextlib import AsyncExitStack
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from dgt.cliargs import COUNT, FRACTION, POSITIVE, BadOption, codec_spec, integer
 from dgt.collectives.launch import run_ranks
 
 if TYPE_CHECKING:
@@ -22,11 +23,12 @@ if TYPE_CHECKING:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--ranks", type=int, default=2, help="number of ranks (processes on this machine), each with an "
-                   "equal share of this machine's cores as torch threads (the DGT_THREADS environment variable "
-                   "overrides: the threads a lossy hop's C passes may use)")
-    p.add_argument("--mb", type=float, default=25.0, help="tensor size in MB of fp32")
-    p.add_argument("--repeat", type=int, default=5, help="timed trials per method (the best and the median are "
+    p.add_argument("--ranks", type=integer(2), default=2,
+                   help="number of ranks (processes on this machine), each with an equal share of this machine's "
+                   "cores as torch threads (the DGT_THREADS environment variable overrides: the threads a lossy hop's "
+                   "C passes may use)")
+    p.add_argument("--mb", type=POSITIVE, default=25.0, help="tensor size in MB of fp32")
+    p.add_argument("--repeat", type=COUNT, default=5, help="timed trials per method (the best and the median are "
                    "reported, each trial timed by its slowest rank; per_trial lists every trial with its CPU ms per "
                    "rank and, for DGT, the datagrams sent, blocks kept back and lost, and deadline waits)")
     p.add_argument("--codec", action="append", default=None,
@@ -43,11 +45,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hop-threads", default="0",
                    help="threads per native ring hop: 0 auto, 1, 2 (send half on its own thread); a list such as 1,2 "
                    "times the ring once per value in the same run, as ring/1t, ring/2t")
-    p.add_argument("--cpu-gate", type=float, default=None,
+    p.add_argument("--cpu-gate", type=FRACTION, default=None,
                    help="TransportConfig.cpu_gate for the DGT groups (default: its own, 0.1): a lossy ring hop sends "
                    "no unimportant datagram while its transfer thread waits for a CPU more than this fraction of the "
                    "time; 0 switches the gate off (what the datagram path costs this host)")
-    p.add_argument("--timeout", type=float, default=300.0)
+    p.add_argument("--timeout", type=POSITIVE, default=300.0)
 
 
 COLLECTIVES = ("ring", "ps_sharded", "ps_central")
@@ -236,17 +238,17 @@ def run(args: argparse.Namespace) -> dict:
     colls = tuple(c.strip() for c in getattr(args, "collectives", ",".join(COLLECTIVES)).split(",") if c.strip())
     unknown = sorted(set(colls) - set(CHOICES))
     if unknown or not colls:
-        raise SystemExit(f"--collectives: unknown {unknown}; choose from {', '.join(CHOICES)}")
+        raise BadOption(f"--collectives: unknown {unknown}; choose from {', '.join(CHOICES)}")
     try:
         threads = tuple(dict.fromkeys(int(t) for t in str(getattr(args, "hop_threads", "0")).split(",")))
     except ValueError:
-        raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2") from None
+        raise BadOption("--hop-threads: comma-separated values out of 0, 1, 2") from None
     if not threads or set(threads) - {0, 1, 2}:
-        raise SystemExit("--hop-threads: comma-separated values out of 0, 1, 2")
-    codecs = _codecs(getattr(args, "codec", None))
+        raise BadOption("--hop-threads: comma-separated values out of 0, 1, 2")
+    codecs = tuple(codec_spec("--codec", c) for c in _codecs(getattr(args, "codec", None)))
     gate = getattr(args, "cpu_gate", None)
     if gate is not None and not 0.0 <= gate <= 1.0:
-        raise SystemExit("--cpu-gate: a fraction in [0, 1] (0: off)")
+        raise BadOption("--cpu-gate: a fraction in [0, 1] (0: off)")
     res = run_ranks(_rank, args.ranks, numel, args.repeat, codecs, hops, colls, threads, gate, timeout=args.timeout)
     # a collective ends when its slowest rank does: per trial the slowest rank's time, then the best and the median
     trials = {k: [max(t) for t in zip(*(r["seconds"][k] for r in res.values()))] for k in res[0]["seconds"]}

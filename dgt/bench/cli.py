@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         bp = bsub.add_parser(name, help=help_.replace("%", "%%"), description=help_)  # argparse %-formats help
         bp.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
         mod.add_arguments(bp)
-        bp.set_defaults(func=lambda args, mod=mod: _run(mod, args))
+        bp.set_defaults(func=lambda args, mod=mod: _run(mod, args), parser=bp)
     p.set_defaults(func=lambda args: (p.print_help(), 0)[1])
 
 

@@ -11,17 +11,18 @@ import argparse
 import torch
 
 from dgt.bench.timing import best_of
+from dgt.cliargs import COUNT, FRACTION, NON_NEGATIVE, BadOption
 from dgt.estimator import ContributionEstimator
 from dgt.layout import BucketLayout
 from dgt.protocol.sender import RoundSender
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--numel", type=int, default=25_000_000, help="elements of the flat fp32 gradient (default 25M)")
-    p.add_argument("--tensors", type=int, default=16, help="tensors in the bucket (awkward sizes)")
-    p.add_argument("--p", type=float, default=0.3, help="fraction of important blocks")
-    p.add_argument("--repeat", type=int, default=5)
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    p.add_argument("--numel", type=COUNT, default=25_000_000, help="elements of the flat fp32 gradient (default 25M)")
+    p.add_argument("--tensors", type=COUNT, default=16, help="tensors in the bucket (awkward sizes)")
+    p.add_argument("--p", type=FRACTION, default=0.3, help="fraction of important blocks")
+    p.add_argument("--repeat", type=COUNT, default=5)
+    p.add_argument("--threads", type=NON_NEGATIVE, default=0, help="torch threads (0 = torch default)")
 
 
 def _sizes(numel: int, k: int) -> list[int]:
@@ -33,6 +34,8 @@ def _sizes(numel: int, k: int) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> dict:
+    if args.numel < args.tensors:
+        raise BadOption(f"--numel ({args.numel}) must be at least --tensors ({args.tensors}): one element per tensor")
     if args.threads:
         torch.set_num_threads(args.threads)
     layout = BucketLayout(_sizes(args.numel, args.tensors), 1024)

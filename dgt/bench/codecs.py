@@ -15,6 +15,7 @@ import time
 
 import torch
 
+from dgt.cliargs import COUNT, NON_NEGATIVE, BadOption, codec_spec, torch_device
 from dgt.codecs.base import BucketState, Codec
 from dgt.codecs.bucketinfo import received_from_parts, wire_bytes
 from dgt.codecs.registry import make_codec
@@ -23,8 +24,8 @@ DEFAULT_CODECS = ["qsgd:bits=8", "slimdp:alpha=0.3,eps=0.15,q=20", "olandraj", "
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--numel", type=int, default=25_000_000, help="entries of the fp32 test tensor (25M)")
-    parser.add_argument("--repeat", type=int, default=3, help="timed repetitions; the best is reported (3)")
+    parser.add_argument("--numel", type=COUNT, default=25_000_000, help="entries of the fp32 test tensor (25M)")
+    parser.add_argument("--repeat", type=COUNT, default=3, help="timed repetitions; the best is reported (3)")
     parser.add_argument("--device", default="auto", help="cpu, cuda or auto (cuda when available)")
     parser.add_argument(
         "--codec",
@@ -33,7 +34,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SPEC",
         help=f"codec spec to run (repeatable); default: {' '.join(DEFAULT_CODECS)}",
     )
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
 
 
 def _sync(device: torch.device) -> None:
@@ -83,7 +84,8 @@ def _bench_codec(codec: Codec, x: torch.Tensor, repeat: int, rounds: list[str]) 
 
 
 def run(args: argparse.Namespace) -> dict:
-    dev = args.device
+    dev = torch_device("--device", args.device, auto=True)
+    specs = [codec_spec("--codec", c) for c in args.codecs or DEFAULT_CODECS]
     if dev == "auto":
         dev = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(dev)
@@ -110,7 +112,7 @@ def run(args: argparse.Namespace) -> dict:
         },
         "codecs": {},
     }
-    for spec in args.codecs or DEFAULT_CODECS:
+    for spec in specs:
         codec = make_codec(spec)
         if codec.name == "slimdp":
             res = _bench_codec(codec, x, repeat, ["refresh round", "cached round"])
@@ -129,7 +131,11 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(prog="python -m dgt.bench.codecs", description=__doc__)
     add_arguments(parser)
-    print(json.dumps(run(parser.parse_args(argv)), indent=2))
+    args = parser.parse_args(argv)
+    try:
+        print(json.dumps(run(args), indent=2))
+    except BadOption as exc:
+        parser.error(str(exc))
     return 0
 
 

@@ -24,29 +24,32 @@ from typing import Any
 
 import torch
 
+from dgt.cliargs import COUNT, NON_NEGATIVE, POSITIVE, BadOption, codec_spec, number
 from dgt.errors import DgtError
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--world", type=int, default=2, help="ranks (processes on this machine)")
-    p.add_argument("--steps", type=int, default=30, help="timed steps per mode")
-    p.add_argument("--rounds", type=int, default=3, help="the timed steps are split into this many interleaved rounds")
-    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode")
-    p.add_argument("--hidden", type=int, default=1024, help="width of the example MLP (64-h-h-10)")
-    p.add_argument("--batch", type=int, default=None,
+    p.add_argument("--world", type=COUNT, default=2, help="ranks (processes on this machine)")
+    p.add_argument("--steps", type=COUNT, default=30, help="timed steps per mode")
+    p.add_argument("--rounds", type=COUNT, default=3,
+                   help="the timed steps are split into this many interleaved rounds")
+    p.add_argument("--warmup", type=NON_NEGATIVE, default=3, help="untimed steps per mode")
+    p.add_argument("--hidden", type=COUNT, default=1024, help="width of the example MLP (64-h-h-10)")
+    p.add_argument("--batch", type=COUNT, default=None,
                    help="samples per rank and step (default: 64, or the --model family's batch)")
     p.add_argument("--model", default=None, help="a model of dgt experiment ddp (resnet-s, resnet, resnet-l, gpt-s, "
                    "gpt, gpt-l, alexnet, vgg11) with its data and optimizer, instead of the example MLP (--hidden)")
     p.add_argument("--modes", default=",".join(DEFAULT_MODES),
                    help=f"comma-separated, gloo first, from {', '.join(MODES)} (default: %(default)s)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="DDP bucket_cap_mb")
+    p.add_argument("--bucket-mb", type=POSITIVE, default=25.0, help="DDP bucket_cap_mb")
     p.add_argument("--collective", choices=["ring", "ps"], default="ring")
     p.add_argument("--lossy-codec", default="default",
                    help="codec of the lossy mode: 'default' = DGTState() with no options (the README line: "
                    "dgt:idle_p=0.1 with the measuring lossless fallback); a spec such as dgt:p=0.3 forces that codec")
-    p.add_argument("--drop", type=float, default=0.0, help="datagram loss injected at the receivers (lossy mode)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--drop", type=number(0.0, 1.0, below=True), default=0.0,
+                   help="datagram loss injected at the receivers (lossy mode)")
+    p.add_argument("--threads", type=COUNT, default=1, help="torch threads per rank")
+    p.add_argument("--timeout", type=POSITIVE, default=600.0)
 
 
 MODES = ("gloo", "dgt_lossless", "dgt_lossy", "fp16", "powersgd")
@@ -228,13 +231,18 @@ def run(args: argparse.Namespace) -> dict:
                                          "lossy_codec", "drop", "threads", "model")}
     names = [m.strip() for m in args.modes.split(",") if m.strip()]
     if not names or names[0] != "gloo" or len(set(names)) != len(names) or any(m not in MODES for m in names):
-        raise DgtError(f"--modes must start with gloo and name each mode once, from {', '.join(MODES)}: "
-                       f"{args.modes!r}")
+        raise BadOption(f"--modes must start with gloo and name each mode once, from {', '.join(MODES)}: "
+                        f"{args.modes!r}")
     cfg["modes"] = names
     from dgt.experiment.workloads import defaults
 
     if args.model:
-        defaults(args.model)  # an unknown model is a clear error here, not in every rank
+        try:
+            defaults(args.model)  # an unknown model is a clear error here, not in every rank
+        except DgtError as exc:
+            raise BadOption(f"--model: {exc}") from None
+    if "dgt_lossy" in names and args.lossy_codec != "default":
+        codec_spec("--lossy-codec", args.lossy_codec)
     if cfg["batch"] is None:
         cfg["batch"] = defaults(args.model).batch if args.model else 64
     res = run_ranks(_rank, args.world, cfg, timeout=args.timeout, env={"DGT_THREADS": str(args.threads)})

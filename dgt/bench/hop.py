@@ -21,15 +21,17 @@ from collections import defaultdict
 
 import numpy as np
 
+from dgt.cliargs import COUNT, FRACTION, POSITIVE, integer
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--mb", type=float, default=6.25, help="chunk size in MB of fp32 (25 MB over 4 ranks: 6.25)")
-    p.add_argument("--p", type=float, default=0.3, help="fraction of blocks on the reliable lane")
-    p.add_argument("--budget", type=int, default=300_000,
+    p.add_argument("--mb", type=POSITIVE, default=6.25, help="chunk size in MB of fp32 (25 MB over 4 ranks: 6.25)")
+    p.add_argument("--p", type=FRACTION, default=0.3, help="fraction of blocks on the reliable lane")
+    p.add_argument("--budget", type=integer(-1), default=300_000,
                    help="datagram bytes the send budget allows per round (the rest is kept back); -1: no limit")
-    p.add_argument("--rounds", type=int, default=20, help="timed rounds (after 2 warm-up rounds)")
+    p.add_argument("--rounds", type=COUNT, default=20, help="timed rounds (after 2 warm-up rounds)")
     p.add_argument("--no-mac", action="store_true", help="datagrams without the MAC trailer")
-    p.add_argument("--batch", type=int, default=61,
+    p.add_argument("--batch", type=COUNT, default=61,
                    help="datagrams per receive call (61: one GSO send; a GRO drain of a busy socket holds more)")
     p.add_argument("--split", action="store_true",
                    help="the hop split by lane as the lossy ring runs it: important blocks packed for the stream "
@@ -52,8 +54,6 @@ def run(args: argparse.Namespace) -> dict:
     g = torch.Generator().manual_seed(0)
     x, inp, out, scratch = torch.randn(n, generator=g), torch.randn(n, generator=g), torch.empty(n), torch.empty(n)
     mac = None if args.no_mac else DatagramMac(b"\x07" * 32)
-    if args.batch < 1:
-        raise SystemExit("--batch: at least 1 datagram per receive call")
     h = _Hop(args, token, DGTCodec(p=args.p), BucketState(n, torch.float32), BucketLayout.flat(n, 1024),
              RoundSender(token, rank=1, datagram_payload=1400, mac=mac, peer=0),
              RoundReceiver(token, rank=0, deadline=FixedGrace(0.001), allocator=lambda *_: scratch, mac=mac),

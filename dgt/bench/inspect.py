@@ -21,14 +21,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from dgt.cliargs import COUNT, NON_NEGATIVE, BadOption
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--rounds", type=int, default=68, help="rounds in the synthetic capture (default 68: with the "
-                        "default size and block about 100 000 packets)")
-    parser.add_argument("--size", type=int, default=131072, help="float32 elements of the one tensor per round")
-    parser.add_argument("--block", type=int, default=64, help="elements per block (one datagram each)")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--repeat", type=int, default=3, help="timed passes of each reader, in turn")
+    parser.add_argument("--rounds", type=COUNT, default=68,
+                        help="rounds in the synthetic capture (default 68: with the default size and block about "
+                        "100 000 packets)")
+    parser.add_argument("--size", type=COUNT, default=131072, help="float32 elements of the one tensor per round")
+    parser.add_argument("--block", type=COUNT, default=64, help="elements per block (one datagram each)")
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=1)
+    parser.add_argument("--repeat", type=COUNT, default=3, help="timed passes of each reader, in turn")
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[Any, float, float]:
@@ -53,8 +56,8 @@ def run(args: argparse.Namespace) -> dict:
     from dgt.inspect.synth import synth_rounds
     from dgt.inspect.traffic import TrafficSpec
 
-    if args.rounds < 1 or args.size < 1 or args.block < 1 or args.repeat < 1:
-        raise SystemExit("--rounds, --size, --block and --repeat: at least 1")
+    if args.rounds < 1 or args.size < 1 or args.block < 1 or args.repeat < 1:  # run() called without the parser
+        raise BadOption("--rounds, --size, --block and --repeat: at least 1")
     with tempfile.TemporaryDirectory(prefix="dgt-bench-inspect-") as tmp:
         path = os.path.join(tmp, "synth.pcap")
         spec = TrafficSpec(rounds=args.rounds, sizes=(args.size,), block=args.block, seed=args.seed)

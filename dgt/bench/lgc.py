@@ -17,6 +17,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dgt.cliargs import COUNT, FRACTION, NON_NEGATIVE, POSITIVE, BadOption, codec_spec, number, torch_device
 from dgt.codecs.lgc import LGCCodec, LGCRunner
 from dgt.codecs.lgc.plan import ROLES, LGCConfig
 from dgt.harness.digits import digits_split_standardised
@@ -370,23 +371,25 @@ def traffic_report(method: str, summaries: list[dict[str, Any]], ranks: int) -> 
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ranks", type=int, default=2, help="data-parallel workers (default 2)")
-    parser.add_argument("--iters", type=int, default=1000, help="training iterations in all (default 1000)")
-    parser.add_argument("--warmup", type=int, default=200, help="dense warm-up iterations (default 200)")
-    parser.add_argument("--ae-iters", type=int, default=300, help="top-k + AE training iterations (default 300)")
-    parser.add_argument("--batch", type=int, default=32, help="mini-batch per worker (default 32)")
-    parser.add_argument("--lr", type=float, default=0.05, help="SGD learning rate of the CNN (default 0.05)")
-    parser.add_argument("--momentum", type=float, default=0.9, help="SGD momentum, dense and warm-up (default 0.9)")
-    parser.add_argument("--sparse-momentum", type=float, default=0.0,
+    parser.add_argument("--ranks", type=COUNT, default=2, help="data-parallel workers (default 2)")
+    parser.add_argument("--iters", type=COUNT, default=1000, help="training iterations in all (default 1000)")
+    parser.add_argument("--warmup", type=NON_NEGATIVE, default=200, help="dense warm-up iterations (default 200)")
+    parser.add_argument("--ae-iters", type=NON_NEGATIVE, default=300,
+                        help="top-k + AE training iterations (default 300)")
+    parser.add_argument("--batch", type=COUNT, default=32, help="mini-batch per worker (default 32)")
+    parser.add_argument("--lr", type=POSITIVE, default=0.05, help="SGD learning rate of the CNN (default 0.05)")
+    parser.add_argument("--momentum", type=number(0.0, 1.0, below=True), default=0.9,
+                        help="SGD momentum, dense and warm-up (default 0.9)")
+    parser.add_argument("--sparse-momentum", type=number(0.0, 1.0, below=True), default=0.0,
                         help="SGD momentum of LGC after the warm-up (default 0)")
-    parser.add_argument("--topk", type=float, default=LGCConfig.topk,
+    parser.add_argument("--topk", type=number(0.0, 1.0, above=True), default=LGCConfig.topk,
                         help="top-k keep ratio per layer (default: the codec's, %(default)s)")
-    parser.add_argument("--innovation", type=float, default=LGCConfig.innovation,
+    parser.add_argument("--innovation", type=FRACTION, default=LGCConfig.innovation,
                         help="PS innovation share of mu (default: the codec's, %(default)s)")
     parser.add_argument("--lgc", default="", help="extra lgc options, e.g. 'ae_opt=adam,momentum_correction=true'")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--seed", type=NON_NEGATIVE, default=0)
     parser.add_argument("--device", default="cpu", help="cpu | cuda")
-    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (default 1)")
+    parser.add_argument("--threads", type=COUNT, default=1, help="torch intra-op threads (default 1)")
     parser.add_argument("--ablation", action="store_true",
                         help="also run each LGC variant with a zero decoder and a template-only decoder (the mean "
                              "training target, ignoring the code) and report the AE's margin over both")
@@ -410,6 +413,11 @@ def lgc_options(args: argparse.Namespace) -> dict[str, Any]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Dense vs LGC-PS vs LGC-ring with the same seeds; returns the JSON-able result."""
+    torch_device("--device", args.device)
+    codec_spec("--lgc", "lgc:" + (args.lgc or ""))
+    if args.iters <= args.warmup + args.ae_iters:
+        raise BadOption(f"--iters ({args.iters}) must exceed --warmup + --ae-iters ({args.warmup + args.ae_iters}): "
+                        "the compressed phase comes after both")
     torch.set_num_threads(args.threads)
     common = dict(ranks=args.ranks, iters=args.iters, warmup=args.warmup, ae_iters=args.ae_iters, batch=args.batch,
                   lr=args.lr, momentum=args.momentum, seed=args.seed, device=args.device)
@@ -468,7 +476,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dgt bench lgc", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    res = run(args)
+    try:
+        res = run(args)
+    except BadOption as exc:
+        parser.error(str(exc))
     print(json.dumps(res, indent=2) if args.json else json.dumps(res["summary"], indent=2))
     return 0
 

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 import trio
 
+from dgt.cliargs import COUNT, FRACTION, POSITIVE, BadOption, integer
 from dgt.errors import open_nursery
 
 TOKEN = 0xD67B_E7C4
@@ -381,20 +382,20 @@ def _stale_run(pair: _Pair, base: dict, numel: int, p: float, repeats: int, pace
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--mb", type=float, default=100.0, help="bucket size in MB (1e6 bytes; float32)")
-    parser.add_argument("--repeats", type=int, default=10,
+    parser.add_argument("--mb", type=POSITIVE, default=100.0, help="bucket size in MB (1e6 bytes; float32)")
+    parser.add_argument("--repeats", type=COUNT, default=10,
                         help="rounds per variant (median and best reported; default 10: the lossy variants' "
                              "congestion controller starts each endpoint pair at its start rate and needs a few rounds "
                              "to reach the path's rate, so a median over 3 rounds measures that warm-up, not a "
                              "training run)")
-    parser.add_argument("--p", type=float, default=0.3, help="fraction of important blocks for the lossy variant")
-    parser.add_argument("--datagram-payload", type=int, default=None,
+    parser.add_argument("--p", type=FRACTION, default=0.3, help="fraction of important blocks for the lossy variant")
+    parser.add_argument("--datagram-payload", type=integer(16, 65000), default=None,
                         help="UDP payload bytes per datagram (default: the transport's, sized by the route's MTU: "
                              "65000 over loopback, so a 4 KiB block is one datagram; 1400 is what fits Ethernet)")
     parser.add_argument("--quick", action="store_true", help="skip the GSO-off and fresh-buffer variants")
     parser.add_argument("--no-datagram-mac", action="store_true",
                         help="DGT variants without the datagram MAC (datagram_mac=False), to measure it")
-    parser.add_argument("--stale-pace", type=float, default=1e6,
+    parser.add_argument("--stale-pace", type=POSITIVE, default=1e6,
                         help="bytes/s of the dgt-p30-stale variant's paced sender (default 1e6: far below what the "
                              "round's unimportant bytes need to arrive before the receiver's 20 ms deadline)")
     parser.add_argument("--variants", default="", help="comma-separated DGT variants to run (default: all; the raw "
@@ -410,13 +411,15 @@ def _wanted(args: argparse.Namespace) -> set[str]:
         want = {v.strip() for v in args.variants.split(",") if v.strip()}
         bad = want - set(DGT_VARIANTS)
         if bad:
-            raise ValueError(f"unknown variants {sorted(bad)}; choose from {', '.join(DGT_VARIANTS)}")
+            raise BadOption(f"--variants: unknown {sorted(bad)}; choose from {', '.join(DGT_VARIANTS)}")
         return want
     return {"tcp-ours", "dgt-lossless", "dgt-p30-gso", "dgt-p30-gso-nocc"} if args.quick else set(DGT_VARIANTS)
 
 
 def run(args: argparse.Namespace) -> dict:
     numel = int(args.mb * 1e6) // 4
+    if numel < 1:
+        raise BadOption(f"--mb {args.mb}: less than one float32")
     nbytes = numel * 4
     reps = args.repeats
     base = {"timeouts": {"peer": 30.0}, "lanes": {"datagram_payload": args.datagram_payload},
@@ -424,7 +427,7 @@ def run(args: argparse.Namespace) -> dict:
     want = _wanted(args)  # a bad --variants fails before any process starts
     stale_pace = float(getattr(args, "stale_pace", 1e6))
     if not stale_pace > 0:
-        raise ValueError(f"--stale-pace must be positive bytes/s, not {stale_pace}")
+        raise BadOption(f"--stale-pace must be positive bytes/s, not {stale_pace}")
     pair = _Pair()
     t0 = time.perf_counter()
     try:

@@ -9,6 +9,9 @@ import signal
 import sys
 from typing import Any
 
+from dgt.cliargs import COUNT, NON_NEGATIVE, POSITIVE, BadOption, number
+from dgt.errors import DgtError
+
 
 def add_parser(esub: argparse._SubParsersAction) -> None:
     from dgt.experiment.codecs_run import CODECS, OPT_IN, CodecsConfig
@@ -30,13 +33,14 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
     c.add_argument("--workers", type=int, default=base.workers, help="K processes (default: %(default)s)")
     c.add_argument("--iters", type=int, default=base.iters, help="training steps per codec (default: %(default)s)")
     c.add_argument("--batch", type=int, default=base.batch, help="per worker (default: %(default)s)")
-    c.add_argument("--lr", type=float, default=base.lr, help="SGD learning rate (default: %(default)s)")
-    c.add_argument("--seed", type=int, default=base.seed, help="(default: %(default)s)")
+    c.add_argument("--lr", type=POSITIVE, default=base.lr, help="SGD learning rate (default: %(default)s)")
+    c.add_argument("--seed", type=NON_NEGATIVE, default=base.seed, help="(default: %(default)s)")
     c.add_argument("--target", type=float, default=base.target, help="target test accuracy (default: %(default)s)")
     c.add_argument("--eval-every", type=int, default=base.eval_every, help="steps (default: %(default)s)")
     c.add_argument("--deadline", default=base.deadline,
                    help="how long a receiver waits for droppable blocks (default: %(default)s)")
-    c.add_argument("--lgc-topk", type=float, default=base.lgc_topk, help="LGC top-k ratio (default: %(default)s)")
+    c.add_argument("--lgc-topk", type=number(0.0, 1.0, above=True), default=base.lgc_topk,
+                   help="LGC top-k ratio (default: %(default)s)")
     c.add_argument("--profile", choices=list(PROFILES), default=base.profile,
                    help="; ".join(f"{k}: {v}" for k, v in PROFILES.items()).replace("%", "%%")
                    + " (netem only; default: %(default)s)")
@@ -47,26 +51,40 @@ def add_parser(esub: argparse._SubParsersAction) -> None:
     c.add_argument("--rate", default=base.network.rate,
                    help="link rate of every host, tc units; on loopback each connection is paced to rate / (K - 1) "
                         "(default: %(default)s)")
-    c.add_argument("--queue-limit", type=int, default=base.network.queue_limit,
+    c.add_argument("--queue-limit", type=COUNT, default=base.network.queue_limit,
                    help="netem: packets per queue (default: %(default)s)")
-    c.add_argument("--timeout", type=float, default=base.timeout, help="seconds per codec run (default: %(default)s)")
+    c.add_argument("--timeout", type=POSITIVE, default=base.timeout,
+                   help="seconds per codec run (default: %(default)s)")
     c.add_argument("--out", default=base.out_dir, help="directory for results.json, report.md, codecs.png "
                                                       "(default: %(default)s)")
     c.add_argument("--no-plots", action="store_true", help="skip the PNG")
     c.add_argument("--shared-processes", action="store_true",
                    help="train every codec in one set of K processes (one spawn; a failing codec fails the rest) "
                         "instead of fresh processes per codec")
-    c.set_defaults(func=run)
+    c.set_defaults(func=run, parser=c)
 
 
 def config_from_args(args: argparse.Namespace) -> Any:
     from dgt.experiment.codecs_run import CodecsConfig
-    from dgt.experiment.config import NetworkConfig
 
     base = CodecsConfig()
     names = [n.strip() for n in args.codecs.split(",") if n.strip()]
     if "dense" not in names:
         names.insert(0, "dense")
+    try:
+        return _config(args, base, names)
+    except (ValueError, DgtError) as exc:  # a value no codec run can take: the usage error, before anything starts
+        raise BadOption(str(exc)) from None
+
+
+def _config(args: argparse.Namespace, base: Any, names: list[str]) -> Any:
+    from dgt.experiment.codecs_run import CodecsConfig
+    from dgt.experiment.config import NetworkConfig
+    from dgt.netem.spec import parse_rate
+    from dgt.protocol.deadline import make_deadline
+
+    parse_rate(args.rate)
+    make_deadline(args.deadline)
     return CodecsConfig(codecs=names, model=args.model, workers=args.workers, iters=args.iters, batch=args.batch,
                         lr=args.lr, seed=args.seed, target=args.target, eval_every=args.eval_every,
                         deadline=args.deadline, lgc_topk=args.lgc_topk,

@@ -100,6 +100,26 @@ class ExperimentConfig:
             raise ValueError("network mode must be auto, netem or loopback")
         if self.network.cross_proto not in ("udp", "tcp"):
             raise ValueError("cross traffic protocol must be udp or tcp")
+        self._check_values()
+
+    def _check_values(self) -> None:
+        """What a run would only find out in its worker processes: the optimizer's, the data split's, the queues'
+        and the codecs' own checks, made here so a bad value is one clear error before anything starts."""
+        from dgt.codecs import make_codec
+        from dgt.protocol.deadline import make_deadline
+
+        if not self.lr > 0.0 or not 0.0 <= self.momentum < 1.0 or self.seed < 0:
+            raise ValueError(f"lr must be positive, momentum in [0, 1) and seed non-negative: lr {self.lr:g}, "
+                             f"momentum {self.momentum:g}, seed {self.seed}")
+        if self.network.queue_limit < 1 or not 0 <= self.network.cross_dscp <= 63:
+            raise ValueError(f"queue_limit must be at least 1 packet and cross_dscp in 0..63: queue_limit "
+                             f"{self.network.queue_limit}, cross_dscp {self.network.cross_dscp}")
+        make_deadline(self.deadline)  # ValueError naming the policies
+        for protocol in self.protocols:
+            try:
+                make_codec(self.codecs[protocol])
+            except (ValueError, TypeError) as exc:
+                raise ValueError(f"{protocol} codec {self.codecs[protocol]!r}: {exc}") from None
 
     @classmethod
     def demo(cls, **overrides: Any) -> ExperimentConfig:

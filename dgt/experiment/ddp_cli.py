@@ -21,13 +21,7 @@ def ddp(args: argparse.Namespace) -> int:
     from dgt.experiment.ddp_report import table
     from dgt.experiment.ddp_runner import run_ddp
 
-    base = DDPConfig()
-    net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit, prefix=base.network.prefix)
-    arms = [a.strip() for a in args.arms.split(",") if a.strip()]
-    cfg = DDPConfig(arms=arms, profile=args.profile, model=args.model, workers=args.workers, batch=args.batch,
-                    lr=args.lr, seed=args.seed, seeds=args.seeds or [], target=args.target, eval_every=args.eval_every,
-                    max_iters=args.max_iters, max_time=args.max_time, network=net, out_dir=args.out,
-                    plots=not args.no_plots)
+    cfg = checked(args)
     ui = Reporter()
     via_dgt = os.path.basename(sys.argv[0]) in ("dgt", "__main__.py")
     command = shlex.join(["dgt", *sys.argv[1:]]) if via_dgt else None
@@ -51,6 +45,30 @@ def ddp(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(results["ratios"], indent=1))
     return 1 if any("error" in r for r in results["runs"]) else 0
+
+
+def checked(args: argparse.Namespace) -> DDPConfig:
+    """The configuration, or ``BadOption`` (the parser's usage error, exit status 2) naming what is wrong: a value
+    the options' types let through that no arm can run (``--workers 1``, ``--batch 0``, ``--target 2`` for an
+    accuracy, a rate tc does not read) is refused at the door, not by a traceback or by every arm failing in turn."""
+    from dgt.cliargs import BadOption
+    from dgt.errors import DgtError
+    from dgt.netem.spec import parse_rate
+
+    base = DDPConfig()
+    try:
+        net = NetworkConfig(mode=args.network, rate=args.rate, queue_limit=args.queue_limit,
+                            prefix=base.network.prefix)
+        parse_rate(net.rate)
+        if net.queue_limit < 1:
+            raise ValueError(f"queue-limit must be at least 1 packet, got {net.queue_limit}")
+        arms = [a.strip() for a in args.arms.split(",") if a.strip()]
+        return DDPConfig(arms=arms, profile=args.profile, model=args.model, workers=args.workers, batch=args.batch,
+                         lr=args.lr, seed=args.seed, seeds=args.seeds or [], target=args.target,
+                         eval_every=args.eval_every, max_iters=args.max_iters, max_time=args.max_time, network=net,
+                         out_dir=args.out, plots=not args.no_plots)
+    except (ValueError, DgtError) as exc:
+        raise BadOption(str(exc)) from None
 
 
 def seed_list(text: str) -> list[int]:
@@ -103,4 +121,4 @@ def add_ddp_parser(esub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", default=base.out_dir, help="output directory (default: %(default)s)")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--json", action="store_true", help="print the ratios against Gloo as JSON at the end")
-    p.set_defaults(func=ddp)
+    p.set_defaults(func=ddp, parser=p)

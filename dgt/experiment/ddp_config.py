@@ -166,6 +166,11 @@ class DDPConfig:
             raise ValueError("target validation loss must be positive")
         if self.eval_every < 1 or self.max_iters < 1 or self.max_time <= 0:
             raise ValueError("eval_every, max_iters and max_time must be positive")
+        if self.batch < 1 or not self.lr > 0.0 or not self.momentum >= 0.0:
+            raise ValueError(f"batch must be at least 1, lr positive and momentum non-negative: batch {self.batch}, "
+                             f"lr {self.lr}, momentum {self.momentum}")
+        if self.seed < 0:
+            raise ValueError(f"seed must be non-negative: {self.seed}")
         if len(set(self.seeds)) != len(self.seeds):
             raise ValueError(f"seeds repeat: {self.seeds}")
         if any(isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in self.seeds):
