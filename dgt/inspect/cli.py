@@ -6,7 +6,10 @@ import argparse
 import json
 import sys
 
+from dgt.cliargs import COUNT, NON_NEGATIVE, POSITIVE, integer
+
 EXIT_OK, EXIT_WARN, EXIT_ERROR = 0, 1, 2
+PORT = integer(1, 65535)
 
 
 def _dscp_arg(text: str) -> tuple[int, tuple[int, ...]]:
@@ -28,7 +31,7 @@ def _dscp_arg(text: str) -> tuple[int, tuple[int, ...]]:
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tcp-port",
-        type=int,
+        type=PORT,
         action="append",
         default=[],
         metavar="PORT",
@@ -36,7 +39,7 @@ def _common(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument(
         "--udp-port",
-        type=int,
+        type=PORT,
         action="append",
         default=[],
         metavar="PORT",
@@ -51,10 +54,12 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="LANE=DSCP",
         help="DSCP the session configured for a lane (default 0=EF, others LE or CS1); repeatable",
     )
-    p.add_argument("--bin", type=float, default=None, metavar="SECONDS", help="timeline bin width (default: ~60 bins)")
+    p.add_argument("--bin", type=POSITIVE, default=None, metavar="SECONDS",
+                   help="timeline bin width (default: ~60 bins)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p.add_argument("--plot", metavar="OUT.png", help="write a timeline of bytes per lane and drops")
-    p.add_argument("--rounds", type=int, default=20, metavar="N", help="rounds shown in the table (default 20)")
+    p.add_argument("--rounds", type=NON_NEGATIVE, default=20, metavar="N",
+                   help="rounds shown in the table (default 20)")
     p.add_argument("--strict", action="store_true", help="exit 1 when there are warnings or malformed packets")
 
 
@@ -175,7 +180,8 @@ def add_parser(subparsers) -> None:
         description="Per-round and per-lane summary of DGT traffic in a capture file.",
     )
     p.add_argument("file", help="pcap or pcapng file")
-    p.add_argument("--dissect", type=int, default=0, metavar="N", help="also print the first N frames dissected")
+    p.add_argument("--dissect", type=NON_NEGATIVE, default=0, metavar="N",
+                   help="also print the first N frames dissected")
     _common(p)
     p.set_defaults(func=cmd_inspect)
 
@@ -188,7 +194,7 @@ def add_parser(subparsers) -> None:
     c.add_argument("-i", "--interface", default="lo", help="interface to sniff (default lo)")
     c.add_argument("--netns", metavar="NAME", help="sniff inside this network namespace (ip netns name)")
     c.add_argument("-w", "--write", default="dgt-capture.pcap", metavar="FILE", help="pcap to write")
-    c.add_argument("--duration", type=float, metavar="SECONDS", help="stop after this long")
-    c.add_argument("--count", type=int, metavar="PACKETS", help="stop after this many packets")
+    c.add_argument("--duration", type=POSITIVE, metavar="SECONDS", help="stop after this long")
+    c.add_argument("--count", type=COUNT, metavar="PACKETS", help="stop after this many packets")
     _common(c)
     c.set_defaults(func=cmd_capture)
