@@ -501,3 +501,22 @@ def test_backend_on_the_tensors_device(device):
         assert o["bcast"][1].tolist() == [1.0] * 4
         for a, b in zip(o["dgt"], o["gloo"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_transport_settings_and_backend_codec_are_checked_when_given():
+    """A mistyped transport field or codec is an error where the user wrote it (DGTState(...),
+    DGTBackendOptions(...)), not one raised later in the first backward pass or collective on every rank."""
+    from dgt.shim import DGTState
+    from dgt.shim.backend import DGTBackendOptions
+
+    with pytest.raises(TypeError, match="drop_fractoin"):
+        DGTState(transport={"drop_fractoin": 0.1})
+    with pytest.raises(ValueError, match="drop_fraction"):
+        DGTState(transport={"drop_fraction": 2.0})
+    with pytest.raises(TypeError, match="bogus"):
+        DGTBackendOptions(transport={"bogus": 1})
+    with pytest.raises(ValueError, match="unknown codec 'dgt2'"):
+        DGTBackendOptions(codec="dgt2")
+    st = DGTState(transport={"drop_fraction": 0.1})  # a valid dict is kept as given (built on first use)
+    assert st.transport == {"drop_fraction": 0.1}
+    assert DGTBackendOptions(codec="dgt:p=0.3").codec == "dgt:p=0.3"

@@ -25,7 +25,7 @@ from torch._C._distributed_c10d import _create_work_from_future
 
 from dgt.codecs.registry import make_codec
 from dgt.collectives.worker import TrioWorker, for_cpp
-from dgt.shim.net import group_connector
+from dgt.shim.net import checked_transport, group_connector
 
 BACKEND = "dgt"
 _DGT_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
@@ -59,6 +59,8 @@ class DGTBackendOptions:
             self.lossy_min_numel = int(os.environ.get("DGT_BACKEND_LOSSY_MIN_NUMEL", "65536"))
         if self.collective not in ("ring", "ps"):
             raise ValueError("collective must be 'ring' or 'ps'")
+        make_codec(self.codec)  # an unknown codec or option: the ValueError here, not in the first collective
+        checked_transport(self.transport)
 
 
 class DGTProcessGroup(dist.ProcessGroup):

@@ -49,6 +49,18 @@ def group_connector(rank: int, world: int, *, store: Any, config: Any = None, ho
     return connect
 
 
+def checked_transport(config: Any) -> Any:
+    """``config`` as given (None, a dict of ``TransportConfig`` fields, or one), once a ``TransportConfig`` can be
+    built from it: an unknown field or a bad value is the TypeError/ValueError of ``DGTState(transport=...)``, not
+    an error in the first backward pass on every rank. (A deprecated flat keyword warns where it is used, not here.)"""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        transport_config(config)
+    return config
+
+
 def transport_config(config: Any) -> Any:
     """A ``TransportConfig`` from None, a dict of its fields, or an instance (imported lazily: the shim must import
     where only the codecs are needed, e.g. when a checkpoint is unpickled)."""

@@ -35,7 +35,7 @@ from dgt.shim.chooser import (
     DropChooser,
     screen_order,
 )
-from dgt.shim.net import group_connector, transport_config
+from dgt.shim.net import checked_transport, group_connector, transport_config
 
 logger = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ class DGTState:
         self.normalize = normalize
         self.lossy_pull = lossy_pull
         self.warmup_iters = warmup_iters
-        self.transport = transport
+        self.transport = checked_transport(transport)
         self.host = host
         self.timeout = timeout
         self.sparse = bool(sparse)
